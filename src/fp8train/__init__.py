@@ -1,0 +1,27 @@
+"""fp8train: FP8 training with delayed scaling and an asynchronous global amax reduction."""
+
+from .autocast import autocast, fp8_autocast, reduction_stats, reset_reduction_stats, synchronize
+from .recompute import checkpoint
+from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .recipe import DelayedScaling, Format
+from .reduction import LayoutMismatchError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DelayedScaling",
+    "Format",
+    "fp8_autocast",
+    "autocast",
+    "synchronize",
+    "reduction_stats",
+    "reset_reduction_stats",
+    "FP8Module",
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "LayerNorm",
+    "RMSNorm",
+    "LayoutMismatchError",
+    "checkpoint",
+]

@@ -1,0 +1,6 @@
+from .base import FP8Module
+from .layernorm_linear import LayerNormLinear, LayerNormMLP
+from .linear import Linear
+from .norms import LayerNorm, RMSNorm
+
+__all__ = ["FP8Module", "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm"]

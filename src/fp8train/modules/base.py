@@ -1,0 +1,222 @@
+"""What every FP8 module shares: its scaling metadata, the per-call plan, and extra state."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..autocast import REGISTRY, Region
+from ..reduction import AmaxGroup
+
+__all__ = ["FP8Module", "ScalingMeta", "Plan", "in_backward"]
+
+FWD_ROLES = 3  # input, weight, output per GEMM
+BWD_ROLES = 2  # grad_output, grad_input per GEMM
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (where a forward is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ScalingMeta:
+    """`fp8_meta["scaling_fwd"|"scaling_bwd"]`: views of this module's columns in its amax group.
+
+    Before the module first trains in a region it owns its state; afterwards the state lives in the
+    group's contiguous storage. Reading an attribute first completes in-flight reductions.
+    """
+
+    def __init__(self, num_roles: int) -> None:
+        self.num_roles = num_roles
+        self.group: Optional[AmaxGroup] = None
+        self.offset = 0
+        self.own_history: Optional[torch.Tensor] = None  # set by load_state_dict before registering
+        self.own_scale = torch.ones(num_roles)
+        self.own_scale_inv = torch.ones(num_roles)
+
+    def _columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[..., self.offset : self.offset + self.num_roles]
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        if self.group is None:
+            return self.own_history if self.own_history is not None else torch.zeros(0, self.num_roles)
+        self.group.finish()
+        return self._columns(self.group.storage.history)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        if self.group is None:
+            return self.own_scale
+        self.group.finish()
+        return self._columns(self.group.storage.scale)
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        if self.group is None:
+            return self.own_scale_inv
+        self.group.finish()
+        return self._columns(self.group.storage.scale_inv)
+
+    def join(self, group: AmaxGroup, signature: str, device: torch.device) -> None:
+        history = self.own_history
+        if history is None:
+            history = torch.zeros(group.recipe.amax_history_len, self.num_roles)
+        self.offset = group.register(
+            signature, history.to(device), self.own_scale.to(device), self.own_scale_inv.to(device)
+        )
+        self.group = group
+        self.own_history = None
+
+    def state(self) -> dict:
+        return {
+            "amax_history": self.amax_history.detach().clone().cpu(),
+            "scale": self.scale.detach().clone().cpu(),
+            "scale_inv": self.scale_inv.detach().clone().cpu(),
+        }
+
+    def load(self, state: dict, where: str) -> None:
+        history, scale, scale_inv = state["amax_history"], state["scale"], state["scale_inv"]
+        n = self.num_roles
+        if scale.shape != (n,) or scale_inv.shape != (n,) or history.dim() != 2 or history.shape[1] != n:
+            raise ValueError(
+                f"{where}: checkpoint FP8 state has scale {tuple(scale.shape)} and amax_history "
+                f"{tuple(history.shape)}, but this module has {n} roles (expected scale ({n},) and "
+                f"amax_history (H, {n})); the checkpoint belongs to a different model"
+            )
+        if history.shape[0] == 0:  # saved before the module ever trained: no history yet
+            history = None if self.group is None else torch.zeros_like(self._columns(self.group.storage.history))
+        if self.group is None:
+            self.own_history = None if history is None else history.clone().float()
+            self.own_scale = scale.clone().float()
+            self.own_scale_inv = scale_inv.clone().float()
+            return
+        if history.shape[0] != self.group.recipe.amax_history_len:
+            raise ValueError(
+                f"{where}: checkpoint amax history length {history.shape[0]} differs from this run's "
+                f"amax_history_len={self.group.recipe.amax_history_len}; use the recipe the checkpoint "
+                "was trained with"
+            )
+        self.group.finish()
+        storage = self.group.storage
+        self._columns(storage.history).copy_(history)
+        self._columns(storage.scale).copy_(scale)
+        self._columns(storage.scale_inv).copy_(scale_inv)
+
+
+@dataclass
+class Plan:
+    """How one forward call of a module runs: precision, scales, and where amaxes go."""
+
+    fp8: bool
+    scale: torch.Tensor  # forward scales of the module's group (a frozen snapshot), indexed by column
+    scale_inv: torch.Tensor
+    fwd_offset: int
+    bwd_offset: int
+    record: Optional[AmaxGroup] = None  # forward amaxes go here (None: record nothing)
+    bwd_group: Optional[AmaxGroup] = None  # backward scales and amaxes (None: no FP8 backward)
+    region: Optional[Region] = None  # owes this call's backward
+
+
+class FP8Module(torch.nn.Module):
+    """Base of modules with FP8 GEMMs. Subclasses set `num_gemms` and call `_plan()` in forward."""
+
+    num_gemms = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8_meta = {
+            "scaling_fwd": ScalingMeta(FWD_ROLES * self.num_gemms),
+            "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
+        }
+        self._fp8_used = False
+        self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _signature(self) -> str:
+        shapes = ",".join("x".join(map(str, p.shape)) for p in self.parameters(recurse=False))
+        return f"{type(self).__name__}({shapes})"
+
+    # ---- choosing how this call runs ----------------------------------------------------------
+    def _plan(self) -> Optional[Plan]:
+        if REGISTRY.recompute is not None or in_backward():
+            return self._recompute_plan()
+        if not REGISTRY.stack:
+            return None
+        settings = REGISTRY.stack[-1]
+        if not (settings.enabled or settings.calibrating):
+            return None
+        self._fp8_used = True
+        fwd_meta, bwd_meta = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
+        training = torch.is_grad_enabled()
+        record = settings.calibrating or training
+        fwd, bwd = REGISTRY.amax_groups(settings.recipe, settings.group)
+        if fwd_meta.group is None and record:
+            device = next(self.parameters()).device
+            fwd_meta.join(fwd, self._signature(), device)
+            bwd_meta.join(bwd, self._signature(), device)
+        elif record and fwd_meta.group is not fwd:
+            raise RuntimeError(
+                f"{self._signature()} trains under one recipe and amax group; it was first trained with "
+                f"{fwd_meta.group.recipe} and is now run with {settings.recipe} (or another group). Use "
+                "the same fp8_recipe and fp8_group for every training region of a module"
+            )
+        region = REGISTRY.region
+        if fwd_meta.group is None:
+            scale, scale_inv, offset = fwd_meta.own_scale, fwd_meta.own_scale_inv, 0
+        else:
+            scale, scale_inv = region.scales(fwd_meta.group)
+            offset = fwd_meta.offset
+        fp8 = settings.enabled
+        plan = Plan(
+            fp8=fp8,
+            scale=scale,
+            scale_inv=scale_inv,
+            fwd_offset=offset,
+            bwd_offset=bwd_meta.offset,
+            record=fwd_meta.group if record else None,
+            bwd_group=bwd_meta.group if (fp8 and training) else None,
+            region=region if (fp8 and training) else None,
+        )
+        if training:
+            region.calls.setdefault(id(self), collections.deque()).append(plan)
+        return plan
+
+    def _recompute_plan(self) -> Optional[Plan]:
+        """The plan of the original forward call, replayed: same scales, no amax, no registration."""
+        explicit = REGISTRY.recompute[0] if REGISTRY.recompute is not None else None
+        candidates = [explicit] if explicit is not None and explicit.calls.get(id(self)) else [
+            r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(self))
+        ]
+        if len(candidates) == 1:
+            original = candidates[0].calls[id(self)].popleft()
+            return Plan(original.fp8, original.scale, original.scale_inv, original.fwd_offset, original.bwd_offset)
+        if not candidates and not self._fp8_used:
+            return None  # it never ran in an FP8 region: the original forward was high precision
+        raise RuntimeError(
+            f"{self._signature()} is being recomputed during backward, but fp8train cannot tell which "
+            f"FP8 forward it repeats ({len(candidates)} candidate regions). Wrap the recomputed code in "
+            "fp8train.checkpoint(fn, *args), or use torch.utils.checkpoint with use_reentrant=False "
+            "and one region per backward pass; use_reentrant=True is not supported"
+        )
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        return {
+            "version": 1,
+            "scaling_fwd": self.fp8_meta["scaling_fwd"].state(),
+            "scaling_bwd": self.fp8_meta["scaling_bwd"].state(),
+        }
+
+    def set_extra_state(self, state) -> None:
+        where = self._signature()
+        if not isinstance(state, dict) or state.get("version") != 1 or "scaling_fwd" not in state:
+            raise ValueError(
+                f"{where}: the checkpoint's FP8 extra state is not an fp8train (version 1) state; "
+                "load a checkpoint saved by fp8train's state_dict()"
+            )
+        for key in ("scaling_fwd", "scaling_bwd"):
+            self.fp8_meta[key].load(state[key], f"{where} {key}")
+        self._weight_cache.clear()

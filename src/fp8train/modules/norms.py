@@ -1,0 +1,41 @@
+"""LayerNorm and RMSNorm in high precision (FP8 recipes leave normalisation alone)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LayerNorm", "RMSNorm", "make_norm"]
+
+
+class LayerNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def make_norm(normalization: str, hidden_size: int, eps: float, params_dtype, device) -> torch.nn.Module:
+    if normalization == "LayerNorm":
+        return LayerNorm(hidden_size, eps, params_dtype, device)
+    if normalization == "RMSNorm":
+        return RMSNorm(hidden_size, eps, params_dtype, device)
+    raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
