@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cast import amax, quantize
-from ..gemm import gemm
+from ..gemm import gemm, operand
 from .base import BWD_ROLES, FWD_ROLES, FP8Module, Plan
 
 __all__ = ["fp8_linear"]
@@ -28,7 +28,7 @@ def _cast_weight(
     if plan.record is not None:
         plan.record.record(column, amax(weight))
     encoding = "e4m3"
-    cast = (quantize(weight.detach(), plan.scale[column], encoding), plan.scale_inv[column])
+    cast = (operand(quantize(weight.detach(), plan.scale[column], encoding)), plan.scale_inv[column])
     if is_first_microbatch is not None:
         module._weight_cache[gemm_index] = cast
     return cast
@@ -41,11 +41,9 @@ class _FP8LinearFn(torch.autograd.Function):
         if plan.record is not None:
             plan.record.record(column, amax(x))
         x2d = x.reshape(-1, x.shape[-1])
-        qx = quantize(x2d, plan.scale[column], "e4m3")
+        qx = operand(quantize(x2d, plan.scale[column], "e4m3"))
         x_scale_inv = plan.scale_inv[column]
-        y = gemm(qx, x_scale_inv, qweight.t(), weight_scale_inv, x.dtype)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+        y = gemm(qx, x_scale_inv, qweight.t(), weight_scale_inv, x.dtype, bias)
         ctx.save_for_backward(qx, x_scale_inv, qweight, weight_scale_inv)
         ctx.plan, ctx.gemm_index, ctx.has_bias = plan, gemm_index, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -65,7 +63,7 @@ class _FP8LinearFn(torch.autograd.Function):
         group.record(column, amax(g2d))
         if region is not None:
             region.note_backward(group)
-        qg = quantize(g2d, group.storage.scale[column], group.encoding)
+        qg = operand(quantize(g2d, group.storage.scale[column], group.encoding))
         g_scale_inv = group.storage.scale_inv[column].clone()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
