@@ -47,7 +47,9 @@ def run_ranks(fn, world_size: int, *args, env=None, timeout_s: float = 120, pg_t
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, env, pg_timeout_s, queue), daemon=True)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, env, pg_timeout_s, queue), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,9 +1,9 @@
 """fp8train: FP8 training with delayed scaling and an asynchronous global amax reduction."""
 
 from .autocast import autocast, fp8_autocast, reduction_stats, reset_reduction_stats, synchronize
-from .recompute import checkpoint
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .recipe import DelayedScaling, Format
+from .recompute import checkpoint
 from .reduction import LayoutMismatchError
 
 __version__ = "0.1.0"

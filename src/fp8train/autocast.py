@@ -114,7 +114,7 @@ class _Registry:
         self.region: Optional[Region] = None
         self.groups: dict[tuple, tuple[AmaxGroup, AmaxGroup]] = {}
         self.stats = ReductionStats()
-        self.live_regions: "weakref.WeakSet[Region]" = weakref.WeakSet()
+        self.live_regions: weakref.WeakSet[Region] = weakref.WeakSet()
         self.recompute: Optional[tuple[Optional[Region], tuple[RegionSettings, ...]]] = None
 
     def amax_groups(self, recipe: DelayedScaling, group) -> tuple[AmaxGroup, AmaxGroup]:

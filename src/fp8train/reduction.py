@@ -63,9 +63,7 @@ class PendingReduction:
 class AmaxGroup:
     """One direction ("fwd" or "bwd") of the FP8 state shared by a (recipe, process group)."""
 
-    def __init__(
-        self, direction: str, recipe: DelayedScaling, process_group, stats: ReductionStats
-    ) -> None:
+    def __init__(self, direction: str, recipe: DelayedScaling, process_group, stats: ReductionStats) -> None:
         self.direction = direction
         self.recipe = recipe
         self.process_group = process_group
@@ -122,9 +120,7 @@ class AmaxGroup:
         return self.storage.append(history, scale, scale_inv)
 
     def _header(self, columns: list[int]) -> list[float]:
-        digest = hashlib.blake2b(
-            self._layout_digest + repr(columns).encode(), digest_size=6
-        ).digest()
+        digest = hashlib.blake2b(self._layout_digest + repr(columns).encode(), digest_size=6).digest()
         values = [
             float(int.from_bytes(digest[:3], "little")),
             float(int.from_bytes(digest[3:], "little")),

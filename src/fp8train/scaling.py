@@ -70,7 +70,9 @@ def update_scaling(
         amax = algo(history)
 
     if recipe.scaling_factor_compute_algo is None:
-        new_scale = (fp8_max / amax) / (2.0**recipe.margin)
+        # torch computes `scalar / tensor` as reciprocal(tensor) * scalar (two roundings): divide two
+        # tensors instead so the scale is the correctly rounded fp8_max / amax.
+        new_scale = torch.full_like(amax, fp8_max).div_(amax).div_(2.0**recipe.margin)
     else:
         new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
     new_scale = torch.nan_to_num(new_scale, nan=0.0, posinf=_FLOAT32_MAX)

@@ -88,7 +88,9 @@ class ScalingMeta:
                 f"amax_history (H, {n})); the checkpoint belongs to a different model"
             )
         if history.shape[0] == 0:  # saved before the module ever trained: no history yet
-            history = None if self.group is None else torch.zeros_like(self._columns(self.group.storage.history))
+            history = (
+                None if self.group is None else torch.zeros_like(self._columns(self.group.storage.history))
+            )
         if self.group is None:
             self.own_history = None if history is None else history.clone().float()
             self.own_scale = scale.clone().float()
@@ -187,12 +189,16 @@ class FP8Module(torch.nn.Module):
     def _recompute_plan(self) -> Optional[Plan]:
         """The plan of the original forward call, replayed: same scales, no amax, no registration."""
         explicit = REGISTRY.recompute[0] if REGISTRY.recompute is not None else None
-        candidates = [explicit] if explicit is not None and explicit.calls.get(id(self)) else [
-            r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(self))
-        ]
+        candidates = (
+            [explicit]
+            if explicit is not None and explicit.calls.get(id(self))
+            else [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(self))]
+        )
         if len(candidates) == 1:
             original = candidates[0].calls[id(self)].popleft()
-            return Plan(original.fp8, original.scale, original.scale_inv, original.fwd_offset, original.bwd_offset)
+            return Plan(
+                original.fp8, original.scale, original.scale_inv, original.fwd_offset, original.bwd_offset
+            )
         if not candidates and not self._fp8_used:
             return None  # it never ran in an FP8 region: the original forward was high precision
         raise RuntimeError(

@@ -41,4 +41,6 @@ class Linear(FP8Module):
         return fp8_linear(self, x, self.weight, self.bias, self._plan(), 0, is_first_microbatch)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )

@@ -11,7 +11,9 @@ __all__ = ["LayerNorm", "RMSNorm", "make_norm"]
 
 
 class LayerNorm(torch.nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None
+    ):
         super().__init__()
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         self.eps = eps
@@ -23,7 +25,9 @@ class LayerNorm(torch.nn.Module):
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None
+    ):
         super().__init__()
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         self.eps = eps

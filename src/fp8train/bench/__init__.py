@@ -1,0 +1,79 @@
+"""Benchmarks behind `fp8train bench` (and the scripts in benchmarks/). Each prints and saves JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from .common import save, table
+
+SUITES = ("fused", "step", "reduction", "gpu")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fp8train bench", description=__doc__)
+    parser.add_argument(
+        "suites",
+        nargs="*",
+        choices=SUITES + ("all",),
+        default=["all"],
+        help="which benchmarks to run (default: all that fit this machine)",
+    )
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON figures")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests and smoke runs")
+    parser.add_argument("--latencies-ms", default="0,5,20,50", help="injected amax-collective latencies")
+    parser.add_argument("--steps", type=int, default=None, help="steps per reduction-benchmark mode")
+    args = parser.parse_args(argv)
+    suites = SUITES if "all" in args.suites else tuple(args.suites)
+    import torch
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    for suite in suites:
+        result = _run_suite(suite, args)
+        if result is None:
+            continue
+        path = save(args.out, suite, result)
+        print(f"\n== {suite} ({path})")
+        print(table(result["rows"], list(result["rows"][0].keys())))
+    return 0
+
+
+def _run_suite(suite: str, args) -> Optional[dict]:
+    import torch
+
+    if suite == "fused":
+        from . import fused_update
+
+        return fused_update.run(
+            (4, 16) if args.quick else (4, 64, 512),
+            16 if args.quick else 1024,
+            repeats=3 if args.quick else 30,
+        )
+    if suite == "step":
+        from . import step_time
+
+        if args.quick:
+            return step_time.run(64, 128, 64, repeats=2)
+        return step_time.run(device="cuda" if torch.cuda.is_available() else "cpu")
+    if suite == "reduction":
+        from . import reduction
+
+        latencies = [float(v) / 1e3 for v in args.latencies_ms.split(",")]
+        if args.quick:
+            return reduction.run(latencies=[0.0, 0.005], steps=args.steps or 4, model_size="tiny")
+        return reduction.run(latencies=latencies, steps=args.steps or 30)
+    if suite == "gpu":
+        from . import gpu
+
+        if torch.cuda.is_available():
+            return gpu.run(sizes=(4096, 8192), device="cuda")
+        if args.quick:
+            return gpu.run(sizes=(32,), device="cpu", repeats=2)
+        print("\n== gpu: skipped (no CUDA device); `fp8train bench gpu --quick` runs a tiny CPU check")
+        return None
+    raise AssertionError(suite)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

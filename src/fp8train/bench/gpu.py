@@ -1,0 +1,44 @@
+"""FP8 Linear forward+backward vs bf16 torch.nn.Linear at large square shapes (torch._scaled_mm)."""
+
+from __future__ import annotations
+
+import torch
+
+import fp8train as ft
+from fp8train.gemm import choose_path
+
+from .common import interleaved_medians
+
+
+def run(sizes=(4096, 8192), device: str = "cuda", repeats: int = 20) -> dict:
+    rows = []
+    recipe = ft.DelayedScaling(amax_history_len=16)
+    for n in sizes:
+        torch.manual_seed(0)
+        bf16 = torch.nn.Linear(n, n, bias=False, device=device, dtype=torch.bfloat16)
+        fp8 = ft.Linear(n, n, bias=False, device=device, params_dtype=torch.bfloat16)
+        x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+        def step(model, region):
+            def fn():
+                with ft.fp8_autocast(enabled=region, fp8_recipe=recipe):
+                    y = model(x)
+                y.backward(torch.ones_like(y))
+                if device == "cuda":
+                    torch.cuda.synchronize()
+
+            return fn
+
+        times = interleaved_medians({"bf16": step(bf16, False), "fp8": step(fp8, True)}, repeats)
+        flops = 3 * 2 * n**3  # forward, dgrad, wgrad
+        rows.append(
+            {
+                "n": n,
+                "path": choose_path(torch.device(device), n, n, n),
+                "bf16_ms": 1e3 * times["bf16"],
+                "fp8_ms": 1e3 * times["fp8"],
+                "speedup": times["bf16"] / times["fp8"],
+                "fp8_tflops": flops / times["fp8"] / 1e12,
+            }
+        )
+    return {"device": device, "rows": rows}

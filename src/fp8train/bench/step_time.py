@@ -1,0 +1,59 @@
+"""Step time (forward + backward) of an MLP block: FP8 vs fp32 and bf16 torch.nn, and torchao.float8."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fp8train as ft
+
+from .common import interleaved_medians
+
+
+def _mlp(linear, hidden: int, ffn: int) -> torch.nn.Module:
+    return torch.nn.Sequential(linear(hidden, ffn), torch.nn.GELU(approximate="tanh"), linear(ffn, hidden))
+
+
+def _torchao(reference: torch.nn.Module):
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None
+    return convert_to_float8_training(copy.deepcopy(reference))
+
+
+def run(
+    hidden: int = 1024, ffn: int = 4096, tokens: int = 1024, repeats: int = 8, device: str = "cpu"
+) -> dict:
+    torch.manual_seed(0)
+    fp32 = _mlp(torch.nn.Linear, hidden, ffn).to(device)
+    fp8 = _mlp(ft.Linear, hidden, ffn).to(device)
+    fp8.load_state_dict(fp32.state_dict(), strict=False)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    x_bf16 = x.detach().to(torch.bfloat16).requires_grad_()
+    recipe = ft.DelayedScaling(amax_history_len=16)
+
+    def step(model, inp, fp8_region=False):
+        def fn():
+            with ft.fp8_autocast(enabled=fp8_region, fp8_recipe=recipe):
+                y = model(inp)
+            y.float().square().mean().backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        return fn
+
+    fns = {
+        "fp32 torch.nn": step(fp32, x),
+        "bf16 torch.nn": step(bf16, x_bf16),
+        "fp8 fp8train": step(fp8, x, fp8_region=True),
+    }
+    peer = _torchao(fp32)
+    if peer is not None:
+        fns["fp8 torchao.float8 (dynamic)"] = step(peer, x)
+    times = interleaved_medians(fns, repeats)
+    base = times["fp32 torch.nn"]
+    rows = [{"config": name, "ms": 1e3 * t, "vs_fp32": t / base} for name, t in times.items()]
+    return {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "device": device, "rows": rows}
