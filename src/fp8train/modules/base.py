@@ -79,7 +79,7 @@ class ScalingMeta:
         }
 
     def load(self, state: dict, where: str) -> None:
-        history, scale, scale_inv = state["amax_history"], state["scale"], state["scale_inv"]
+        history, scale, scale_inv = _checked_state(state, where)
         n = self.num_roles
         if scale.shape != (n,) or scale_inv.shape != (n,) or history.dim() != 2 or history.shape[1] != n:
             raise ValueError(
@@ -109,6 +109,32 @@ class ScalingMeta:
         self._columns(storage.scale_inv).copy_(scale_inv)
 
 
+def _checked_state(state, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(amax_history, scale, scale_inv) of a saved direction, refusing values training never produces.
+
+    torch.save stores no checksum, so a damaged file can load "fine": a negative, zero or non-finite
+    scale, or a NaN/negative amax, would then silently poison every later step.
+    """
+    keys = ("amax_history", "scale", "scale_inv")
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), torch.Tensor) for k in keys):
+        raise ValueError(
+            f"{where}: checkpoint FP8 state must hold tensors {', '.join(keys)}; it is not fp8train's"
+        )
+    history, scale, scale_inv = (state[k] for k in keys)
+    for name, t in (("scale", scale), ("scale_inv", scale_inv)):
+        if not bool(torch.all(torch.isfinite(t) & (t > 0))):
+            raise ValueError(
+                f"{where}: checkpoint {name} {t.tolist()} has non-finite, zero or negative values, which "
+                "training never produces; the checkpoint file is corrupted"
+            )
+    if bool(torch.any(torch.isnan(history) | (history < 0))):
+        raise ValueError(
+            f"{where}: checkpoint amax_history holds NaN or negative values, which training never "
+            "produces; the checkpoint file is corrupted"
+        )
+    return history, scale, scale_inv
+
+
 @dataclass
 class Plan:
     """How one forward call of a module runs: precision, scales, and where amaxes go."""
@@ -134,7 +160,7 @@ class FP8Module(torch.nn.Module):
             "scaling_fwd": ScalingMeta(FWD_ROLES * self.num_gemms),
             "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
         }
-        self._fp8_used = False
+        self._untracked_fp8 = False  # its last FP8 forward ran without grad (eval, reentrant checkpoint)
         self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _signature(self) -> str:
@@ -145,14 +171,13 @@ class FP8Module(torch.nn.Module):
     def _plan(self) -> Optional[Plan]:
         if REGISTRY.recompute is not None or in_backward():
             return self._recompute_plan()
-        if not REGISTRY.stack:
-            return None
-        settings = REGISTRY.stack[-1]
-        if not (settings.enabled or settings.calibrating):
-            return None
-        self._fp8_used = True
-        fwd_meta, bwd_meta = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
         training = torch.is_grad_enabled()
+        settings = REGISTRY.stack[-1] if REGISTRY.stack else None
+        if settings is None or not (settings.enabled or settings.calibrating):
+            self._untracked_fp8 = self._untracked_fp8 and not training
+            return None
+        self._untracked_fp8 = settings.enabled and not training
+        fwd_meta, bwd_meta = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
         record = settings.calibrating or training
         fwd, bwd = REGISTRY.amax_groups(settings.recipe, settings.group)
         if fwd_meta.group is None and record:
@@ -183,29 +208,30 @@ class FP8Module(torch.nn.Module):
             region=region if (fp8 and training) else None,
         )
         if training:
-            region.calls.setdefault(id(self), collections.deque()).append(plan)
+            replay = Plan(fp8, scale, scale_inv, offset, bwd_meta.offset)  # no reference to the region
+            region.calls.setdefault(id(self), collections.deque()).append(replay)
         return plan
 
     def _recompute_plan(self) -> Optional[Plan]:
         """The plan of the original forward call, replayed: same scales, no amax, no registration."""
-        explicit = REGISTRY.recompute[0] if REGISTRY.recompute is not None else None
-        candidates = (
-            [explicit]
-            if explicit is not None and explicit.calls.get(id(self))
-            else [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(self))]
-        )
+        if REGISTRY.recompute is not None:  # fp8train.checkpoint restored the original call's settings
+            settings = REGISTRY.stack[-1] if REGISTRY.stack else None
+            if settings is None or not (settings.enabled or settings.calibrating):
+                return None  # the original call ran in high precision
+            explicit = REGISTRY.recompute[0]
+            candidates = [explicit] if explicit is not None and explicit.calls.get(id(self)) else []
+        else:  # torch.utils.checkpoint: the one region whose backward still owes a call of this module
+            candidates = [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(self))]
+            if not candidates and not self._untracked_fp8:
+                return None  # no FP8 training call pending: the original forward was high precision
         if len(candidates) == 1:
-            original = candidates[0].calls[id(self)].popleft()
-            return Plan(
-                original.fp8, original.scale, original.scale_inv, original.fwd_offset, original.bwd_offset
-            )
-        if not candidates and not self._fp8_used:
-            return None  # it never ran in an FP8 region: the original forward was high precision
+            return candidates[0].calls[id(self)].popleft()
         raise RuntimeError(
             f"{self._signature()} is being recomputed during backward, but fp8train cannot tell which "
             f"FP8 forward it repeats ({len(candidates)} candidate regions). Wrap the recomputed code in "
             "fp8train.checkpoint(fn, *args), or use torch.utils.checkpoint with use_reentrant=False "
-            "and one region per backward pass; use_reentrant=True is not supported"
+            "and one region per backward pass; use_reentrant=True is not supported, and a region's "
+            "backward must run in one backward pass"
         )
 
     # ---- checkpoints ----------------------------------------------------------------------------
