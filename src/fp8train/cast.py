@@ -13,7 +13,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as a float32 scalar; NaN propagates, an empty tensor gives 0."""
     if x.numel() == 0:
         return torch.zeros((), device=x.device)
-    return torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32)
+    low, high = torch.aminmax(x.detach())  # one pass; faster than abs().amax() on CPU
+    return torch.maximum(high, -low).to(torch.float32)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tensor:
