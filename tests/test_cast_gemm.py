@@ -1,0 +1,158 @@
+"""FP8 cast and GEMM paths: saturation, rounding, and the paths agreeing within their rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8train
+from fp8train.autocast import REGISTRY
+from fp8train.cast import amax, quantize
+from fp8train.gemm import choose_path, gemm
+from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
+
+DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FORMAT = {"e4m3": (3, -6, E4M3_MAX), "e5m2": (2, -14, E5M2_MAX)}  # mantissa bits, min exponent, max
+
+
+# ---- cast --------------------------------------------------------------------------------------
+
+
+def test_amax() -> None:
+    x = torch.tensor([[1.0, -7.5], [3.0, 0.25]])
+    assert amax(x).item() == 7.5 and amax(x).dtype == torch.float32
+    assert amax(x.to(torch.bfloat16)).item() == 7.5
+    assert amax(torch.empty(0, 4)).item() == 0.0
+    assert torch.isnan(amax(torch.tensor([1.0, float("nan")])))
+    assert amax(torch.tensor([1.0, -float("inf")])).item() == float("inf")
+
+
+@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
+def test_quantize_saturates_instead_of_overflowing(encoding: str) -> None:
+    limit = FORMAT[encoding][2]
+    q = quantize(torch.tensor([1e9, -1e9, 2 * limit, -float("inf")]), torch.tensor(1.0), encoding)
+    assert q.dtype == DTYPES[encoding]
+    assert q.float().tolist() == [limit, -limit, limit, -limit]
+
+
+@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
+def test_quantize_is_exact_on_representable_values(encoding: str) -> None:
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = bits.view(DTYPES[encoding]).float()
+    values = values[torch.isfinite(values)]
+    assert torch.equal(quantize(values, torch.tensor(1.0), encoding).float(), values)
+    # a power-of-two scale only moves the exponent
+    assert torch.equal(quantize(values / 4, torch.tensor(4.0), encoding).float(), values)
+
+
+@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
+def test_quantize_rounding_error_is_bounded(encoding: str) -> None:
+    mbits, emin, limit = FORMAT[encoding]
+    x = torch.randn(4096) * torch.logspace(-6, 2, 4096)
+    scale = limit / x.abs().max().item()
+    q = quantize(x, torch.tensor(scale), encoding).double() / scale
+    err = (q - x.double()).abs()
+    assert (err <= quant_error_bound(x, scale, mbits, emin)).all()
+    assert err.max() > 0  # it really was rounded to FP8
+
+
+# ---- GEMM paths --------------------------------------------------------------------------------
+
+
+def _operands(m: int, k: int, n: int, a_enc: str = "e4m3", b_enc: str = "e4m3"):
+    g = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    a = (torch.randn(m, k, generator=g) * 40).clamp(-448, 448).to(DTYPES[a_enc])
+    b_t = (torch.randn(n, k, generator=g) * 40).clamp(-448, 448).to(DTYPES[b_enc])
+    return a, torch.tensor(0.0371), b_t.t(), torch.tensor(2.75)  # b is a transposed (weight-like) view
+
+
+def _exact(a, a_sinv, b, b_sinv) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact product (float64) and |a| @ |b| scaled, the magnitude accumulation error scales with."""
+    s = a_sinv.double() * b_sinv.double()
+    return (a.double() @ b.double()) * s, (a.double().abs() @ b.double().abs()) * s
+
+
+@pytest.mark.parametrize("encodings", [("e4m3", "e4m3"), ("e5m2", "e4m3")])
+@pytest.mark.parametrize("shape", [(32, 48, 64), (17, 33, 5)])
+@pytest.mark.parametrize("path", ["scaled_mm", "bf16", "fp32"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gemm_paths_agree_with_exact_product(path, shape, encodings, out_dtype) -> None:
+    m, k, n = shape
+    a, a_sinv, b, b_sinv = _operands(m, k, n, *encodings)
+    exact, magnitude = _exact(a, a_sinv, b, b_sinv)
+    out = gemm(a, a_sinv, b, b_sinv, out_dtype, path=path)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    # fp32 accumulation of exact products, plus the scale multiply (k + 3 roundings of 2**-24)...
+    bound = (k + 3) * 2.0**-24 * magnitude
+    # ...plus one bf16 rounding of the output where the path or the output dtype is bf16
+    if path == "bf16" or out_dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * exact.abs()
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+
+
+def test_gemm_paths_agree_with_each_other() -> None:
+    a, a_sinv, b, b_sinv = _operands(64, 128, 32)
+    outs = {
+        p: gemm(a, a_sinv, b, b_sinv, torch.float32, path=p).double() for p in ("scaled_mm", "bf16", "fp32")
+    }
+    _, magnitude = _exact(a, a_sinv, b, b_sinv)
+    tol = 2 * 131 * 2.0**-24 * magnitude
+    assert ((outs["scaled_mm"] - outs["fp32"]).abs() <= tol).all()
+    assert ((outs["bf16"] - outs["fp32"]).abs() <= tol + 2.0**-8 * outs["fp32"].abs()).all()
+    assert not torch.equal(outs["bf16"], outs["fp32"])  # bf16 output rounding is visible
+
+
+def test_choose_path_defaults_and_fallback(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("FP8TRAIN_GEMM", raising=False)
+    assert choose_path(cpu, 32, 32, 32) == "bf16"  # the fastest exact path on CPU
+    assert choose_path(cpu, 17, 33, 5) == "bf16"
+    monkeypatch.setenv("FP8TRAIN_GEMM", "scaled_mm")
+    assert choose_path(cpu, 32, 48, 64) == "scaled_mm"
+    for shape in [(17, 32, 32), (32, 33, 32), (32, 32, 5)]:
+        assert choose_path(cpu, *shape) in ("bf16", "fp32")  # an emulation, not an error
+    a, a_sinv, b, b_sinv = _operands(17, 33, 5)
+    out = gemm(a, a_sinv, b, b_sinv, torch.float32)
+    exact, magnitude = _exact(a, a_sinv, b, b_sinv)
+    bound = 36 * 2.0**-24 * magnitude + 2.0**-8 * exact.abs()  # an emulation may round its output to bf16
+    assert ((out.double() - exact).abs() <= bound).all()
+    for forced in ("bf16", "fp32", "auto", ""):
+        monkeypatch.setenv("FP8TRAIN_GEMM", forced)
+        assert choose_path(cpu, 32, 32, 32) == (forced if forced in ("bf16", "fp32") else "bf16")
+
+
+@pytest.mark.parametrize("value", ["fp16", "SCALED_MM", "1"])
+def test_invalid_gemm_env_is_a_clear_error(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("FP8TRAIN_GEMM", value)
+    with pytest.raises(ValueError, match="FP8TRAIN_GEMM.*auto, scaled_mm, bf16 or fp32"):
+        choose_path(torch.device("cpu"), 32, 32, 32)
+    layer = fp8train.Linear(32, 32)
+    with pytest.raises(ValueError, match="FP8TRAIN_GEMM"):
+        with fp8train.fp8_autocast():
+            layer(torch.randn(32, 32))
+
+
+def _module_run(monkeypatch, path: str) -> tuple[torch.Tensor, ...]:
+    """Two training steps of a Linear with the given GEMM path; outputs and grads of the second."""
+    monkeypatch.setenv("FP8TRAIN_GEMM", path)
+    REGISTRY.__init__()
+    torch.manual_seed(0)
+    layer = fp8train.Linear(48, 64)
+    x = torch.randn(2, 16, 48, requires_grad=True)
+    g = torch.randn(2, 16, 64)
+    for _ in range(2):
+        layer.zero_grad()
+        x.grad = None
+        with fp8train.fp8_autocast():
+            y = layer(x)
+        (y * g).sum().backward()
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+def test_module_scaled_mm_and_fp32_paths_agree(monkeypatch) -> None:
+    scaled = _module_run(monkeypatch, "scaled_mm")
+    fp32 = _module_run(monkeypatch, "fp32")
+    for name, s, f in zip(("y", "grad_x", "grad_w", "grad_b"), scaled, fp32):
+        tol = 1e-5 * f.abs().max().item()
+        assert (s - f).abs().max().item() <= tol, name
