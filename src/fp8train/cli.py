@@ -1,0 +1,149 @@
+"""The `fp8train` command: demo, report, bench, info.
+
+Bad input (unknown option, a world size < 1, a missing run directory) prints a usage message and
+exits with code 2, as argparse does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+__all__ = ["main", "build_parser"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import demo
+
+    parser = argparse.ArgumentParser(
+        prog="fp8train", description="FP8 training with delayed scaling and an asynchronous amax reduction."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "demo",
+        help="train a small GPT in FP8 on CPU ranks (torchrun) and write a report",
+        description="Train a small GPT built from fp8train modules on a synthetic language, on "
+        "--world-size ranks launched through torchrun: in FP8, again with the other amax-reduction mode "
+        "(--compare-modes), then with FP8 off as the reference. Writes metrics.jsonl, summary.json, "
+        "report.png and report.md to --run-dir and prints a summary.",
+    )
+    demo.add_arguments(p, positive_int)
+    p.add_argument(
+        "--overhead", action="store_true",
+        help="instead of the demo: measure the telemetry overhead on the demo model (one process) and exit",
+    )  # fmt: skip
+    p = sub.add_parser("report", help="render report.png and report.md from a run directory")
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a directory holding metrics.jsonl (e.g. runs/demo-...)"
+    )
+    sub.add_parser("bench", help="run the benchmarks (arguments are passed on; see `fp8train bench --help`)")
+    sub.add_parser("info", help="versions, device, the FP8 GEMM path and the environment settings in effect")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args, parser)
+    if args.command == "report":
+        return _report(args, parser)
+    return _info()
+
+
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import demo
+
+    if args.overhead:
+        from .demo_worker import measure_telemetry_overhead
+
+        r = measure_telemetry_overhead(args.model_size)
+        print(
+            f"telemetry overhead ({r['model_size']} demo model, 1 process, {r['steps']} steps, interleaved "
+            f"blocks): median step {r['median_step_ms_off']:.2f} ms off, {r['median_step_ms_on']:.2f} ms on "
+            f"({r['overhead_pct']:+.1f}%); log_step itself {r['median_log_step_ms']:.3f} ms "
+            f"({r['log_step_pct_of_step']:.1f}% of a step, including the fused scale update it moves forward)"
+        )
+        return 0
+    problem = demo.check_device(args)
+    if problem:
+        parser.error(problem)
+    return demo.run(args)
+
+
+def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .report import render
+    from .telemetry import METRICS_FILE
+
+    if not os.path.isdir(args.run_dir):
+        parser.error(f"run directory {args.run_dir!r} does not exist")
+    if not os.path.isfile(os.path.join(args.run_dir, METRICS_FILE)):
+        parser.error(f"run directory {args.run_dir!r} has no {METRICS_FILE} (not an fp8train run directory)")
+    try:
+        outputs = render(args.run_dir)
+    except ValueError as err:
+        parser.error(f"cannot render {args.run_dir!r}: {err}")
+    print(f"report: {outputs['png']}\nsummary: {outputs['markdown']}")
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        from .bench import main as bench_main
+    except ImportError as err:
+        print(f"fp8train bench: the benchmarks are not available ({err})", file=sys.stderr)
+        return 1
+    return int(bench_main(argv) or 0)
+
+
+def _info() -> int:
+    import torch
+
+    from . import __version__
+    from .autocast import ENV_ASYNC, async_amax_reduction
+    from .gemm import ENV_PATH, choose_path
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    print(f"fp8train {__version__}")
+    print(f"torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
+    if cuda:
+        cap = torch.cuda.get_device_capability(device)
+        print(f"device: cuda ({torch.cuda.get_device_name(device)}, compute capability {cap[0]}.{cap[1]})")
+    else:
+        print("device: cpu (no CUDA device available)")
+    status = 0
+    try:
+        path = choose_path(device, 1024, 1024, 1024)
+        print(f"FP8 GEMM path for a 1024x1024x1024 GEMM on {device.type}: {path}")
+    except ValueError as err:
+        print(f"FP8 GEMM path: invalid setting: {err}")
+        status = 2
+    print(f"{ENV_PATH}={_env(ENV_PATH)} (unset or 'auto': chosen per device and shape)")
+    try:
+        mode = "asynchronous" if async_amax_reduction() else "blocking"
+        print(f"{ENV_ASYNC}={_env(ENV_ASYNC)}: {mode} amax reduction")
+    except ValueError as err:
+        print(f"{ENV_ASYNC}: invalid setting: {err}")
+        status = 2
+    return status
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    return "(unset)" if value is None else repr(value)

@@ -1,0 +1,210 @@
+"""`fp8train demo`: launch the demo workers through torchrun, then render the report and summarise.
+
+The workers (fp8train.demo_worker) do the training; this process only builds the torchrun command
+line (a free port, one thread per rank, NVTE_ASYNC_AMAX_REDUCTION as asked), waits, and reads back
+what rank 0 wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Optional
+
+__all__ = ["add_arguments", "run", "launch_command", "format_summary"]
+
+
+def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
+    """The demo's options (shared by `fp8train demo` and its tests)."""
+    p.add_argument("--world-size", type=positive_int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--steps", type=positive_int, default=150, help="training steps per run (default 150)")
+    p.add_argument(
+        "--model-size",
+        choices=("tiny", "small"),
+        default="small",
+        help="tiny: 2 layers, hidden 64; small: 4 layers, hidden 128 (default)",
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, default=8, help="sequences per rank and step (default 8)"
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--async", dest="async_mode", action="store_true", default=True,
+        help="asynchronous amax reduction (the default; NVTE_ASYNC_AMAX_REDUCTION=1)",
+    )  # fmt: skip
+    mode.add_argument(
+        "--no-async", dest="async_mode", action="store_false",
+        help="blocking amax reduction (NVTE_ASYNC_AMAX_REDUCTION=0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--compare-modes", action=argparse.BooleanOptionalAction, default=True,
+        help="also train in the other reduction mode and check that the results are bit-identical "
+        "(default on; --no-compare-modes skips it)",
+    )  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--run-dir", default=None, help="output directory (default runs/demo-<timestamp>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the language and the data")
+    p.add_argument(
+        "--log-every", type=positive_int, default=1, help="telemetry interval in steps (default 1)"
+    )
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard logs (if installed)")
+    p.add_argument(
+        "--timeout", type=positive_int, default=None, metavar="SECONDS",
+        help="stop the workers and fail after this many seconds (default: no limit)",
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(args: argparse.Namespace, run_dir: str) -> list[str]:
+    """The torchrun command line that starts the workers."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc_per_node", str(args.world_size),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "-m", "fp8train.demo_worker",
+        "--steps", str(args.steps), "--model-size", args.model_size, "--batch-size", str(args.batch_size),
+        "--seed", str(args.seed), "--device", args.device, "--run-dir", run_dir,
+        "--log-every", str(args.log_every),
+    ]  # fmt: skip
+    if args.compare_modes:
+        cmd.append("--compare-modes")
+    if args.tensorboard:
+        cmd.append("--tensorboard")
+    return cmd
+
+
+def _launch(cmd: list[str], env: dict, timeout: Optional[int]) -> Optional[int]:
+    """Run torchrun; on timeout ask it to stop its workers (SIGTERM), then kill it. None = timed out."""
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun forwards the signal to the workers it started
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+
+
+def check_device(args: argparse.Namespace) -> Optional[str]:
+    """A message if the requested device cannot host `world_size` ranks, else None."""
+    if args.device != "cuda":
+        return None
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return "--device cuda: CUDA is not available on this machine; use --device cpu"
+    if args.world_size > count:
+        return f"--device cuda: --world-size {args.world_size} needs {args.world_size} GPUs, found {count}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; 0 on success, 1 when a worker failed."""
+    run_dir = args.run_dir or os.path.join(
+        "runs", "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    )
+    os.makedirs(run_dir, exist_ok=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)  # telemetry appends; a reused run directory starts afresh
+    env = dict(os.environ)
+    env["NVTE_ASYNC_AMAX_REDUCTION"] = "1" if args.async_mode else "0"
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    mode = "asynchronous" if args.async_mode else "blocking"
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(
+        f"fp8train demo: {_ranks(args.world_size)} ({backend}, {args.device}), "
+        f"{args.model_size} GPT, {args.steps} steps, {mode} amax reduction -> {run_dir}",
+        flush=True,
+    )
+    returncode = _launch(launch_command(args, run_dir), env, args.timeout)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if returncode != 0 or not os.path.exists(summary_path):
+        why = (
+            f"timed out after {args.timeout} s" if returncode is None else f"torchrun exit code {returncode}"
+        )
+        print(f"fp8train demo: the workers failed ({why})", file=sys.stderr)
+        return 1
+    with open(summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+    from .report import render
+
+    outputs = render(run_dir)
+    print(format_summary(summary, outputs))
+    return 0
+
+
+def format_summary(summary: dict, outputs: dict) -> str:
+    """The end-of-demo text: losses vs the reference, reductions, exposed vs hidden time, files."""
+    phases = summary["phases"]
+    fp8 = [p for p in phases.values() if p["fp8"]]
+    ref = phases.get("reference")
+    lines = [
+        "",
+        f"Summary: {_ranks(summary['world_size'])} ({summary['backend']} on {summary['device']}), "
+        f"{summary['model_size']} GPT ({summary['params']:,} params), {summary['steps']} steps",
+        "  final loss (mean of the last 10% of steps):",
+    ]
+    for p in fp8:
+        line = f"    {p['run']:<13} {p['final_loss']:.4f}  median step {1e3 * p['median_step_s']:7.1f} ms"
+        if ref:
+            rel = 100 * (p["final_loss"] - ref["final_loss"]) / ref["final_loss"]
+            line += f"  ({rel:+.2f}% vs the reference)"
+        lines.append(line)
+    if ref:
+        lines.append(
+            f"    {'reference':<13} {ref['final_loss']:.4f}  median step {1e3 * ref['median_step_s']:7.1f} ms"
+            "  (same model and data, FP8 off, fp32)"
+        )
+    if summary.get("loss_floor") is not None:
+        lines.append(
+            f"    {'loss floor':<13} {summary['loss_floor']:.4f}  (entropy of the synthetic language)"
+        )
+    if len(fp8) == 2:
+        same = all(fp8[0][k] == fp8[1][k] for k in ("loss_digest", "fp8_state_digest"))
+        verdict = "yes" if same else "NO"
+        lines.append(f"  async and blocking bit-identical (every loss, scales, amax histories): {verdict}")
+    if fp8:
+        first = fp8[0]["reduction_per_rank"][0]
+        lines.append(
+            f"  amax reductions per rank and run: {first['launched']} launched "
+            f"({first['bytes_reduced'] / 1024:.1f} KiB); time per step (worst rank):"
+        )
+    for p in fp8:
+        per_rank, steps = p["reduction_per_rank"], p["steps"]
+        exposed = max(s["exposed_wait_s"] for s in per_rank) * 1e3 / steps
+        hidden = min(s["hidden_s"] for s in per_rank) * 1e3 / steps
+        lines.append(f"    {p['run']:<13} exposed {exposed:.3f} ms, hidden {hidden:.3f} ms (launch to wait)")
+    if fp8:  # FP8 runs compute the same values (or the line above says NO): one line is enough
+        ev = fp8[0]["events"]
+        lines.append(
+            f"  {fp8[0]['run']}: saturated casts (amax x scale used > fp8_max) {ev['overflow']} role-steps, "
+            f"non-finite amaxes {ev['nonfinite']}"
+        )
+    if summary["device"] == "cpu":
+        lines.append(
+            "  (on CPU the FP8 GEMMs are emulated: the demo shows numerics and the protocol, not speed)"
+        )
+    for key, label in (("png", "report"), ("markdown", "summary"), ("metrics", "metrics")):
+        if key in outputs:
+            lines.append(f"  {label:<8} {outputs[key]}")
+    return "\n".join(lines)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")

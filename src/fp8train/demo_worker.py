@@ -1,0 +1,313 @@
+"""One rank of the demo (launched by `fp8train demo` through torchrun).
+
+Trains the small GPT on a synthetic Markov language in FP8 (and optionally again with the other
+amax-reduction mode), then the same model and data with FP8 disabled as the reference. Rank 0 writes
+run_dir/metrics.jsonl (telemetry) and run_dir/summary.json; every rank runs the same code so that
+the ranks stay in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import fp8train
+from fp8train.autocast import ENV_ASYNC, async_amax_reduction
+from fp8train.models import GPT, MODEL_SIZES, GPTConfig
+from fp8train.modules import FP8Module
+from fp8train.telemetry import Telemetry
+
+__all__ = ["MarkovTask", "train_phase", "main", "measure_telemetry_overhead", "DEMO_RECIPE"]
+
+DEMO_RECIPE = fp8train.DelayedScaling(amax_history_len=16)  # short window: scales visibly follow amaxes
+
+
+class MarkovTask:
+    """A fixed random first-order Markov language: each token has a few likely successors.
+
+    Deterministic from `seed`; nothing is downloaded. Its conditional entropy is the lowest loss any
+    model can reach, which the demo prints next to the trained losses.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, successors: int = 4) -> None:
+        g = torch.Generator().manual_seed(seed)
+        probs = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
+        for token in range(vocab_size):
+            nxt = torch.randperm(vocab_size, generator=g)[:successors]
+            weights = torch.rand(successors, generator=g, dtype=torch.float64) + 0.1
+            probs[token, nxt] = weights / weights.sum()
+        self.probs = probs
+        self.seq_len = seq_len  # model input length; sequences have seq_len + 1 tokens
+
+    def sample(self, n: int, seed: int) -> torch.Tensor:
+        """n sequences of seq_len + 1 tokens (int64), the first token uniform."""
+        g = torch.Generator().manual_seed(seed)
+        vocab = self.probs.shape[0]
+        out = torch.empty(n, self.seq_len + 1, dtype=torch.long)
+        out[:, 0] = torch.randint(vocab, (n,), generator=g)
+        for t in range(1, self.seq_len + 1):
+            out[:, t] = torch.multinomial(self.probs[out[:, t - 1]], 1, generator=g).squeeze(1)
+        return out
+
+    def loss_floor(self) -> float:
+        """Expected cross entropy of the true model over the predicted positions (nats)."""
+        p = self.probs
+        row_entropy = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(1)
+        dist_t = torch.full((p.shape[0],), 1.0 / p.shape[0], dtype=torch.float64)
+        total = 0.0
+        for _ in range(self.seq_len):
+            total += float(dist_t @ row_entropy)
+            dist_t = dist_t @ p
+        return total / self.seq_len
+
+
+def _lr(step: int, steps: int, peak: float) -> float:
+    warmup = max(1, min(10, steps // 10))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def fp8_state_digest(model: torch.nn.Module) -> str:
+    """A hash of every FP8 scale and amax history of `model` (equal digests = bit-identical state)."""
+    h = hashlib.sha256()
+    for module in model.modules():
+        if isinstance(module, FP8Module):
+            for key in ("scaling_fwd", "scaling_bwd"):
+                meta = module.fp8_meta[key]
+                for t in (meta.scale, meta.amax_history):
+                    h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def train_phase(
+    name: str,
+    fp8: bool,
+    cfg: GPTConfig,
+    data: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    run_dir: Optional[str],
+) -> dict:
+    """Train a fresh model (same seed, same data) for len(data) steps; return this rank's figures."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    group = dist.new_group() if dist.is_initialized() else None  # a fresh amax group per phase
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device)
+    net = model
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    fp8train.synchronize()
+    fp8train.reset_reduction_stats()  # before the telemetry takes its baseline
+    tel = Telemetry(model, run_dir, every=args.log_every, tensorboard=args.tensorboard, run=name)
+    tel.write({
+        "kind": "meta", "run": name, "fp8": fp8, "async": async_amax_reduction() if fp8 else None,
+        "world_size": world, "device": str(device), "model": cfg.as_dict(), "model_size": args.model_size,
+        "steps": len(data), "batch_size": args.batch_size, "seed": args.seed,
+        "params": sum(p.numel() for p in model.parameters()), "recipe": repr(DEMO_RECIPE),
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+    })  # fmt: skip
+    tokens_per_step = world * data.shape[1] * (data.shape[2] - 1)
+    bar = _progress(name, len(data), rank)
+    losses, step_times = [], []
+    start = time.perf_counter()
+    for step in range(len(data)):
+        t0 = time.perf_counter()
+        for pg in opt.param_groups:
+            pg["lr"] = _lr(step, len(data), args.lr)
+        tokens = data[step].to(device, non_blocking=True)
+        with fp8train.fp8_autocast(enabled=fp8, fp8_recipe=DEMO_RECIPE, fp8_group=group):
+            logits = net(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, cfg.vocab_size).float(), tokens[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        mean_loss = loss.detach().clone()
+        work = dist.all_reduce(mean_loss, async_op=True) if world > 1 else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if work is not None:
+            work.wait()
+        global_loss = float(mean_loss) / world
+        step_s = time.perf_counter() - t0
+        record = tel.log_step(step, loss=global_loss, tokens_per_s=tokens_per_step / step_s, step_s=step_s)
+        losses.append(global_loss)
+        step_times.append(step_s)
+        if bar is not None:
+            wait_ms = 1e3 * record["reduction_delta"]["exposed_wait_s"] if record else float("nan")
+            bar.set_postfix_str(
+                f"loss {global_loss:.3f}  {tokens_per_step / step_s:,.0f} tok/s  amax wait {wait_ms:.3f} ms"
+            )
+            bar.update(1)
+    fp8train.synchronize()
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    stats = fp8train.reduction_stats()
+    all_stats = [None] * world
+    if world > 1:
+        dist.all_gather_object(all_stats, stats)
+    else:
+        all_stats = [stats]
+    tail = max(1, len(losses) // 10)
+    result = {
+        "kind": "phase_end",
+        "run": name,
+        "fp8": fp8,
+        "async": async_amax_reduction() if fp8 else None,
+        "steps": len(losses),
+        "final_loss": sum(losses[-tail:]) / tail,
+        "last_loss": losses[-1],
+        "losses": losses,
+        "wall_s": wall,
+        "median_step_s": statistics.median(step_times),
+        "tokens_per_s": tokens_per_step / statistics.median(step_times),
+        "reduction_per_rank": all_stats,
+        "events": tel.totals,
+        "loss_digest": hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16],
+        "fp8_state_digest": fp8_state_digest(model) if fp8 else None,
+    }
+    tel.write(result)
+    tel.close()
+    if world > 1:
+        dist.barrier()
+    return result
+
+
+def _progress(name: str, total: int, rank: int):
+    if rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=f"{name:>12}", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fp8train.demo_worker")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--compare-modes", action="store_true")
+    p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--tensorboard", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse(argv)
+    torch.set_num_threads(1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = MODEL_SIZES[args.model_size]
+    task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=args.seed)
+    data = task.sample(args.steps * args.batch_size, seed=args.seed * 7919 + 1 + rank)
+    data = data.view(args.steps, args.batch_size, cfg.seq_len + 1)
+    run_dir = args.run_dir if rank == 0 else None
+    if run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+    primary_async = async_amax_reduction()
+    phases = [("fp8-async" if primary_async else "fp8-blocking", True, primary_async)]
+    if args.compare_modes:
+        phases.append(("fp8-blocking" if primary_async else "fp8-async", True, not primary_async))
+    if not args.no_reference:
+        phases.append(("reference", False, None))
+    results = []
+    for name, fp8, async_mode in phases:
+        if async_mode is not None:
+            os.environ[ENV_ASYNC] = "1" if async_mode else "0"
+        results.append(train_phase(name, fp8, cfg, data, args, device, run_dir))
+    if rank == 0:
+        summary = {
+            "world_size": world,
+            "device": str(device),
+            "backend": backend,
+            "model_size": args.model_size,
+            "params": sum(p.numel() for p in GPT(cfg).parameters()),
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "loss_floor": task.loss_floor(),
+            "phases": {r["run"]: {k: v for k, v in r.items() if k != "losses"} for r in results},
+        }
+        with open(os.path.join(args.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def measure_telemetry_overhead(
+    model_size: str = "small", steps: int = 60, seed: int = 0, block: int = 5
+) -> dict:
+    """Median step time of the demo model on one process with telemetry off vs on (interleaved blocks).
+
+    Also times `log_step` itself, which does not depend on how noisy the machine is.
+    """
+    import tempfile
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    cfg = MODEL_SIZES[model_size]
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = MarkovTask(cfg.vocab_size, cfg.seq_len, seed).sample(steps * 8, seed + 1).view(steps, 8, -1)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    log_times: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp, Telemetry(model, tmp) as tel:
+        for step in range(steps):
+            on = (step // block) % 2 == 1
+            t0 = time.perf_counter()
+            with fp8train.fp8_autocast(fp8_recipe=DEMO_RECIPE):
+                loss = model.loss(data[step])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if on:
+                t1 = time.perf_counter()
+                tel.log_step(step, loss=loss.item())
+                log_times.append(time.perf_counter() - t1)
+            else:
+                loss.item()
+            if step >= block:  # the first block warms up
+                times[on].append(time.perf_counter() - t0)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {
+        "model_size": model_size,
+        "steps": steps,
+        "median_step_ms_off": 1e3 * off,
+        "median_step_ms_on": 1e3 * on,
+        "overhead_pct": 100 * (on - off) / off,
+        "median_log_step_ms": 1e3 * statistics.median(log_times),
+        "log_step_pct_of_step": 100 * statistics.median(log_times) / off,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""`fp8train report RUN_DIR`: a PNG and a Markdown summary from a run's metrics.jsonl.
+
+Works on any directory written by `fp8train.telemetry.Telemetry` (the demo adds run metadata and
+per-run totals, which the report uses when present). matplotlib runs with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import statistics
+from typing import Optional
+
+from .telemetry import METRICS_FILE, read_metrics
+
+__all__ = ["load_run", "render", "RunData"]
+
+_LAYER = re.compile(r"^(?:.*\.)?(?:blocks|layers|h)\.(\d+)\.")
+_STYLES = ("-", "--", ":", "-.")
+
+
+class RunData:
+    """The records of one run (e.g. "fp8-async", "reference") of a run directory."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.meta: dict = {}
+        self.end: Optional[dict] = None
+        self.steps: list[dict] = []
+
+    @property
+    def fp8(self) -> bool:
+        if "fp8" in self.meta:
+            return bool(self.meta["fp8"])
+        return any(r["roles"] for r in self.steps)
+
+    def losses(self) -> tuple[list[int], list[float]]:
+        pts = [(r["step"], r["loss"]) for r in self.steps if isinstance(r.get("loss"), (int, float))]
+        return [s for s, _ in pts], [v for _, v in pts]
+
+    def final_loss(self) -> Optional[float]:
+        if self.end is not None:
+            return self.end["final_loss"]
+        _, losses = self.losses()
+        if not losses:
+            return None
+        tail = max(1, len(losses) // 10)
+        return sum(losses[-tail:]) / tail
+
+    def reduction(self) -> list[dict]:
+        """Final reduction statistics per rank (rank 0 only when the run has no end record)."""
+        if self.end is not None and self.end.get("reduction_per_rank"):
+            return self.end["reduction_per_rank"]
+        return [self.steps[-1]["reduction"]] if self.steps else []
+
+    def role_series(self, key: str) -> dict[str, tuple[list[int], list[float]]]:
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        for r in self.steps:
+            for name, values in r["roles"].items():
+                xs, ys = out.setdefault(name, ([], []))
+                xs.append(r["step"])
+                ys.append(values[key])
+        return out
+
+    def events(self) -> dict:
+        total = {"overflow": 0, "nonfinite": 0}
+        for r in self.steps:
+            for k in total:
+                total[k] += r["events"][k]
+        return total
+
+
+def load_run(run_dir: str) -> dict[str, RunData]:
+    """Group the records of run_dir/metrics.jsonl by run name, in order of appearance."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: RUN_DIR must hold a {METRICS_FILE} written by fp8train"
+        )
+    runs: dict[str, RunData] = {}
+    for rec in read_metrics(path):
+        run = runs.setdefault(rec.get("run", "fp8"), RunData(rec.get("run", "fp8")))
+        kind = rec.get("kind", "step")
+        if kind == "meta":
+            run.meta = rec
+        elif kind == "phase_end":
+            run.end = rec
+        elif kind == "step":
+            run.steps.append(rec)
+    if not any(r.steps for r in runs.values()):
+        raise ValueError(f"{path} holds no step records")
+    return runs
+
+
+def _group_of(role: str) -> tuple[Optional[int], str]:
+    """(layer index or None, the role's name within its layer), e.g. (0, "mlp/fc1/input")."""
+    m = _LAYER.match(role)
+    if m is None:
+        return None, role
+    return int(m.group(1)), role[m.end() :]
+
+
+def _finite_or_nan(values: list) -> list[float]:
+    return [v if isinstance(v, (int, float)) and math.isfinite(v) else float("nan") for v in values]
+
+
+def _plot_roles(ax, series: dict, suffix: str, ylabel: str, title: str) -> None:
+    """One line per role ending in `suffix`: colour = role within the layer, line style = layer."""
+    import matplotlib.pyplot as plt
+
+    chosen = {n: s for n, s in series.items() if n.endswith("/" + suffix)}
+    kinds = sorted({_group_of(n)[1] for n in chosen})
+    colors = plt.get_cmap("tab10")
+    layers = sorted({_group_of(n)[0] for n in chosen}, key=lambda x: -1 if x is None else x)
+    for name, (xs, ys) in sorted(chosen.items()):
+        layer, kind = _group_of(name)
+        ax.plot(
+            xs, _finite_or_nan(ys), color=colors(kinds.index(kind) % 10),
+            linestyle=_STYLES[layers.index(layer) % len(_STYLES)], linewidth=1.2,
+        )  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel("step")
+    ax.grid(True, which="major", alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Line2D([], [], color=colors(i % 10), label=k.removesuffix("/" + suffix)) for i, k in enumerate(kinds)
+    ]
+    if len(layers) > 1:
+        handles += [
+            Line2D([], [], color="0.3", linestyle=_STYLES[i % len(_STYLES)], label=f"layer {lay}")
+            for i, lay in enumerate(layers)
+        ]
+    if handles:
+        ax.legend(handles=handles, fontsize=7, ncol=2, loc="best", framealpha=0.8)
+
+
+def _reduction_ms(run: RunData) -> tuple[float, float, int, int]:
+    """(exposed ms per step, hidden ms per step, launched, steps) averaged over ranks."""
+    stats = run.reduction()
+    steps = run.end["steps"] if run.end else len(run.steps)
+    if not stats or steps == 0:
+        return 0.0, 0.0, 0, steps
+    exposed = statistics.mean(s["exposed_wait_s"] for s in stats) * 1e3 / steps
+    hidden = statistics.mean(s["hidden_s"] for s in stats) * 1e3 / steps
+    return exposed, hidden, stats[0]["launched"], steps
+
+
+def render(run_dir: str, out_name: str = "report.png") -> dict:
+    """Write run_dir/report.png and run_dir/report.md; return their paths (and the metrics path)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = load_run(run_dir)
+    fp8_runs = [r for r in runs.values() if r.fp8 and r.steps]
+    primary = fp8_runs[0] if fp8_runs else next(r for r in runs.values() if r.steps)
+    floor = _loss_floor(run_dir)
+
+    fig = plt.figure(figsize=(13, 19), dpi=100)
+    grid = fig.add_gridspec(4, 2, height_ratios=[1, 1, 1, 1.7], hspace=0.3, wspace=0.2,
+                            top=0.95)  # fmt: skip
+    title = f"fp8train report: {os.path.basename(os.path.normpath(run_dir))}"
+    meta = primary.meta
+    if meta:
+        title += (
+            f"\n{meta.get('model_size', '')} GPT ({meta.get('params', 0):,} params), "
+            f"{meta.get('world_size')} ranks on {meta.get('device')}, {meta.get('steps')} steps, "
+            f"{_recipe_text(meta.get('recipe', ''))}"
+        )
+    fig.suptitle(title, fontsize=12, y=0.985)
+
+    ax = fig.add_subplot(grid[0, 0])
+    styles = {"reference": dict(color="0.45", linewidth=2.2, alpha=0.8)}
+    for i, run in enumerate(runs.values()):
+        xs, ys = run.losses()
+        if xs:
+            style = styles.get(run.name, dict(color=f"C{i}", linewidth=1.3, linestyle=_STYLES[i % 4]))
+            ax.plot(xs, _finite_or_nan(ys), label=f"{run.name} (final {run.final_loss():.3f})", **style)
+    if floor is not None:
+        ax.axhline(floor, color="k", linestyle=":", linewidth=1, label=f"loss floor {floor:.3f}")
+    ax.set_title("Training loss: FP8 vs reference", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+    ax = fig.add_subplot(grid[0, 1])
+    _plot_reduction(ax, fp8_runs)
+
+    for row, (suffix, what) in enumerate(
+        (("input", "forward input"), ("grad_output", "gradient (grad_output)")), 1
+    ):
+        _plot_roles(fig.add_subplot(grid[row, 0]), primary.role_series("amax"), suffix, "amax (reduced)",
+                    f"{primary.name}: amax history, {what} roles")  # fmt: skip
+        _plot_roles(fig.add_subplot(grid[row, 1]), primary.role_series("scale"), suffix, "scale",
+                    f"{primary.name}: scale history, {what} roles")  # fmt: skip
+
+    _plot_utilisation(fig.add_subplot(grid[3, :]), primary)
+
+    png = os.path.join(run_dir, out_name)
+    fig.savefig(png, bbox_inches="tight")
+    plt.close(fig)
+    md = os.path.join(run_dir, "report.md")
+    with open(md, "w", encoding="utf-8") as f:
+        f.write(_markdown(run_dir, runs, fp8_runs, floor, out_name))
+    return {"png": png, "markdown": md, "metrics": os.path.join(run_dir, METRICS_FILE)}
+
+
+def _plot_reduction(ax, fp8_runs: list[RunData]) -> None:
+    """Exposed vs hidden amax-reduction time per step, one pair of bars per FP8 run."""
+    if not fp8_runs:
+        ax.text(0.5, 0.5, "no FP8 run", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    names, exposed, hidden = [], [], []
+    for run in fp8_runs:
+        e, h, launched, steps = _reduction_ms(run)
+        names.append(f"{run.name}\n{launched} reductions / {steps} steps")
+        exposed.append(e)
+        hidden.append(h)
+    xs = range(len(names))
+    width = 0.38
+    bars_e = ax.bar([x - width / 2 for x in xs], exposed, width, color="tab:red", label="exposed (waited on)")
+    bars_h = ax.bar(
+        [x + width / 2 for x in xs],
+        hidden,
+        width,
+        color="tab:green",
+        label="hidden (launch to wait, overlapped)",
+    )
+    for bars in (bars_e, bars_h):
+        ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    ax.set_xticks(list(xs), names, fontsize=8)
+    ax.set_ylabel("ms per step (mean over ranks)")
+    ax.set_title("Amax all-reduce time: exposed vs hidden", fontsize=10)
+    ax.margins(y=0.15)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_utilisation(ax, run: RunData) -> None:
+    """Heat map of range utilisation (amax * scale_used / fp8_max), roles x steps; > 1 = overflow."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    series = run.role_series("util")
+    order = {"input": 0, "grad_output": 1, "weight": 2}
+    names = sorted(series, key=lambda n: (order.get(n.rsplit("/", 1)[-1], 3), _sort_key(n)))
+    if not names:
+        ax.text(0.5, 0.5, "no FP8 roles recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    steps = sorted({s for xs, _ in series.values() for s in xs})
+    index = {s: i for i, s in enumerate(steps)}
+    grid = np.full((len(names), len(steps)), np.nan)
+    for row, name in enumerate(names):
+        xs, ys = series[name]
+        for x, y in zip(xs, _finite_or_nan(ys)):
+            grid[row, index[x]] = y
+    cmap = plt.get_cmap("viridis").with_extremes(over="red", bad="magenta")
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0.0, vmax=1.0,
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))  # fmt: skip
+    labels = [
+        n if layer is None else f"L{layer} {kind}" for n, (layer, kind) in zip(names, map(_group_of, names))
+    ]
+    ax.set_yticks(range(len(names)), labels, fontsize=max(4, min(8, 420 // len(names))))
+    kinds = [order.get(n.rsplit("/", 1)[-1], 3) for n in names]
+    for row in range(1, len(names)):
+        if kinds[row] != kinds[row - 1]:
+            ax.axhline(row - 0.5, color="white", linewidth=2)
+    ax.set_xlabel("step")
+    ax.set_title(
+        f"{run.name}: FP8 range utilisation per role (amax x scale used / fp8_max; red = overflow, "
+        "magenta = non-finite)", fontsize=10,
+    )  # fmt: skip
+    plt.colorbar(image, ax=ax, extend="max", fraction=0.03, pad=0.01)
+
+
+def _sort_key(role: str) -> tuple:
+    layer, kind = _group_of(role)
+    return (-1 if layer is None else layer, kind)
+
+
+def _recipe_text(recipe: str) -> str:
+    """A short form of a DelayedScaling repr for titles: format, margin, history length."""
+    fmt = re.search(r"Format\.(\w+)", recipe)
+    margin = re.search(r"margin=(\d+)", recipe)
+    hist = re.search(r"amax_history_len=(\d+)", recipe)
+    algo = re.search(r"amax_compute_algo='(\w+)'", recipe)
+    if not (fmt and margin and hist):
+        return recipe[:80]
+    text = f"{fmt.group(1)}, margin {margin.group(1)}, amax history {hist.group(1)}"
+    return text + (f" ({algo.group(1)})" if algo else "")
+
+
+def _loss_floor(run_dir: str) -> Optional[float]:
+    import json
+
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("loss_floor")
+
+
+def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], png: str) -> str:
+    ref = runs.get("reference")
+    ref_loss = ref.final_loss() if ref is not None else None
+    out = [f"# fp8train run report: `{os.path.normpath(run_dir)}`", "", f"![report]({png})", ""]
+    out += [
+        "| run | steps | final loss | vs reference | median step ms | amax reductions | exposed ms/step "
+        "| hidden ms/step | overflow | non-finite |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs.values():
+        if not run.steps:
+            continue
+        loss = run.final_loss()
+        rel = f"{100 * (loss - ref_loss) / ref_loss:+.2f}%" if ref_loss and run is not ref else ""
+        exposed, hidden, launched, steps = _reduction_ms(run)
+        ev = run.events()
+        step_ms = f"{1e3 * run.end['median_step_s']:.1f}" if run.end and "median_step_s" in run.end else ""
+        out.append(
+            f"| {run.name} | {steps} | {loss:.4f} | {rel} | {step_ms} | {launched} | {exposed:.4f} "
+            f"| {hidden:.4f} | {ev['overflow']} | {ev['nonfinite']} |"
+        )
+    out.append("")
+    out.append(
+        "Final loss: mean over the last 10% of steps. Reduction times: mean over ranks. Exposed = time "
+        "blocked waiting for the all-reduce (in blocking mode this includes waiting for the slowest rank, "
+        "which asynchronous mode moves to the next collective, e.g. the gradient all-reduce); hidden = "
+        "time from launch to the wait, overlapped with other work."
+    )
+    if floor is not None:
+        out.append(f"Loss floor (entropy of the synthetic language): {floor:.4f}.")
+    ends = [r.end for r in fp8_runs if r.end]
+    if len(ends) == 2:
+        same = all(ends[0][k] == ends[1][k] for k in ("loss_digest", "fp8_state_digest"))
+        out.append(
+            f"Async and blocking FP8 runs bit-identical (every loss, final scales and amax histories): "
+            f"**{'yes' if same else 'NO'}**."
+        )
+    if fp8_runs:
+        run = fp8_runs[0]
+        utils = {n: [v for v in ys if isinstance(v, float) and math.isfinite(v)] for n, (_, ys) in
+                 run.role_series("util").items()}  # fmt: skip
+        med = sorted((statistics.median(v), n) for n, v in utils.items() if v)
+        if med:
+            out += [
+                "",
+                f"Median range utilisation in {run.name} (lowest first; 1.0 = the full FP8 range):",
+                "",
+            ]
+            out += [f"- `{n}`: {u:.3f}" for u, n in med[:5]]
+            out.append(f"- ... highest: `{med[-1][1]}`: {med[-1][0]:.3f}")
+        out += ["", _overflow_table(run)]
+    out.append("")
+    return "\n".join(out)
+
+
+def _overflow_table(run: RunData) -> str:
+    """Overflow (saturated cast) counts and the worst utilisation, per kind of role."""
+    kinds: dict[str, list] = {}
+    for rec in run.steps:
+        for name, values in rec["roles"].items():
+            entry = kinds.setdefault(name.rsplit("/", 1)[-1], [0, 0, 0.0])
+            entry[0] += 1
+            entry[1] += bool(values["overflow"])
+            if isinstance(values["util"], float) and math.isfinite(values["util"]):
+                entry[2] = max(entry[2], values["util"])
+    lines = [
+        f"Overflow events in {run.name} (a cast saturated: amax x scale used > fp8_max):",
+        "",
+        "| role kind | role-steps | overflow | max utilisation |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {k} | {n} | {o} | {u:.3f} |" for k, (n, o, u) in sorted(kinds.items())]
+    lines += [
+        "",
+        "A max utilisation of 1.01 means the largest value was clipped by 1%. Delayed scaling uses the",
+        "amaxes of earlier steps, so a tensor that grows every step (weights under Adam, for example)",
+        "saturates slightly; `DelayedScaling(margin=1)` leaves a factor of 2 of headroom.",
+    ]
+    return "\n".join(lines)

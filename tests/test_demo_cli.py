@@ -1,0 +1,185 @@
+"""The demo end to end (2 real gloo ranks via torchrun), `report`, `info`, `bench` and bad CLI input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from fp8train import cli
+from fp8train.gemm import choose_path
+from fp8train.report import load_run
+from fp8train.telemetry import read_metrics
+
+STEPS = 5
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == PNG_SIGNATURE
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("demo") / "run")
+    argv = ["demo", "--world-size", "2", "--steps", str(STEPS), "--model-size", "tiny", "--batch-size", "2",
+            "--run-dir", run_dir, "--timeout", "240"]  # fmt: skip
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = cli.main(argv)
+    return rc, run_dir, out.getvalue()
+
+
+@pytest.mark.multirank
+def test_demo_end_to_end(demo_run):
+    rc, run_dir, printed = demo_run
+    assert rc == 0, printed
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    runs = load_run(run_dir)
+    assert list(runs) == ["fp8-async", "fp8-blocking", "reference"]
+    for run in runs.values():
+        assert run.meta["world_size"] == 2 and run.meta["steps"] == STEPS
+        assert [r["step"] for r in run.steps] == list(range(STEPS))
+        steps, losses = run.losses()
+        assert len(losses) == STEPS and all(math.isfinite(v) and 0 < v < 10 for v in losses)
+        for rec in run.steps:
+            assert {"loss", "tokens_per_s", "events", "reduction", "reduction_delta", "roles"} <= set(rec)
+    fp8 = runs["fp8-async"]
+    roles = fp8.steps[-1]["roles"]
+    assert len(roles) == 2 * 4 * 3 and "blocks.0.mlp/fc1/input" in roles
+    for rec in fp8.steps:
+        for values in rec["roles"].values():
+            assert all(
+                math.isfinite(values[k]) and values[k] > 0 for k in ("amax", "scale", "scale_used", "util")
+            )
+    for prev, cur in zip(fp8.steps, fp8.steps[1:]):  # the scale a step used is the one the last step produced
+        assert {n: v["scale_used"] for n, v in cur["roles"].items()} == {
+            n: v["scale"] for n, v in prev["roles"].items()
+        }
+    assert runs["reference"].steps[-1]["roles"] == {}
+    # async and blocking: the same losses and the same FP8 telemetry, bit for bit
+    blocking = runs["fp8-blocking"]
+    assert fp8.losses() == blocking.losses()
+    assert [r["roles"] for r in fp8.steps] == [r["roles"] for r in blocking.steps]
+    assert fp8.end["fp8_state_digest"] == blocking.end["fp8_state_digest"]
+    assert fp8.meta["async"] is True and blocking.meta["async"] is False
+    # one collective per direction per step, plus the header collectives of the first step
+    for run in (fp8, blocking):
+        assert [s["launched"] for s in run.end["reduction_per_rank"]] == [2 * STEPS + 2] * 2
+    assert all(s["hidden_s"] == 0 for s in blocking.end["reduction_per_rank"])
+    assert all(s["hidden_s"] > 0 for s in fp8.end["reduction_per_rank"])
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["world_size"] == 2 and 0 < summary["loss_floor"] < math.log(64)
+    assert len(records) == 3 * (STEPS + 2)  # meta + steps + end record per run
+    width, height = _png_size(os.path.join(run_dir, "report.png"))
+    assert width > 800 and height > 1000
+    with open(os.path.join(run_dir, "report.md")) as f:
+        md = f.read()
+    assert "| fp8-async | 5 |" in md and "| reference | 5 |" in md and "bit-identical" in md
+    assert "**yes**" in md
+    assert "async and blocking bit-identical (every loss, scales, amax histories): yes" in printed
+    assert os.path.join(run_dir, "report.png") in printed and "final loss" in printed
+
+
+@pytest.mark.multirank
+def test_report_regenerates_the_png(demo_run, capsys):
+    rc, run_dir, _ = demo_run
+    assert rc == 0
+    png = os.path.join(run_dir, "report.png")
+    with open(png, "rb") as f:
+        first = f.read()
+    os.remove(png)
+    os.remove(os.path.join(run_dir, "report.md"))
+    assert cli.main(["report", run_dir]) == 0
+    assert png in capsys.readouterr().out
+    with open(png, "rb") as f:
+        assert f.read() == first  # rendering is deterministic
+    assert os.path.isfile(os.path.join(run_dir, "report.md"))
+
+
+def test_info_prints_the_gemm_path(monkeypatch, capsys):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.delenv("FP8TRAIN_GEMM", raising=False)
+    monkeypatch.delenv("NVTE_ASYNC_AMAX_REDUCTION", raising=False)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    expected = choose_path(device, 1024, 1024, 1024)
+    assert f"FP8 GEMM path for a 1024x1024x1024 GEMM on {device.type}: {expected}\n" in out
+    assert "NVTE_ASYNC_AMAX_REDUCTION=(unset): asynchronous" in out
+    assert f"torch {torch.__version__}" in out
+    monkeypatch.setenv("FP8TRAIN_GEMM", "fp32")
+    monkeypatch.setenv("NVTE_ASYNC_AMAX_REDUCTION", "0")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"on {device.type}: fp32\n" in out and "FP8TRAIN_GEMM='fp32'" in out
+    assert "NVTE_ASYNC_AMAX_REDUCTION='0': blocking" in out
+    monkeypatch.setenv("NVTE_ASYNC_AMAX_REDUCTION", "yes")
+    assert cli.main(["info"]) == 2
+    assert "invalid" in capsys.readouterr().out
+
+
+def test_python_dash_m_runs_the_cli():
+    env = dict(os.environ, FP8TRAIN_GEMM="bf16")
+    proc = subprocess.run([sys.executable, "-m", "fp8train", "info"], capture_output=True, text=True, env=env,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "GEMM on" in proc.stdout and ": bf16" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--world-size", "0"], "--world-size: must be >= 1, got 0"),
+        (["demo", "--world-size", "two"], "--world-size: expected an integer >= 1"),
+        (["demo", "--steps", "-3"], "--steps: must be >= 1"),
+        (["report", "/nonexistent/fp8train-run"], "run directory '/nonexistent/fp8train-run' does not exist"),
+        (["report"], "the following arguments are required: RUN_DIR"),
+        (["launch"], "invalid choice: 'launch'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: fp8train" in err
+
+
+def test_report_on_a_directory_without_metrics(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["report", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_cuda_device_without_cuda_is_a_usage_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bench_forwards_its_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("fp8train.bench")
+    fake.main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "fp8train.bench", fake)
+    assert cli.main(["bench", "--quick", "--only", "fused", "--help"]) == 7
+    assert seen == [["--quick", "--only", "fused", "--help"]]

@@ -1,0 +1,223 @@
+"""Telemetry values against the modules' own fp8_meta, forced overflow, NaN, files and ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import fp8train
+from dist_utils import run_ranks
+from fp8train.models import GPT, GPTConfig
+from fp8train.telemetry import Telemetry, read_metrics, role_names
+
+CFG = GPTConfig(vocab_size=32, seq_len=16, hidden=32, heads=2, layers=2, ffn=64)
+RECIPE = fp8train.DelayedScaling(amax_history_len=4)
+
+
+def _train_step(model, tokens, opt=None):
+    with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+        loss = model.loss(tokens)
+    loss.backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _expected(model) -> dict:
+    """{role name: (meta, column)} built independently of the telemetry's own map."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, fp8train.FP8Module):
+            gemms = ["fc1/", "fc2/"] if isinstance(module, fp8train.LayerNormMLP) else [""]
+            for g, gemm in enumerate(gemms):
+                out[f"{name}/{gemm}input"] = (module.fp8_meta["scaling_fwd"], 3 * g)
+                out[f"{name}/{gemm}weight"] = (module.fp8_meta["scaling_fwd"], 3 * g + 1)
+                out[f"{name}/{gemm}grad_output"] = (module.fp8_meta["scaling_bwd"], 2 * g)
+    return out
+
+
+def _scales(model) -> dict:
+    return {n: float(meta.scale[c]) for n, (meta, c) in _expected(model).items()}
+
+
+def test_role_names_of_the_small_gpt():
+    names = {n for n, *_ in role_names(GPT(CFG))}
+    assert len(names) == 2 * 4 * 3  # layers x GEMMs x (input, weight, grad_output)
+    assert names == set(_expected(GPT(CFG)))
+    assert {"blocks.0.mlp/fc1/input", "blocks.1.attn.qkv/grad_output", "blocks.0.attn.proj/weight"} <= names
+
+
+def test_values_match_fp8_meta(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(CFG.vocab_size, (4, CFG.seq_len + 1))
+    expected = _expected(model)
+    scale_before = {n: 1.0 for n in expected}  # modules start with scale 1
+    with Telemetry(model, str(tmp_path)) as tel:
+        for step in range(4):
+            loss = _train_step(model, tokens[:, torch.randperm(CFG.seq_len + 1)], opt)
+            rec = tel.log_step(step, loss=loss)
+            assert set(rec["roles"]) == set(expected)
+            for name, (meta, col) in expected.items():
+                got = rec["roles"][name]
+                amax = float(meta.amax_history[0, col])
+                assert got["amax"] == amax and amax > 0, name
+                assert got["scale"] == float(meta.scale[col]), name
+                assert got["scale_used"] == scale_before[name], name
+                product = torch.tensor(amax) * torch.tensor(scale_before[name])
+                fp8_max = 448.0 if name.endswith(("input", "weight")) else 57344.0
+                assert got["util"] == pytest.approx(float(product) / fp8_max, rel=1e-6), name
+                assert got["overflow"] == bool(product > fp8_max), name
+                assert got["nonfinite"] is False
+            assert rec["events"]["overflow"] == sum(v["overflow"] for v in rec["roles"].values())
+            assert rec["loss"] == loss
+            assert rec["reduction"] == fp8train.reduction_stats()
+            scale_before = _scales(model)
+            if step > 0:  # the scales moved: the test really distinguishes scale from scale_used
+                assert any(v["scale"] != v["scale_used"] for v in rec["roles"].values())
+    lines = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in lines] == [0, 1, 2, 3]
+    assert lines[-1]["roles"] == rec["roles"]
+
+
+def test_scale_used_survives_an_earlier_reader():
+    """If something (a checkpoint, a user) reads fp8_meta before log_step, scale_used stays right."""
+    torch.manual_seed(1)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(CFG.vocab_size, (4, CFG.seq_len + 1))
+    tel = Telemetry(model)
+    _train_step(model, tokens, opt)
+    tel.log_step(0)
+    for step in range(1, 3):
+        before = _scales(model)
+        _train_step(model, tokens, opt)
+        model.state_dict()  # completes the in-flight reductions before the telemetry does
+        rec = tel.log_step(step)
+        assert {n: v["scale_used"] for n, v in rec["roles"].items()} == before
+        assert {n: v["scale"] for n, v in rec["roles"].items()} == _scales(model)
+
+
+def test_forced_large_scale_counts_an_overflow():
+    torch.manual_seed(2)
+    model = GPT(CFG)
+    tokens = torch.randint(CFG.vocab_size, (4, CFG.seq_len + 1))
+    tel = Telemetry(model)
+    _train_step(model, tokens)
+    first = tel.log_step(0)
+    assert not first["roles"]["blocks.0.attn.qkv/input"]["overflow"]
+    meta = model.blocks[0].attn.qkv.fp8_meta["scaling_fwd"]
+    meta.scale[0] = 1e6  # the storage itself: the next step casts the qkv input with this scale
+    before = _scales(model)
+    _train_step(model, tokens)
+    rec = tel.log_step(1)
+    role = rec["roles"]["blocks.0.attn.qkv/input"]
+    assert role["scale_used"] == 1e6
+    assert role["overflow"] is True and role["util"] > 100
+    assert role["util"] == pytest.approx(float(meta.amax_history[0, 0]) * 1e6 / 448, rel=1e-6)
+    flagged = {n for n, v in rec["roles"].items() if v["overflow"]}
+    expected = {n for n, (m, c) in _expected(model).items() if
+                torch.tensor(float(m.amax_history[0, c])) * torch.tensor(before[n])
+                > (448.0 if not n.endswith("grad_output") else 57344.0)}  # fmt: skip
+    assert "blocks.0.attn.qkv/input" in flagged and flagged == expected
+    assert rec["events"]["overflow"] == len(flagged)
+    assert tel.totals["overflow"] == first["events"]["overflow"] + len(flagged)
+
+
+def test_nan_input_counts_nonfinite_and_keeps_the_scale(tmp_path):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(fp8train.LayerNormLinear(32, 32), fp8train.Linear(32, 32))
+    x = torch.randn(16, 32)
+    tel = Telemetry(model, str(tmp_path))
+    for step, bad in enumerate((False, True)):
+        inp = x.clone()
+        if bad:
+            inp[3, 5] = float("nan")
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            y = model(inp)
+        y.float().sum().backward()
+        rec = tel.log_step(step)
+    role = rec["roles"]["0/input"]
+    assert role["nonfinite"] is True and role["amax"] == "inf"
+    assert role["overflow"] is False  # a non-finite amax is its own event, not an overflow
+    assert role["scale"] == role["scale_used"]  # the old scale is kept
+    assert rec["events"]["nonfinite"] >= 1
+    assert rec["reduction_delta"]["nonfinite_amax_events"] >= 1
+    assert rec["roles"]["1/weight"]["nonfinite"] is False
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        raw = [json.loads(line) for line in f]  # strict JSON: no bare NaN/Infinity
+    assert raw[1]["roles"]["0/input"]["amax"] == "inf"
+    assert math.isinf(read_metrics(os.path.join(tmp_path, "metrics.jsonl"))[1]["roles"]["0/input"]["amax"])
+
+
+def test_every_n_steps_and_extra_fields(tmp_path):
+    model = torch.nn.Sequential(fp8train.Linear(16, 16))
+    with Telemetry(model, str(tmp_path), every=3, run="r") as tel:
+        for step in range(7):
+            with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+                model(torch.randn(16, 16)).sum().backward()
+            rec = tel.log_step(step, loss=float(step), lr=0.5)
+            assert (rec is None) == (step % 3 != 0)
+    recs = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [(r["step"], r["run"], r["lr"], r["loss"]) for r in recs] == [
+        (s, "r", 0.5, float(s)) for s in (0, 3, 6)
+    ]
+    # the delta of the reduction statistics covers all the steps since the previous logged one
+    assert sum(r["reduction_delta"]["updates"] for r in recs) == recs[-1]["reduction"]["updates"] > 0
+    with pytest.raises(ValueError, match="every"):
+        Telemetry(model, every=0)
+
+
+def test_tensorboard_missing_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    model = torch.nn.Sequential(fp8train.Linear(16, 16))
+    with Telemetry(model, str(tmp_path), tensorboard=True) as tel:
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            model(torch.randn(16, 16)).sum().backward()
+        tel.log_step(0, loss=1.0)
+    assert "tensorboard" in capsys.readouterr().err.lower()
+    assert len(read_metrics(os.path.join(tmp_path, "metrics.jsonl"))) == 1
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("tensorboard") is None, reason="tensorboard is not installed"
+)
+def test_tensorboard_events_written(tmp_path):
+    model = torch.nn.Sequential(fp8train.Linear(16, 16))
+    with Telemetry(model, str(tmp_path), tensorboard=True, run="x") as tel:
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            model(torch.randn(16, 16)).sum().backward()
+        tel.log_step(0, loss=1.0)
+    files = os.listdir(os.path.join(tmp_path, "tensorboard", "x"))
+    assert any(f.startswith("events.out.tfevents") for f in files)
+
+
+def _ranks_fn(rank, world_size):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    tel = Telemetry(model)
+    out = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * rank + step)  # every rank its own data
+        tokens = torch.randint(CFG.vocab_size, (2, CFG.seq_len + 1), generator=g)
+        _train_step(model, tokens)
+        rec = tel.log_step(step)
+        meta = model.blocks[0].mlp.fp8_meta["scaling_fwd"]
+        out.append((rec["roles"], float(meta.amax_history[0, 0]), float(meta.scale[0])))
+    return out
+
+
+@pytest.mark.multirank
+def test_two_ranks_log_the_same_reduced_values():
+    r0, r1 = run_ranks(_ranks_fn, 2, timeout_s=90)
+    for (roles0, amax0, scale0), (roles1, amax1, scale1) in zip(r0, r1):
+        assert roles0 == roles1  # reduced amaxes and scales: identical on every rank
+        assert roles0["blocks.0.mlp/fc1/input"]["amax"] == amax0 == amax1
+        assert roles0["blocks.0.mlp/fc1/input"]["scale"] == scale0 == scale1
