@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .recipe import DelayedScaling, fp8_max
 from .scaling import ScalingStorage, update_scaling
 
-__all__ = ["AmaxGroup", "LayoutMismatchError", "ReductionStats", "PendingReduction"]
+__all__ = ["AmaxGroup", "AmaxReductionError", "LayoutMismatchError", "ReductionStats", "PendingReduction"]
 
 # Header of every reduced buffer: each quantity q is sent as (q, -q) so that one MAX reveals both
 # the group's max and min. Quantities: two 24-bit halves of the layout fingerprint, the number of
@@ -31,6 +31,25 @@ _HEADER_LEN = 2 * len(_HEADER_FIELDS)
 
 class LayoutMismatchError(RuntimeError):
     """Ranks of an amax group contributed different FP8 roles; no scale was updated."""
+
+
+class AmaxReductionError(RuntimeError):
+    """An amax all-reduce failed or timed out (a rank died or stalled); no scale was updated from it."""
+
+
+def recipe_key(recipe: DelayedScaling) -> str:
+    """The recipe fields every rank must agree on, as text that is the same in every process."""
+
+    def name(algo) -> str:
+        if algo is None or isinstance(algo, str):
+            return repr(algo)
+        return f"{getattr(algo, '__module__', '?')}.{getattr(algo, '__qualname__', type(algo).__qualname__)}"
+
+    return (
+        f"margin={recipe.margin}, fp8_format={recipe.fp8_format.name}, "
+        f"amax_history_len={recipe.amax_history_len}, amax_compute_algo={name(recipe.amax_compute_algo)}, "
+        f"scaling_factor_compute_algo={name(recipe.scaling_factor_compute_algo)}"
+    )
 
 
 @dataclass
@@ -73,7 +92,11 @@ class AmaxGroup:
         self.fp8_max = fp8_max(encoding)
         self.storage: Optional[ScalingStorage] = None
         self.members: list[str] = []  # signature of each registered module, in order
-        self._layout_digest = b""
+        # The recipe seeds the layout fingerprint: ranks with different recipes (margin, history
+        # length, algorithms) would otherwise reduce happily and silently compute different scales.
+        self.recipe_key = recipe_key(recipe)
+        self._layout_digest = hashlib.blake2b(self.recipe_key.encode(), digest_size=8).digest()
+        self._recording_task = -1  # autograd graph task of the amaxes in the recording slot
         self.recorded_columns: list[int] = []
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self.agreed_roles = 0  # roles all ranks agreed on in an earlier launch
@@ -81,7 +104,10 @@ class AmaxGroup:
 
     # ---- layout -----------------------------------------------------------------------------
     def _check_group(self) -> None:
-        if self.reduces and dist.get_rank(self.process_group) < 0:
+        # Not `self.reduces`: a group this rank is not in reports world size -1, which reads as "no
+        # reduction" and would let the rank train alone, silently, with its own scales.
+        initialized = dist.is_available() and dist.is_initialized()
+        if self.recipe.reduce_amax and initialized and dist.get_rank(self.process_group) < 0:
             raise ValueError(
                 f"rank {dist.get_rank()} is not a member of the amax reduction group passed to "
                 "fp8_autocast(fp8_group=...); pass a group that contains every rank that runs this region"
@@ -136,6 +162,12 @@ class AmaxGroup:
 
     # ---- recording ----------------------------------------------------------------------------
     def record(self, column: int, amax: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self.recorded_columns and task != self._recording_task:
+            # Left by a backward pass that raised before its end-of-pass launch: those amaxes belong
+            # to no completed step, and folding them into this one would change its scales.
+            self.discard_recording()
+        self._recording_task = task
         slot = self.storage.recording[column]
         torch.maximum(slot, amax.to(torch.float32), out=slot)
         self.recorded_columns.append(column)
@@ -185,9 +217,21 @@ class AmaxGroup:
         work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
         if async_op:
             return work
-        work.wait()
+        self._wait_work(work)
         self.stats.exposed_wait_s += time.perf_counter() - start
         return None
+
+    def _wait_work(self, work) -> None:
+        """Wait on one collective; a failed or timed-out one becomes an error that says what it was."""
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise AmaxReductionError(
+                f"the {self.direction} amax all-reduce of rank {dist.get_rank()} failed ({self.describe()}): "
+                "another rank of the amax group died, stalled beyond the process group timeout or left "
+                "the group. This rank's FP8 scales and histories were not updated from it; its last "
+                f"saved checkpoint is the state to resume from. Cause: {exc}"
+            ) from exc
 
     def _check_header(self, buffer: torch.Tensor, local: list[float]) -> None:
         reduced = buffer[:_HEADER_LEN].tolist()
@@ -200,9 +244,10 @@ class AmaxGroup:
         self.pending.clear()
         raise LayoutMismatchError(
             f"FP8 layout mismatch in the {self.direction} amax group (rank {dist.get_rank()}): ranks "
-            f"contributed different modules, order or sizes, or a module ran on some ranks only. "
-            f"{'; '.join(spans)}. This rank has {self.describe()}. Every rank of the amax group must "
-            "run the same FP8 modules in the same order; no scale was updated."
+            f"contributed different modules, order or sizes, or a module ran on some ranks only, or "
+            f"ranks use different recipes. {'; '.join(spans)}. This rank has {self.describe()} and "
+            f"recipe ({self.recipe_key}). Every rank of the amax group must run the same FP8 modules "
+            "in the same order under the same recipe; no scale was updated."
         )
 
     def finish(self) -> None:
@@ -231,7 +276,7 @@ class AmaxGroup:
             start = time.perf_counter()
             self.stats.hidden_s += start - pending.launched_at
             for work in handles:
-                work.wait()
+                self._wait_work(work)
             self.stats.exposed_wait_s += time.perf_counter() - start
         if not pending.local_header:  # not reduced: the snapshot itself
             return pending.buffer

@@ -1,0 +1,151 @@
+"""Property-based tests of the delayed-scaling update on adversarial amaxes (hypothesis).
+
+Amaxes include 0 (role did not run), subnormals, values near float32 max, inf, and NaN as the
+reduction path presents it (NaN -> inf before the update). The reference below is written per
+column in numpy float32, independently of the library's vectorised torch code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fp8train import DelayedScaling, Format
+from fp8train.cast import quantize
+from fp8train.recipe import fp8_dtype
+from fp8train.reduction import AmaxGroup, ReductionStats
+from fp8train.scaling import update_scaling
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal
+SUBNORMAL_MIN = float(np.nextafter(np.float32(0), np.float32(1)))
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+SPECIAL = [0.0, SUBNORMAL_MIN, 1e-42, F32_TINY, 1e-30, 1.0, 448.0, 57344.0, 1e30, 3e38, F32_MAX, math.inf]
+finite_amax = st.floats(0.0, F32_MAX, allow_nan=False, allow_infinity=False, allow_subnormal=True, width=32)
+amax_value = st.one_of(st.sampled_from(SPECIAL), finite_amax)
+# What the reduction may deliver as `last`: also NaN (turned into inf before the update).
+last_value = st.one_of(amax_value, st.just(math.nan))
+# Scales a valid state can hold: finite and positive (the smallest is about fp8_max / F32_MAX / 2**margin).
+scale_value = st.floats(float(np.float32(1e-37)), F32_MAX, allow_nan=False, allow_infinity=False, width=32)
+
+COMMON = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def scaling_case(draw):
+    h = draw(st.integers(1, 6))
+    n = draw(st.integers(1, 5))
+    history = [[draw(amax_value) for _ in range(n)] for _ in range(h)]
+    scale = [draw(scale_value) for _ in range(n)]
+    last = [draw(last_value) for _ in range(n)]
+    recipe = DelayedScaling(
+        margin=draw(st.integers(0, 4)),
+        amax_history_len=h,
+        amax_compute_algo=draw(st.sampled_from(["max", "most_recent"])),
+        fp8_format=Format.HYBRID,
+    )
+    encoding = draw(st.sampled_from(["e4m3", "e5m2"]))
+    return history, scale, last, recipe, encoding
+
+
+def reference(history, scale, last, recipe, fp8_max):
+    """One column at a time, float32 arithmetic: (history, scale, scale_inv, used amax or None)."""
+    h = np.array(history, dtype=np.float32).T.copy()  # column-major: h[c] is column c, newest first
+    s = np.array(scale, dtype=np.float32)
+    used = [None] * len(s)
+    with np.errstate(over="ignore", divide="ignore"):
+        for c, value in enumerate(np.array(last, dtype=np.float32)):
+            if np.isnan(value):
+                value = np.float32(np.inf)  # what the reduction delivers for a NaN
+            if not value > 0:
+                continue  # the role did not run: no roll, no new scale
+            h[c] = np.concatenate([[value], h[c][:-1]])
+            amax = h[c].max() if recipe.amax_compute_algo == "max" else h[c][0]
+            if not (np.isfinite(amax) and amax > 0):
+                continue
+            new = np.float32(np.float32(fp8_max) / amax) / np.float32(2.0**recipe.margin)
+            new = np.float32(F32_MAX) if np.isinf(new) else new
+            if new > 0:
+                s[c], used[c] = new, float(amax)
+        s_inv = np.float32(1.0) / s
+    return h.T, s, s_inv, used
+
+
+def run_update(history, scale, last, recipe, fp8_max):
+    hist_t = torch.tensor(history, dtype=torch.float32)
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    scale_inv_t = torch.reciprocal(scale_t)
+    last_t = torch.tensor(last, dtype=torch.float32)
+    last_t.masked_fill_(torch.isnan(last_t), math.inf)  # as AmaxGroup.launch does
+    update_scaling(hist_t, scale_t, scale_inv_t, last_t, recipe, fp8_max)
+    return hist_t, scale_t, scale_inv_t
+
+
+def assert_matches(got, want) -> None:
+    hist_t, scale_t, scale_inv_t = got
+    h, s, s_inv, _ = want
+    np.testing.assert_array_equal(hist_t.numpy(), h)
+    np.testing.assert_array_equal(scale_t.numpy(), s)
+    np.testing.assert_array_equal(scale_inv_t.numpy(), s_inv)
+
+
+@COMMON
+@given(scaling_case())
+def test_update_matches_per_column_reference_and_keeps_scales_valid(case) -> None:
+    history, scale, last, recipe, encoding = case
+    fp8_max = FP8_MAX[encoding]
+    got = run_update(history, scale, last, recipe, fp8_max)
+    assert_matches(got, reference(history, scale, last, recipe, fp8_max))
+    _, scale_t, scale_inv_t = got
+    assert bool(torch.isfinite(scale_t).all() and (scale_t > 0).all()), scale_t
+    assert bool(torch.isfinite(scale_inv_t).all() and (scale_inv_t > 0).all()), scale_inv_t
+
+
+@COMMON
+@given(scaling_case(), st.lists(st.floats(0.0, 1.0, width=32), min_size=1, max_size=8))
+def test_values_within_the_amax_never_overflow_with_the_new_scale(case, fractions) -> None:
+    """x * scale stays within fp8_max for |x| <= the amax the scale came from; the FP8 cast of it,
+    with or without the library's clamp, is finite and within the format's range."""
+    history, scale, last, recipe, encoding = case
+    fp8_max = FP8_MAX[encoding]
+    _, scale_t, _ = run_update(history, scale, last, recipe, fp8_max)
+    _, _, _, used = reference(history, scale, last, recipe, fp8_max)
+    for c, amax in enumerate(used):
+        if amax is None:
+            continue  # scale kept: no claim about this step's amax (it may be inf)
+        x = torch.tensor([amax] + [amax * f for f in fractions], dtype=torch.float32)
+        x = torch.cat([x, -x])
+        scaled = x * scale_t[c]
+        assert bool((scaled.abs() <= fp8_max * (1 + 2**-20)).all()), (amax, float(scale_t[c]), scaled)
+        for q in (scaled.to(fp8_dtype(encoding)), quantize(x, scale_t[c], encoding)):
+            qf = q.float()
+            assert bool(torch.isfinite(qf).all()) and float(qf.abs().max()) <= fp8_max, (amax, qf)
+
+
+@COMMON
+@given(scaling_case())
+def test_group_record_launch_finish_equals_the_reference(case) -> None:
+    """The path real modules use (record max into the slot, launch turns NaN into inf, finish updates)
+    gives the reference update; a column that recorded nothing (or 0) does not move."""
+    history, scale, last, recipe, encoding = case
+    direction = "fwd" if encoding == "e4m3" else "bwd"
+    group = AmaxGroup(direction, recipe, None, ReductionStats())
+    hist_t = torch.tensor(history, dtype=torch.float32)
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    group.register("Case()", hist_t, scale_t, torch.reciprocal(scale_t))
+    for c, value in enumerate(last):
+        group.record(c, torch.tensor(value))
+    group.launch(async_op=True)
+    group.finish()
+    storage = group.storage
+    assert_matches(
+        (storage.history, storage.scale, storage.scale_inv),
+        reference(history, scale, last, recipe, FP8_MAX[encoding]),
+    )
+    nonfinite = sum(1 for v in last if math.isnan(v) or math.isinf(v))
+    assert group.stats.nonfinite_amax_events == nonfinite
