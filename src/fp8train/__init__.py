@@ -1,10 +1,12 @@
 """fp8train: FP8 training with delayed scaling and an asynchronous global amax reduction."""
 
 from .autocast import autocast, fp8_autocast, reduction_stats, reset_reduction_stats, synchronize
+from .checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
+from .convert import convert_to_fp8
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .recipe import DelayedScaling, Format
 from .recompute import checkpoint
-from .reduction import LayoutMismatchError
+from .reduction import AmaxReductionError, LayoutMismatchError
 
 __version__ = "0.1.0"
 
@@ -23,5 +25,10 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "LayoutMismatchError",
+    "AmaxReductionError",
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
     "checkpoint",
+    "convert_to_fp8",
 ]

@@ -115,7 +115,8 @@ class _Registry:
         self.groups: dict[tuple, tuple[AmaxGroup, AmaxGroup]] = {}
         self.stats = ReductionStats()
         self.live_regions: weakref.WeakSet[Region] = weakref.WeakSet()
-        self.recompute: Optional[tuple[Optional[Region], tuple[RegionSettings, ...]]] = None
+        self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
+        self.checkpoints: list = []  # fp8train.checkpoint calls whose forward is running: they note plans
 
     def amax_groups(self, recipe: DelayedScaling, group) -> tuple[AmaxGroup, AmaxGroup]:
         key = (recipe, group)

@@ -3,37 +3,76 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch.utils.checkpoint
 
-from .autocast import REGISTRY
+from .autocast import REGISTRY, RegionSettings
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "CallRecord"]
+
+
+class CallRecord:
+    """One fp8train.checkpoint call: the regions active at the call and each FP8 module's plans in order.
+
+    The plans are noted during the original forward; every recomputation replays them from the
+    start, so a recomputation (or a second one, with retain_graph) uses exactly the original scales.
+    """
+
+    def __init__(self, stack: tuple[RegionSettings, ...]) -> None:
+        self.stack = stack
+        self.plans: dict[int, list] = {}
+        self.cursor: dict[int, int] = {}
+
+    def add(self, module_id: int, plan) -> None:
+        self.plans.setdefault(module_id, []).append(plan)
+
+    def next(self, module_id: int) -> Optional[Any]:
+        """The plan of this module's next call in the original forward, or None if it ran no more."""
+        index = self.cursor.get(module_id, 0)
+        plans = self.plans.get(module_id, [])
+        if index >= len(plans):
+            return None
+        self.cursor[module_id] = index + 1
+        return plans[index]
 
 
 @contextlib.contextmanager
-def _replaying(region, stack):
-    previous = REGISTRY.recompute
-    REGISTRY.recompute = (region, stack)
+def _noting(call: CallRecord) -> Iterator[None]:
+    REGISTRY.checkpoints.append(call)
     try:
         yield
     finally:
-        REGISTRY.recompute = previous
+        REGISTRY.checkpoints.remove(call)
+
+
+@contextlib.contextmanager
+def _replaying(call: CallRecord) -> Iterator[None]:
+    """Replay under the regions that were active at the original call (backward runs outside them)."""
+    previous, previous_stack = REGISTRY.recompute, REGISTRY.stack
+    REGISTRY.recompute, REGISTRY.stack = call, list(call.stack)
+    call.cursor = {}
+    try:
+        yield
+    finally:
+        REGISTRY.recompute, REGISTRY.stack = previous, previous_stack
 
 
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """`torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`, FP8-aware.
 
     The recomputed forward uses exactly the scales of the original one, records no amax and
-    registers nothing, so gradients equal those of the run without recomputation bit for bit.
+    registers nothing, so gradients equal those of the run without recomputation bit for bit. It
+    works for several regions whose backwards are pending (pipeline style) and for nested calls.
     """
     if kwargs.pop("use_reentrant", False):
         raise ValueError("fp8train.checkpoint supports use_reentrant=False only")
-    region, stack = REGISTRY.region, tuple(REGISTRY.stack)
+    if "context_fn" in kwargs:
+        raise ValueError("fp8train.checkpoint sets its own context_fn; it cannot take another")
+    call = CallRecord(tuple(REGISTRY.stack))
 
     def context_fn():
-        return contextlib.nullcontext(), _replaying(region, stack)
+        return _noting(call), _replaying(call)
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=context_fn, **kwargs

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import functools
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -149,10 +151,48 @@ class Plan:
     region: Optional[Region] = None  # owes this call's backward
 
 
+EAGER_REASON = (
+    "fp8train FP8 modules run eagerly inside torch.compile (amax recording, scale snapshots and "
+    "recomputation plans are Python-side state); compile without fullgraph=True"
+)
+
+
+def _eager(forward: Callable) -> Callable:
+    """`forward`, kept out of torch.compile graphs: a compiled model graph-breaks around FP8 modules.
+
+    torch._dynamo is only touched once the user has loaded it (importing it costs about a second).
+    """
+    disabled: list[Callable] = []
+
+    def prepare() -> None:  # best outside a trace: fullgraph=True then reports EAGER_REASON
+        if not disabled and "torch._dynamo" in sys.modules:
+            disabled.append(torch.compiler.disable(forward, recursive=True, reason=EAGER_REASON))
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return forward(self, *args, **kwargs)
+        if not disabled and torch.compiler.is_compiling():
+            # Traced before any eager call: dynamo cannot trace the wrapping itself. Under fullgraph=True
+            # this is the error the user sees; otherwise dynamo falls back to running this frame eagerly.
+            raise RuntimeError(EAGER_REASON)
+        prepare()
+        return disabled[0](self, *args, **kwargs)
+
+    prepare()
+
+    return run
+
+
 class FP8Module(torch.nn.Module):
     """Base of modules with FP8 GEMMs. Subclasses set `num_gemms` and call `_plan()` in forward."""
 
     num_gemms = 1
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            cls.forward = _eager(cls.forward)
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,7 +210,11 @@ class FP8Module(torch.nn.Module):
     # ---- choosing how this call runs ----------------------------------------------------------
     def _plan(self) -> Optional[Plan]:
         if REGISTRY.recompute is not None or in_backward():
-            return self._recompute_plan()
+            plan = self._recompute_plan()
+            if plan is not None:
+                for call in REGISTRY.checkpoints:  # a checkpoint nested in the one being recomputed
+                    call.add(id(self), plan)
+            return plan
         training = torch.is_grad_enabled()
         settings = REGISTRY.stack[-1] if REGISTRY.stack else None
         if settings is None or not (settings.enabled or settings.calibrating):
@@ -210,20 +254,28 @@ class FP8Module(torch.nn.Module):
         if training:
             replay = Plan(fp8, scale, scale_inv, offset, bwd_meta.offset)  # no reference to the region
             region.calls.setdefault(id(self), collections.deque()).append(replay)
+            for call in REGISTRY.checkpoints:
+                call.add(id(self), replay)
         return plan
 
     def _recompute_plan(self) -> Optional[Plan]:
         """The plan of the original forward call, replayed: same scales, no amax, no registration."""
-        if REGISTRY.recompute is not None:  # fp8train.checkpoint restored the original call's settings
+        call = REGISTRY.recompute
+        if call is not None:  # fp8train.checkpoint noted this call's plans and restored its settings
             settings = REGISTRY.stack[-1] if REGISTRY.stack else None
             if settings is None or not (settings.enabled or settings.calibrating):
                 return None  # the original call ran in high precision
-            explicit = REGISTRY.recompute[0]
-            candidates = [explicit] if explicit is not None and explicit.calls.get(id(self)) else []
-        else:  # torch.utils.checkpoint: the one region whose backward still owes a call of this module
-            candidates = [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(self))]
-            if not candidates and not self._untracked_fp8:
-                return None  # no FP8 training call pending: the original forward was high precision
+            plan = call.next(id(self))
+            if plan is None:
+                raise RuntimeError(
+                    f"{self._signature()} runs more often in the recomputed forward than in the original "
+                    "one; a function passed to fp8train.checkpoint must call the same FP8 modules each time"
+                )
+            return plan
+        # torch.utils.checkpoint: the one region whose backward still owes a call of this module
+        candidates = [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(self))]
+        if not candidates and not self._untracked_fp8:
+            return None  # no FP8 training call pending: the original forward was high precision
         if len(candidates) == 1:
             return candidates[0].calls[id(self)].popleft()
         raise RuntimeError(

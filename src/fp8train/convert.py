@@ -1,0 +1,112 @@
+"""Swap a model's linear layers for FP8 ones in place, keeping its parameters.
+
+`convert_to_fp8` replaces every `torch.nn.Linear` (and Hugging Face `transformers`' `Conv1D`, the
+GPT-2 family's linear layer, whose weight is stored transposed as in x out) by an FP8 module that
+holds the very same Parameter objects. So an optimizer built before the conversion still updates
+the model, tied weights stay tied, parameter names and shapes do not change (a checkpoint of the
+unconverted model loads with `strict=False`: only the FP8 `_extra_state` entries are new), and
+outside an FP8 region the converted model computes exactly what the original did.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .modules.base import FP8Module
+from .modules.fp8_linear import fp8_linear
+from .modules.linear import Linear
+from .recipe import DelayedScaling
+
+__all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible"]
+
+FilterFn = Callable[[torch.nn.Module, str], bool]
+
+# FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16.
+GEMM_MULTIPLE = 16
+
+
+def fp8_compatible(in_features: int, out_features: int) -> bool:
+    """Whether an FP8 GEMM can take a weight of this shape."""
+    return in_features % GEMM_MULTIPLE == 0 and out_features % GEMM_MULTIPLE == 0
+
+
+class Conv1D(FP8Module):
+    """FP8 version of `transformers`' Conv1D: y = x @ weight + bias with weight stored (in, out)."""
+
+    def __init__(self, weight: torch.nn.Parameter, bias: Optional[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape
+        self.nf = self.out_features  # the attribute name transformers' code reads
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        # weight.t() is a view: gradients flow back into the same (in, out) Parameter.
+        return fp8_linear(self, x, self.weight.t(), self.bias, self._plan(), 0, is_first_microbatch)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.out_features}, nx={self.in_features}"
+
+
+def _is_hf_conv1d(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+
+
+def _swap(module: torch.nn.Module) -> Optional[FP8Module]:
+    """The FP8 replacement of `module`, or None if it is not a layer this function converts."""
+    if type(module) is torch.nn.Linear:
+        if not fp8_compatible(module.in_features, module.out_features):
+            return None
+        new = Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        new.weight, new.bias = module.weight, module.bias
+    elif _is_hf_conv1d(module):
+        if not fp8_compatible(*module.weight.shape):
+            return None
+        new = Conv1D(module.weight, module.bias)
+    else:
+        return None
+    new.train(module.training)
+    return new
+
+
+def convert_to_fp8(
+    model: torch.nn.Module,
+    module_filter_fn: Optional[FilterFn] = None,
+    recipe: Optional[DelayedScaling] = None,
+) -> torch.nn.Module:
+    """Replace `torch.nn.Linear` (and transformers' `Conv1D`) layers of `model` by FP8 modules, in place.
+
+    A layer is converted when both weight dimensions are multiples of 16 (what FP8 GEMMs take) and
+    `module_filter_fn(module, fully_qualified_name)` returns True (it is not called for layers that
+    are skipped anyway); return False to keep a layer in high precision, e.g. the output head.
+    `recipe` is only checked here: FP8 state is created under the recipe of the first training
+    `fp8_autocast` region, so pass that same recipe there. Returns `model` (converted in place;
+    a `model` that is itself a Linear cannot be replaced in place and is returned converted).
+    """
+    if recipe is not None and not isinstance(recipe, DelayedScaling):
+        raise ValueError(f"recipe must be a fp8train.DelayedScaling, got {type(recipe).__name__}")
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise ValueError("module_filter_fn must be a callable (module, fqn) -> bool")
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        return module_filter_fn is None or bool(module_filter_fn(module, fqn))
+
+    root = _swap(model)
+    if root is not None:
+        return root if keep(model, "") else model
+    swapped: dict[int, torch.nn.Module] = {}  # a layer shared by several parents stays one module
+    for fqn, parent in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(parent, FP8Module):
+            continue
+        for name, child in list(parent._modules.items()):  # named_children() hides repeats
+            if child is None:
+                continue
+            if id(child) not in swapped:
+                new = _swap(child)
+                keep_it = new is not None and keep(child, f"{fqn}.{name}" if fqn else name)
+                swapped[id(child)] = new if keep_it else child
+            setattr(parent, name, swapped[id(child)])
+    return model

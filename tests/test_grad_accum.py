@@ -1,0 +1,159 @@
+"""Gradient accumulation with `is_first_microbatch`: the documented loop, checked against a hand-written one.
+
+The documented loop (docs/guide.md): N microbatches per optimizer step, each in its own `fp8_autocast`
+region, `is_first_microbatch=True` on the first and `False` on the others. What is truly equal to it?
+
+- The weight does not change within a step, so casting it once is enough: microbatch 1 casts it with
+  the weight scale current at microbatch 1, records its amax, and the FP8 weight and its scale_inv are
+  reused by microbatches 2..N, which record no weight amax (so the weight history rolls once per step).
+- Each microbatch is its own region, so the input and gradient scales DO move between microbatches:
+  microbatch i uses the scales updated with the amaxes of microbatch i-1.
+
+So the equivalent loop a user would write without fp8train's cache is not "the same loop with
+is_first_microbatch=None" (that recasts the weight every microbatch with a scale that has moved, and
+rolls the weight history N times per step). It is the loop below, written from primitives only
+(`quantize`, `gemm`, `update_scaling`): keep the FP8 weight cast at microbatch 1 for the whole step,
+and update the delayed-scaling state after every microbatch with [input amax, weight amax on
+microbatch 1 else 0, 0] forward and [grad amax, 0] backward. Losses, accumulated gradients, updated
+weights and every scale and history must be bitwise equal to fp8train's, and the weight must be
+cast once per step (counted by wrapping the module's `quantize`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8train
+import fp8train.modules.fp8_linear as fp8_linear_mod
+from fp8train.cast import amax, quantize
+from fp8train.gemm import gemm, operand
+from fp8train.scaling import update_scaling
+
+RECIPE = fp8train.DelayedScaling(amax_history_len=16)
+STEPS, MICRO = 3, 3
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _weight() -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(0)) * 0.2
+
+
+def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(2, 4, 32, generator=g) * (1 + micro), torch.randn(2, 4, 16, generator=g)
+
+
+def _loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (y - target).pow(2).mean() / MICRO
+
+
+class CastCounter:
+    """Scales of the casts of any tensor sharing storage with one of `weights`."""
+
+    def __init__(self) -> None:
+        self.weights: list[torch.Tensor] = []
+        self.casts: list[float] = []
+
+
+@pytest.fixture
+def weight_casts(monkeypatch) -> CastCounter:
+    counter = CastCounter()
+    real = fp8_linear_mod.quantize
+
+    def counting(x, scale, encoding):
+        if any(x.data_ptr() == w.data_ptr() for w in counter.weights):
+            counter.casts.append(float(scale))
+        return real(x, scale, encoding)
+
+    monkeypatch.setattr(fp8_linear_mod, "quantize", counting)
+    return counter
+
+
+def _fp8train_loop(first_microbatch_flags: bool, counter: CastCounter) -> dict:
+    layer = fp8train.Linear(32, 16, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(_weight())
+    counter.weights.append(layer.weight)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    out = {"loss": [], "grad": [], "weight": [], "casts_per_step": []}
+    for step in range(STEPS):
+        before = len(counter.casts)
+        for micro in range(MICRO):
+            x, target = _batch(step, micro)
+            flag = (micro == 0) if first_microbatch_flags else None
+            with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+                y = layer(x, is_first_microbatch=flag)
+            loss = _loss(y, target)
+            loss.backward()
+            out["loss"].append(loss)
+        out["casts_per_step"].append(len(counter.casts) - before)
+        out["grad"].append(layer.weight.grad.clone())
+        opt.step()
+        opt.zero_grad()
+        out["weight"].append(layer.weight.detach().clone())
+    meta = layer.fp8_meta
+    out["fwd"] = [t.clone() for t in (meta["scaling_fwd"].amax_history, meta["scaling_fwd"].scale)]
+    out["bwd"] = [t.clone() for t in (meta["scaling_bwd"].amax_history, meta["scaling_bwd"].scale)]
+    return out
+
+
+def _user_loop() -> dict:
+    """The same training written by hand: one weight cast per step, delayed scaling per microbatch."""
+    weight = torch.nn.Parameter(_weight())
+    opt = torch.optim.SGD([weight], lr=0.1)
+    h = RECIPE.amax_history_len
+    fwd_hist, fwd_scale, fwd_sinv = torch.zeros(h, 3), torch.ones(3), torch.ones(3)
+    bwd_hist, bwd_scale, bwd_sinv = torch.zeros(h, 2), torch.ones(2), torch.ones(2)
+    out = {"loss": [], "grad": [], "weight": []}
+    for step in range(STEPS):
+        grad = None
+        for micro in range(MICRO):
+            x, target = _batch(step, micro)
+            if micro == 0:  # the step's one weight cast, with the weight scale of microbatch 1
+                w_amax = amax(weight)
+                q_weight = operand(quantize(weight.detach(), fwd_scale[1].clone(), "e4m3"))
+                w_sinv = fwd_sinv[1].clone()
+            x2d = x.reshape(-1, 32)
+            qx = operand(quantize(x2d, fwd_scale[0].clone(), "e4m3"))
+            x_sinv = fwd_sinv[0].clone()
+            y = gemm(qx, x_sinv, q_weight.t(), w_sinv, x.dtype).reshape(2, 4, 16).requires_grad_()
+            last = torch.stack([amax(x), w_amax if micro == 0 else torch.zeros(()), torch.zeros(())])
+            update_scaling(fwd_hist, fwd_scale, fwd_sinv, last, RECIPE, E4M3_MAX)
+            loss = _loss(y, target)
+            (grad_y,) = torch.autograd.grad(loss, y)
+            g2d = grad_y.reshape(-1, 16)
+            qg = operand(quantize(g2d, bwd_scale[0].clone(), "e5m2"))
+            g_w = gemm(qg.t(), bwd_sinv[0].clone(), qx, x_sinv, weight.dtype)
+            last = torch.stack([amax(g2d), torch.zeros(())])
+            update_scaling(bwd_hist, bwd_scale, bwd_sinv, last, RECIPE, E5M2_MAX)
+            grad = g_w if grad is None else grad + g_w
+            out["loss"].append(loss)
+        weight.grad = grad
+        out["grad"].append(grad.clone())
+        opt.step()
+        opt.zero_grad()
+        out["weight"].append(weight.detach().clone())
+    out["fwd"], out["bwd"] = [fwd_hist, fwd_scale], [bwd_hist, bwd_scale]
+    return out
+
+
+def test_cached_weight_loop_equals_hand_written_loop(weight_casts: CastCounter) -> None:
+    ours, user = _fp8train_loop(True, weight_casts), _user_loop()
+    for key in ("loss", "grad", "weight", "fwd", "bwd"):
+        assert len(ours[key]) == len(user[key])
+        for a, b in zip(ours[key], user[key]):
+            assert torch.equal(a, b), key
+    assert ours["casts_per_step"] == [1] * STEPS
+    fwd_history = ours["fwd"][0]
+    assert int((fwd_history[:, 0] > 0).sum()) == STEPS * MICRO  # input rolls every microbatch
+    assert int((fwd_history[:, 1] > 0).sum()) == STEPS  # weight rolls once per step
+    assert int((ours["bwd"][0][:, 0] > 0).sum()) == STEPS * MICRO
+
+
+def test_without_cache_weight_is_cast_every_microbatch(weight_casts: CastCounter) -> None:
+    """The counter really counts: with is_first_microbatch=None every microbatch recasts the weight."""
+    plain = _fp8train_loop(False, weight_casts)
+    assert plain["casts_per_step"] == [MICRO] * STEPS
+    assert int((plain["fwd"][0][:, 1] > 0).sum()) == STEPS * MICRO
+    assert not torch.equal(plain["weight"][-1], _user_loop()["weight"][-1])
