@@ -9,7 +9,6 @@ maximum of the local ones.
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import pytest
@@ -18,26 +17,10 @@ import torch.distributed as dist
 
 import fp8train
 from dist_utils import run_ranks
+from helpers import digest, fp8_state
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 STEPS = 4
-
-
-def _digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:
-    out = []
-    for m in model.modules():
-        if isinstance(m, fp8train.FP8Module):
-            for key in ("scaling_fwd", "scaling_bwd"):
-                meta = m.fp8_meta[key]
-                out += [meta.scale, meta.scale_inv, meta.amax_history]
-    return out
 
 
 def _model() -> torch.nn.Module:
@@ -65,10 +48,10 @@ def _train(rank: int, model: torch.nn.Module, group, full_grads) -> dict:
         loss.backward()
         opt.step()
         out["loss"].append(loss.item())
-        out["grads"].append(_digest(full_grads(model)))
+        out["grads"].append(digest(full_grads(model)))
         opt.zero_grad()
         out["local_amax"].append(float(x.abs().max()))
-        out["fp8"].append(_digest(_fp8_state(model)))  # reading the state finishes in-flight reductions
+        out["fp8"].append(digest(fp8_state(model)))  # reading the state finishes in-flight reductions
         out["reduced_amax"].append(float(first.fp8_meta["scaling_fwd"].amax_history[0, 0]))
     fp8train.synchronize()
     return out

@@ -6,7 +6,6 @@ would show up as a TimeoutError of the launcher, never as a stuck test run.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import pickle
@@ -25,6 +24,7 @@ from fp8train.autocast import ENV_ASYNC, REGISTRY
 from fp8train.checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from fp8train.modules import FP8Module
 from fp8train.reduction import AmaxReductionError
+from helpers import digest, fp8_state
 
 try:  # written alongside these tests; used where present
     from fp8train.telemetry import Telemetry, read_metrics
@@ -55,35 +55,6 @@ def batch(rank: int, step: int, scale: float = 1.0) -> torch.Tensor:
 
 def fp8_modules(model: torch.nn.Module) -> list[FP8Module]:
     return [m for m in model.modules() if isinstance(m, FP8Module)]
-
-
-def fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every history, scale and scale_inv of the model (reading them completes pending reductions)."""
-    out = []
-    for m in fp8_modules(model):
-        for key in ("scaling_fwd", "scaling_bwd"):
-            meta = m.fp8_meta[key]
-            out += [meta.amax_history.clone(), meta.scale.clone(), meta.scale_inv.clone()]
-    return out
-
-
-def digest(obj: Any) -> str:
-    """A content hash of a (nested) state dict: tensors by their bytes, everything else by repr."""
-    h = hashlib.sha256()
-
-    def feed(o: Any) -> None:
-        if isinstance(o, dict):
-            for k in sorted(o, key=str):
-                h.update(repr(k).encode())
-                feed(o[k])
-        elif isinstance(o, torch.Tensor):
-            h.update(f"{o.dtype}{tuple(o.shape)}".encode())
-            h.update(o.detach().cpu().contiguous().numpy().tobytes())
-        else:
-            h.update(repr(o).encode())
-
-    feed(obj)
-    return h.hexdigest()
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, recipe=RECIPE) -> float:

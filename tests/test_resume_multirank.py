@@ -12,7 +12,6 @@ and the modes must equal each other. The 2-rank checkpoint also loads on a singl
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import fp8train
 from dist_utils import run_ranks
 from fp8train.autocast import ENV_ASYNC, REGISTRY
+from helpers import digest, fp8_state
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=8)
 STEPS, K = 6, 3
@@ -39,23 +39,6 @@ def _model() -> torch.nn.Module:
 def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(8, 32, generator=g) * (1 + rank), torch.randn(8, 16, generator=g)
-
-
-def _fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:
-    out = []
-    for m in model.modules():
-        if isinstance(m, fp8train.FP8Module):
-            for key in ("scaling_fwd", "scaling_bwd"):
-                meta = m.fp8_meta[key]
-                out += [meta.amax_history, meta.scale, meta.scale_inv]
-    return out
-
-
-def _digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _steps(rank: int, model, opt, first: int, save_path=None) -> dict:
@@ -76,8 +59,8 @@ def _steps(rank: int, model, opt, first: int, save_path=None) -> dict:
             state = {"model": model.module.state_dict(), "optim": opt.state_dict()}  # finishes, no collective
             torch.save(state, save_path)
         out["loss"].append(loss.item())
-        out["fp8"].append(_digest(_fp8_state(model.module)))
-        out["params"].append(_digest(list(model.parameters())))
+        out["fp8"].append(digest(fp8_state(model.module)))
+        out["params"].append(digest(list(model.parameters())))
     fp8train.synchronize()
     return out
 
@@ -160,7 +143,7 @@ def test_two_rank_checkpoint_loads_on_one_process(runs) -> None:
     state = torch.load(os.path.join(directory, "async.pt"), weights_only=False)
     model = _model()
     model.load_state_dict(state["model"])
-    loaded = _fp8_state(model)
+    loaded = fp8_state(model)
     saved = [
         t
         for key, extra in state["model"].items()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 import fp8train as ft
+from fp8train.autocast import REGISTRY
 from fp8train.scaling import update_scaling
 
 from .common import OpCounter, interleaved_medians
 
 
 def _model(n_modules: int, history_len: int) -> tuple[torch.nn.Module, object]:
+    REGISTRY.groups.clear()  # a fresh amax group holding exactly these modules
     model = torch.nn.Sequential(*[ft.Linear(16, 16) for _ in range(n_modules)])
     recipe = ft.DelayedScaling(amax_history_len=history_len)
     with ft.fp8_autocast(fp8_recipe=recipe):

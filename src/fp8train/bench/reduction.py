@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import fp8train as ft
 
 MODES = ("none", "blocking", "async")
-SIZES = {"tiny": (64, 128, 2, 64), "small": (256, 1024, 4, 512)}  # hidden, ffn, blocks, tokens
+SIZES = {"tiny": (64, 128, 2, 64), "small": (256, 1024, 6, 1024)}  # hidden, ffn, blocks, tokens
 
 
 class _Delayed:

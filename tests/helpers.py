@@ -1,0 +1,44 @@
+"""Small helpers shared by the tests: a model's FP8 state and content hashes."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from fp8train import FP8Module
+
+
+def fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:
+    """[amax_history, scale, scale_inv] of each direction of each FP8 module (reading them completes
+    pending reductions), as copies."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, FP8Module):
+            for key in ("scaling_fwd", "scaling_bwd"):
+                meta = m.fp8_meta[key]
+                out += [meta.amax_history.clone(), meta.scale.clone(), meta.scale_inv.clone()]
+    return out
+
+
+def digest(obj: Any) -> str:
+    """A content hash of tensors, (nested) lists and dicts: tensors by dtype, shape and bytes."""
+    h = hashlib.sha256()
+
+    def feed(o: Any) -> None:
+        if isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(repr(k).encode())
+                feed(o[k])
+        elif isinstance(o, (list, tuple)):
+            for item in o:
+                feed(item)
+        elif isinstance(o, torch.Tensor):
+            h.update(f"{o.dtype}{tuple(o.shape)}".encode())
+            h.update(o.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(o).encode())
+
+    feed(obj)
+    return h.hexdigest()

@@ -1,0 +1,46 @@
+"""The benchmarks behind `fp8train bench` run in tiny configurations and report sane figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp8train.bench import main
+
+
+def _rows(tmp_path, suite: str) -> list[dict]:
+    assert main([suite, "--quick", "--out", str(tmp_path)]) == 0
+    return json.loads((tmp_path / f"{suite}.json").read_text())["rows"]
+
+
+def test_fused_update_op_count_is_flat_while_per_module_grows(tmp_path) -> None:
+    rows = _rows(tmp_path, "fused")
+    assert [r["modules"] for r in rows] == [4, 16]
+    assert [r["roles"] for r in rows] == [12, 48]  # each run has its own group of exactly n modules
+    assert rows[0]["fused_ops"] == rows[1]["fused_ops"]
+    assert rows[1]["per_module_ops"] == 4 * rows[0]["per_module_ops"]
+
+
+def test_step_time_compares_fp8_with_fp32_and_bf16(tmp_path) -> None:
+    rows = {r["config"]: r for r in _rows(tmp_path, "step")}
+    assert {"fp32 torch.nn", "bf16 torch.nn", "fp8 fp8train"} <= set(rows)
+    assert rows["fp32 torch.nn"]["vs_fp32"] == 1.0
+    assert all(r["ms"] > 0 for r in rows.values())
+
+
+def test_gpu_mode_runs_on_cpu_in_a_tiny_configuration(tmp_path) -> None:
+    (row,) = _rows(tmp_path, "gpu")
+    assert row["n"] == 32 and row["path"] == "bf16"
+    assert row["fp8_ms"] > 0 and row["bf16_ms"] > 0 and row["speedup"] > 0
+
+
+@pytest.mark.multirank
+def test_reduction_benchmark_counts_collectives_and_exposes_blocking_latency(tmp_path) -> None:
+    rows = _rows(tmp_path, "reduction")
+    by = {(r["latency_ms"], r["mode"]): r for r in rows}
+    assert by[(0.0, "none")]["collectives_per_step"] == 0
+    assert by[(5.0, "async")]["collectives_per_step"] == 2
+    assert by[(5.0, "blocking")]["collectives_per_step"] == 2
+    # blocking waits out the whole injected latency of both collectives, every step
+    assert by[(5.0, "blocking")]["exposed_ms_per_step"] >= 2 * 5.0 * 0.99
