@@ -186,8 +186,15 @@ def synchronize() -> None:
     REGISTRY.synchronize()
 
 
-def reduction_stats() -> dict:
-    """Per-process reduction counters: launched, bytes_reduced, exposed_wait_s, hidden_s, ..."""
+def reduction_stats(complete: bool = True) -> dict:
+    """Per-process reduction counters: launched, bytes_reduced, exposed_wait_s, hidden_s, updates,
+    nonfinite_amax_events.
+
+    By default in-flight reductions are completed first (no collective is issued), so the counters
+    include the last step's update; `complete=False` reads them without waiting.
+    """
+    if complete:
+        REGISTRY.synchronize()
     return REGISTRY.stats.as_dict()
 
 
