@@ -148,4 +148,4 @@ def test_group_record_launch_finish_equals_the_reference(case) -> None:
         reference(history, scale, last, recipe, FP8_MAX[encoding]),
     )
     nonfinite = sum(1 for v in last if math.isnan(v) or math.isinf(v))
-    assert group.stats.nonfinite_amax_events == nonfinite
+    assert group.stats.as_dict()["nonfinite_amax_events"] == nonfinite

@@ -62,6 +62,8 @@ class Region:
         self.backward_task: Optional[int] = None  # graph task that will launch leftovers at its end
         self.calls: dict[int, collections.deque] = {}  # module id -> forward plans, for recompute
         self.backward_done = False
+        self.keys: dict[tuple, None] = {}  # (recipe, group) of every FP8 or calibrating entry
+        self.index = -1  # which training region of this process (set when its forward launches)
 
     def scales(self, group: AmaxGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, scale_inv) this region uses for `group`: finished once, then frozen (a copy)."""
@@ -72,18 +74,13 @@ class Region:
             self.fwd_groups[group] = snap
         return snap
 
-    def launch_forward(self) -> None:
-        for group in self.fwd_groups:
-            if group.recorded_columns:
-                group.launch(self.async_op)
-
     def launch_backward(self) -> None:
         if not self.backward_recorded:
             return
         self.backward_recorded = False
         for group in self.bwd_groups:
             if group.recorded_columns:
-                group.launch(self.async_op)
+                group.launch(self.async_op, self.index)
 
     def note_backward(self, group: AmaxGroup) -> None:
         """A backward node of this region recorded into `group`; make sure the amaxes get launched."""
@@ -115,6 +112,7 @@ class _Registry:
         self.groups: dict[tuple, tuple[AmaxGroup, AmaxGroup]] = {}
         self.stats = ReductionStats()
         self.live_regions: weakref.WeakSet[Region] = weakref.WeakSet()
+        self.training_regions = 0  # outermost regions that launched forward reductions
         self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
         self.checkpoints: list = []  # fp8train.checkpoint calls whose forward is running: they note plans
 
@@ -153,6 +151,8 @@ def fp8_autocast(
         REGISTRY.region = region
         REGISTRY.live_regions.add(region)
     REGISTRY.stack.append(settings)
+    if REGISTRY.region is not None and (settings.enabled or settings.calibrating):
+        REGISTRY.region.keys[(settings.recipe, settings.group)] = None
     failed = False
     try:
         yield
@@ -162,13 +162,30 @@ def fp8_autocast(
     finally:
         REGISTRY.stack.pop()
         if outermost:
-            region = REGISTRY.region
+            _end_forward(REGISTRY.region, failed)
             REGISTRY.region = None
-            if failed:
-                for group in region.fwd_groups:
-                    group.discard_recording()
-            else:
-                region.launch_forward()
+
+
+def _end_forward(region: Region, failed: bool) -> None:
+    """Launch the forward reductions of a region that has just exited.
+
+    Whether a rank launches must not depend on which modules ran on that rank, or ranks would pair
+    different steps' collectives: after a training region (grad enabled, or amaxes recorded) the
+    group of every fp8_autocast entered in it launches, recorded or not, and a region that raised
+    launches an empty snapshot. What differs between ranks then fails the header check as a
+    LayoutMismatchError; the header also carries the region's index, so ranks that ran different
+    numbers of training regions fail it too instead of pairing different steps.
+    """
+    groups = [REGISTRY.groups[key][0] for key in region.keys if key in REGISTRY.groups]
+    groups = [group for group in groups if group.storage is not None]
+    if failed:
+        for group in groups:
+            group.discard_recording()
+    if torch.is_grad_enabled() or any(group.recorded_columns for group in groups):
+        region.index = REGISTRY.training_regions
+        REGISTRY.training_regions += 1
+        for group in groups:
+            group.launch(region.async_op, region.index)
 
 
 def autocast(

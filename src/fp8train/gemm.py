@@ -15,6 +15,7 @@ and a backward GEMM is converted once.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -45,10 +46,15 @@ def _scaled_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
 def choose_path(device: torch.device, m: int, k: int, n: int) -> str:
     """The GEMM path for an (m x k) @ (k x n) product on `device`."""
     forced = _forced()
-    fits = _scaled_mm_fits(device, m, k, n)
     if forced == "scaled_mm" or (forced == "auto" and device.type == "cuda"):
-        return "scaled_mm" if fits else "bf16"
+        return "scaled_mm" if _scaled_mm_fits(device, m, k, n) else "bf16"
     return "bf16" if forced == "auto" else forced
+
+
+@functools.cache
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """addmm's ignored input (beta=0), made once per dtype and device."""
+    return torch.zeros((), dtype=dtype, device=device)
 
 
 def operand(q: torch.Tensor) -> torch.Tensor:
@@ -82,8 +88,7 @@ def gemm(
         return y if bias is None else y + bias.to(out_dtype)
     compute = torch.float32 if path == "fp32" else torch.bfloat16
     alpha = float(a_scale_inv.float() * b_scale_inv.float())
-    zero = torch.zeros((), dtype=compute, device=a.device)
-    y = torch.addmm(zero, a.to(compute), b.to(compute), beta=0, alpha=alpha)
+    y = torch.addmm(_zero(compute, a.device), a.to(compute), b.to(compute), beta=0, alpha=alpha)
     if bias is not None:
         y = torch.add(y, bias)  # in the wider of the two dtypes
     return y.to(out_dtype)

@@ -46,16 +46,21 @@ def _noting(call: CallRecord) -> Iterator[None]:
         REGISTRY.checkpoints.remove(call)
 
 
-@contextlib.contextmanager
-def _replaying(call: CallRecord) -> Iterator[None]:
-    """Replay under the regions that were active at the original call (backward runs outside them)."""
-    previous, previous_stack = REGISTRY.recompute, REGISTRY.stack
-    REGISTRY.recompute, REGISTRY.stack = call, list(call.stack)
-    call.cursor = {}
-    try:
-        yield
-    finally:
-        REGISTRY.recompute, REGISTRY.stack = previous, previous_stack
+class _Replaying:
+    """Context of every recomputation of one checkpoint call (torch enters it again for each one, e.g.
+    with retain_graph): replay under the regions that were active at the original call."""
+
+    def __init__(self, call: CallRecord) -> None:
+        self.call = call
+        self.saved: list = []
+
+    def __enter__(self) -> None:
+        self.saved.append((REGISTRY.recompute, REGISTRY.stack))
+        REGISTRY.recompute, REGISTRY.stack = self.call, list(self.call.stack)
+        self.call.cursor = {}
+
+    def __exit__(self, *exc) -> None:
+        REGISTRY.recompute, REGISTRY.stack = self.saved.pop()
 
 
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -72,7 +77,7 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     call = CallRecord(tuple(REGISTRY.stack))
 
     def context_fn():
-        return _noting(call), _replaying(call)
+        return _noting(call), _Replaying(call)
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=context_fn, **kwargs

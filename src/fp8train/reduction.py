@@ -25,7 +25,7 @@ __all__ = ["AmaxGroup", "AmaxReductionError", "LayoutMismatchError", "ReductionS
 # Header of every reduced buffer: each quantity q is sent as (q, -q) so that one MAX reveals both
 # the group's max and min. Quantities: two 24-bit halves of the layout fingerprint, the number of
 # roles, the number of modules, and the number of roles that recorded an amax.
-_HEADER_FIELDS = ("fingerprint_hi", "fingerprint_lo", "roles", "modules", "roles_recorded")
+_HEADER_FIELDS = ("fingerprint_hi", "fingerprint_lo", "roles", "modules", "roles_recorded", "training_region")
 _HEADER_LEN = 2 * len(_HEADER_FIELDS)
 
 
@@ -63,8 +63,18 @@ class ReductionStats:
     updates: int = 0
     nonfinite_amax_events: int = 0
 
+    _nonfinite_on_device: dict = field(default_factory=dict)  # device -> count not yet read (no sync)
+
+    def count_nonfinite(self, last: torch.Tensor) -> None:
+        count = torch.isinf(last).sum()
+        previous = self._nonfinite_on_device.get(last.device)
+        self._nonfinite_on_device[last.device] = count if previous is None else previous + count
+
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        for count in self._nonfinite_on_device.values():
+            self.nonfinite_amax_events += int(count)
+        self._nonfinite_on_device.clear()
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 @dataclass
@@ -95,11 +105,16 @@ class AmaxGroup:
         # The recipe seeds the layout fingerprint: ranks with different recipes (margin, history
         # length, algorithms) would otherwise reduce happily and silently compute different scales.
         self.recipe_key = recipe_key(recipe)
-        self._layout_digest = hashlib.blake2b(self.recipe_key.encode(), digest_size=8).digest()
+        seed = f"{direction} {self.recipe_key}".encode()
+        self._layout_digest = hashlib.blake2b(seed, digest_size=8).digest()
         self._recording_task = -1  # autograd graph task of the amaxes in the recording slot
         self.recorded_columns: list[int] = []
         self.pending: collections.deque[PendingReduction] = collections.deque()
-        self.agreed_roles = 0  # roles all ranks agreed on in an earlier launch
+        self.agreed_roles = 0  # wire roles all ranks agreed on in an earlier launch
+        # Values sent per step, padded so that a forward and a backward collective of the same modules
+        # have the same size: ranks that fall out of step then fail the header check (the direction
+        # is in the fingerprint) instead of aborting on collectives of different sizes.
+        self.wire_roles = 0
         self._check_group()
 
     # ---- layout -----------------------------------------------------------------------------
@@ -123,9 +138,16 @@ class AmaxGroup:
         )
 
     def register(
-        self, signature: str, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor
+        self,
+        signature: str,
+        history: torch.Tensor,
+        scale: torch.Tensor,
+        scale_inv: torch.Tensor,
+        wire_roles: Optional[int] = None,
     ) -> int:
-        """Append one module's roles (with their current state) and return their first column."""
+        """Append one module's roles (with their current state) and return their first column.
+
+        `wire_roles` (>= its roles) is how many values the module sends per reduction."""
         if history.shape[0] != self.recipe.amax_history_len:
             raise ValueError(
                 f"{signature}: its FP8 state has amax history length {history.shape[0]} but the recipe in "
@@ -140,12 +162,13 @@ class AmaxGroup:
                 f"{self.storage.device}; one amax group holds modules of one device"
             )
         self.members.append(signature)
+        self.wire_roles += max(wire_roles or 0, scale.numel())
         self._layout_digest = hashlib.blake2b(
             self._layout_digest + signature.encode(), digest_size=8
         ).digest()
         return self.storage.append(history, scale, scale_inv)
 
-    def _header(self, columns: list[int]) -> list[float]:
+    def _header(self, columns: list[int], region_index: int) -> list[float]:
         digest = hashlib.blake2b(self._layout_digest + repr(columns).encode(), digest_size=6).digest()
         values = [
             float(int.from_bytes(digest[:3], "little")),
@@ -153,6 +176,7 @@ class AmaxGroup:
             float(self.storage.num_roles),
             float(len(self.members)),
             float(len(columns)),
+            float(region_index % 2**24),  # ranks at different steps pair the wrong collectives
         ]
         return [x for v in values for x in (v, -v)]
 
@@ -179,32 +203,33 @@ class AmaxGroup:
         self.recorded_columns.clear()
 
     # ---- the collective -----------------------------------------------------------------------
-    def launch(self, async_op: bool) -> None:
+    def launch(self, async_op: bool, region_index: int = 0) -> None:
         """Snapshot and clear the recording slot, then start the MAX all-reduce on the snapshot."""
         storage = self.storage
-        snapshot = storage.recording.clone()
+        n = storage.num_roles
+        snapshot = torch.nn.functional.pad(storage.recording, (0, self.wire_roles - n))  # a copy
         storage.recording.zero_()
         snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # NCCL's MAX may drop NaN
         columns = sorted(set(self.recorded_columns))
         self.recorded_columns.clear()
         now = time.perf_counter()
         if not self.reduces:
-            self.pending.append(PendingReduction(snapshot, None, snapshot.numel(), now))
+            self.pending.append(PendingReduction(snapshot, None, n, now))
             return
-        header = self._header(columns)
-        n = snapshot.numel()
+        header = self._header(columns, region_index)
+        wire = snapshot.numel()
         agreed = self.agreed_roles
         head = torch.tensor(header, dtype=torch.float32, device=snapshot.device)
         buffer = torch.cat([head, snapshot[:agreed]])
         pending = PendingReduction(buffer, None, n, now, header)
-        if n != agreed:
+        if wire != agreed:
             # The layout grew since the last agreement: settle the header first (blocking), so that
             # ranks never issue collectives of different sizes, then reduce the new columns.
             self._all_reduce(buffer, async_op=False)
             self._check_header(buffer, header)
             extra = snapshot[agreed:].clone()
             pending.extra = (extra, self._all_reduce(extra, async_op))
-            self.agreed_roles = n
+            self.agreed_roles = wire
         else:
             pending.work = self._all_reduce(buffer, async_op)
         self.pending.append(pending)
@@ -254,12 +279,12 @@ class AmaxGroup:
         """Wait for every launched reduction, then unpack it and run the fused update."""
         while self.pending:
             pending = self.pending[0]
-            last = self._wait(pending)
+            last = self._wait(pending)[: pending.num_roles]
             self.pending.popleft()
             storage = self.storage
-            n = last.numel()
+            n = pending.num_roles
             self.stats.updates += 1
-            self.stats.nonfinite_amax_events += int(torch.isinf(last).sum())
+            self.stats.count_nonfinite(last)
             update_scaling(
                 storage.history[:, :n],
                 storage.scale[:n],

@@ -59,7 +59,7 @@ def update_scaling(
     """
     rolled = last > 0
     shifted = torch.cat([last.unsqueeze(0), history[:-1]])
-    history.copy_(torch.where(rolled, shifted, history))
+    torch.where(rolled, shifted, history, out=history)
 
     algo = recipe.amax_compute_algo
     if algo == "max":

@@ -28,7 +28,8 @@ class ScalingMeta:
     """`fp8_meta["scaling_fwd"|"scaling_bwd"]`: views of this module's columns in its amax group.
 
     Before the module first trains in a region it owns its state; afterwards the state lives in the
-    group's contiguous storage. Reading an attribute first completes in-flight reductions.
+    group's contiguous storage. Reading an attribute first completes in-flight reductions; read it
+    again after other modules join the group (the storage is reallocated then, old views go stale).
     """
 
     def __init__(self, num_roles: int) -> None:
@@ -38,6 +39,19 @@ class ScalingMeta:
         self.own_history: Optional[torch.Tensor] = None  # set by load_state_dict before registering
         self.own_scale = torch.ones(num_roles)
         self.own_scale_inv = torch.ones(num_roles)
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) owns its state: it must neither share nor drag along the group."""
+        state = dict(self.__dict__)
+        if self.group is not None:
+            state.update(
+                group=None,
+                offset=0,
+                own_history=self.amax_history.clone(),
+                own_scale=self.scale.clone(),
+                own_scale_inv=self.scale_inv.clone(),
+            )
+        return state
 
     def _columns(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[..., self.offset : self.offset + self.num_roles]
@@ -63,12 +77,16 @@ class ScalingMeta:
         self.group.finish()
         return self._columns(self.group.storage.scale_inv)
 
-    def join(self, group: AmaxGroup, signature: str, device: torch.device) -> None:
+    def join(self, group: AmaxGroup, signature: str, device: torch.device, wire_roles: int) -> None:
         history = self.own_history
         if history is None:
             history = torch.zeros(group.recipe.amax_history_len, self.num_roles)
         self.offset = group.register(
-            signature, history.to(device), self.own_scale.to(device), self.own_scale_inv.to(device)
+            signature,
+            history.to(device),
+            self.own_scale.to(device),
+            self.own_scale_inv.to(device),
+            wire_roles,
         )
         self.group = group
         self.own_history = None
@@ -226,8 +244,9 @@ class FP8Module(torch.nn.Module):
         fwd, bwd = REGISTRY.amax_groups(settings.recipe, settings.group)
         if fwd_meta.group is None and record:
             device = next(self.parameters()).device
-            fwd_meta.join(fwd, self._signature(), device)
-            bwd_meta.join(bwd, self._signature(), device)
+            wire = FWD_ROLES * self.num_gemms  # both directions send as many values (see AmaxGroup)
+            fwd_meta.join(fwd, self._signature(), device, wire)
+            bwd_meta.join(bwd, self._signature(), device, wire)
         elif record and fwd_meta.group is not fwd:
             raise RuntimeError(
                 f"{self._signature()} trains under one recipe and amax group; it was first trained with "
@@ -235,8 +254,9 @@ class FP8Module(torch.nn.Module):
                 "the same fp8_recipe and fp8_group for every training region of a module"
             )
         region = REGISTRY.region
-        if fwd_meta.group is None:
-            scale, scale_inv, offset = fwd_meta.own_scale, fwd_meta.own_scale_inv, 0
+        if fwd_meta.group is None:  # not trained yet (eval): its own scales, on the module's device
+            device = next(self.parameters()).device
+            scale, scale_inv, offset = fwd_meta.own_scale.to(device), fwd_meta.own_scale_inv.to(device), 0
         else:
             scale, scale_inv = region.scales(fwd_meta.group)
             offset = fwd_meta.offset
