@@ -8,15 +8,12 @@ with different scales, silently.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import fp8train
 from dist_utils import run_ranks
 from fp8train import LayoutMismatchError, fp8_autocast
-from helpers import fp8_state
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 
@@ -67,50 +64,3 @@ def test_diverging_rank_raises_on_every_rank(how: str) -> None:
     assert results[0]["scales"][:common] == results[1]["scales"][:common]
     if how == "extra_region":
         assert "training_region" in results[0]["error"]
-
-
-def _loss(model, x, checkpointed: bool) -> torch.Tensor:
-    with fp8_autocast(fp8_recipe=RECIPE):
-        if checkpointed:
-            y = fp8train.checkpoint(model, x)
-        else:
-            y = model(x)
-    return y.square().mean()
-
-
-def test_fp8_checkpoint_recomputes_again_with_retain_graph() -> None:
-    """torch enters a checkpoint's recompute context once per recomputation: a second backward over the
-    same graph replays the same scales again."""
-    grads = {}
-    for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(fp8train.Linear(16, 32), torch.nn.GELU(), fp8train.Linear(32, 16))
-        x = torch.randn(8, 16)
-        for _ in range(2):  # a second step, so scales are not the initial ones
-            loss = _loss(model, x, checkpointed)
-            loss.backward(retain_graph=True)
-            loss.backward()
-        grads[checkpointed] = [p.grad.clone() for p in model.parameters()]
-    for a, b in zip(grads[False], grads[True]):
-        assert torch.equal(a, b)
-
-
-def test_deepcopy_of_a_trained_module_owns_its_state() -> None:
-    """A copy (EMA, AveragedModel) carries the module's FP8 state, not the whole amax group, and trains."""
-    model = torch.nn.Sequential(fp8train.Linear(16, 16), fp8train.Linear(16, 16))
-    for _ in range(2):
-        with fp8_autocast(fp8_recipe=RECIPE):
-            y = model(torch.randn(4, 16))
-        y.sum().backward()
-    before = fp8_state(model[0])
-    twin = copy.deepcopy(model[0])
-    for a, b in zip(before, fp8_state(twin)):
-        assert torch.equal(a, b)
-    assert twin.fp8_meta["scaling_fwd"].group is None  # its own state until it trains
-    group = model[0].fp8_meta["scaling_fwd"].group
-    members = list(group.members)
-    with fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4, margin=1)):
-        twin(torch.randn(4, 16)).sum().backward()  # trains under another recipe: its own group
-    assert group.members == members
-    for a, b in zip(before, fp8_state(model[0])):
-        assert torch.equal(a, b)  # the original did not move

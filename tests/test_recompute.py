@@ -200,3 +200,32 @@ def test_unsupported_patterns_raise_clear_errors() -> None:
             ys.append(torch.utils.checkpoint.checkpoint(model, _x(i), use_reentrant=False))
     with pytest.raises(RuntimeError, match=r"cannot tell which FP8 forward it repeats \(2 candidate"):
         ys[1].sum().backward()
+
+
+RETAIN_RECIPE = fp8train.DelayedScaling(amax_history_len=4)
+
+
+def _retain_loss(model, x, checkpointed: bool) -> torch.Tensor:
+    with fp8train.fp8_autocast(fp8_recipe=RETAIN_RECIPE):
+        if checkpointed:
+            y = fp8train.checkpoint(model, x)
+        else:
+            y = model(x)
+    return y.square().mean()
+
+
+def test_fp8_checkpoint_recomputes_again_with_retain_graph() -> None:
+    """torch enters a checkpoint's recompute context once per recomputation: a second backward over the
+    same graph replays the same scales again."""
+    grads = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(fp8train.Linear(16, 32), torch.nn.GELU(), fp8train.Linear(32, 16))
+        x = torch.randn(8, 16)
+        for _ in range(2):  # a second step, so scales are not the initial ones
+            loss = _retain_loss(model, x, checkpointed)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        grads[checkpointed] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)

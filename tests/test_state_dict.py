@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import fp8train
 from fp8train import DelayedScaling
 from fp8train.autocast import REGISTRY
+from helpers import fp8_state
 
 RECIPE = DelayedScaling(amax_history_len=4)  # short: the window rolls over within the test
 
@@ -40,17 +42,6 @@ def _train_step(model, opt, x, target, recipe: DelayedScaling = RECIPE) -> torch
     return loss.detach()
 
 
-def _fp8_state(model) -> list[torch.Tensor]:
-    fp8train.synchronize()
-    tensors = []
-    for m in model.modules():
-        if isinstance(m, fp8train.FP8Module):
-            for key in ("scaling_fwd", "scaling_bwd"):
-                meta = m.fp8_meta[key]
-                tensors += [meta.amax_history.clone(), meta.scale.clone(), meta.scale_inv.clone()]
-    return tensors
-
-
 def _saved(obj) -> dict:
     """Through bytes, as a checkpoint file would be, and loadable with weights_only=True."""
     buf = io.BytesIO()
@@ -60,7 +51,7 @@ def _saved(obj) -> dict:
 
 
 @pytest.mark.parametrize("target", ["fresh", "trained"])
-def test_state_dict_round_trip_includes_fp8_state(target: str) -> None:
+def test_state_dict_round_trip_includesfp8_state(target: str) -> None:
     model = _model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for x, t in _data(3):
@@ -74,12 +65,12 @@ def test_state_dict_round_trip_includes_fp8_state(target: str) -> None:
     # that already trains (state copied into its columns of the group's storage)
     fresh = _model(1) if target == "fresh" else _trained(_model(1), RECIPE, steps=1)
     fresh.load_state_dict(_saved(sd))
-    for a, b in zip(_fp8_state(model), _fp8_state(fresh)):
+    for a, b in zip(fp8_state(model), fp8_state(fresh)):
         assert torch.equal(a, b)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         if not name.endswith("_extra_state"):
             assert torch.equal(a, b), name
-    assert any(bool((t != 1).any()) for t in _fp8_state(fresh)[1::3])  # non-trivial scales came across
+    assert any(bool((t != 1).any()) for t in fp8_state(fresh)[1::3])  # non-trivial scales came across
 
 
 @pytest.mark.parametrize("fresh_process", [True, False], ids=["fresh_registry", "same_registry"])
@@ -93,7 +84,7 @@ def test_resume_is_bit_identical(fresh_process: bool) -> None:
         if step == k:  # in-flight reductions of step k-1 are completed by state_dict
             checkpoint = _saved({"model": model.state_dict(), "optim": opt.state_dict()})
         losses.append(_train_step(model, opt, x, t))
-    final_state, final_params = _fp8_state(model), [p.detach().clone() for p in model.parameters()]
+    final_state, final_params = fp8_state(model), [p.detach().clone() for p in model.parameters()]
 
     if fresh_process:
         REGISTRY.__init__()
@@ -105,7 +96,7 @@ def test_resume_is_bit_identical(fresh_process: bool) -> None:
 
     for step, (a, b) in enumerate(zip(losses[k:], resumed_losses), start=k):
         assert torch.equal(a, b), f"loss differs at step {step}: {a.item()!r} vs {b.item()!r}"
-    for a, b in zip(final_state, _fp8_state(resumed)):
+    for a, b in zip(final_state, fp8_state(resumed)):
         assert torch.equal(a, b)
     for a, b in zip(final_params, resumed.parameters()):
         assert torch.equal(a, b)
@@ -151,3 +142,27 @@ def test_foreign_state_is_a_clear_error(state) -> None:
     sd["_extra_state"] = state
     with pytest.raises(ValueError, match="not an fp8train"):
         layer.load_state_dict(sd)
+
+
+COPY_RECIPE = fp8train.DelayedScaling(amax_history_len=4)
+
+
+def test_deepcopy_of_a_trained_module_owns_its_state() -> None:
+    """A copy (EMA, AveragedModel) carries the module's FP8 state, not the whole amax group, and trains."""
+    model = torch.nn.Sequential(fp8train.Linear(16, 16), fp8train.Linear(16, 16))
+    for _ in range(2):
+        with fp8train.fp8_autocast(fp8_recipe=COPY_RECIPE):
+            y = model(torch.randn(4, 16))
+        y.sum().backward()
+    before = fp8_state(model[0])
+    twin = copy.deepcopy(model[0])
+    for a, b in zip(before, fp8_state(twin)):
+        assert torch.equal(a, b)
+    assert twin.fp8_meta["scaling_fwd"].group is None  # its own state until it trains
+    group = model[0].fp8_meta["scaling_fwd"].group
+    members = list(group.members)
+    with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4, margin=1)):
+        twin(torch.randn(4, 16)).sum().backward()  # trains under another recipe: its own group
+    assert group.members == members
+    for a, b in zip(before, fp8_state(model[0])):
+        assert torch.equal(a, b)  # the original did not move
