@@ -18,15 +18,17 @@ from fp8train.gemm import choose_path, gemm
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+def main(device: str = "cuda") -> int:
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (`python benchmarks/cuda_check.py cpu` runs the same on CPU)")
         return 0
-    dev = torch.device("cuda")
-    print("device:", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+    dev = torch.device(device)
+    if device == "cuda":
+        print("device:", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
     print("path for 4096^3:", choose_path(dev, 4096, 4096, 4096))
     torch.manual_seed(0)
     a = (torch.randn(256, 512, device=dev) * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -37,7 +39,11 @@ def main() -> int:
         err = _rel(gemm(a, sa, b, sb, torch.float32, path=path), exact)
         print(f"gemm {path}: rel err {err:.2e}")
         assert err < 5e-3, path
-    for module in (ft.Linear(1024, 2048, device=dev), ft.LayerNormMLP(1024, 4096, device=dev)):
+    bf16 = torch.bfloat16
+    for module in (
+        ft.Linear(1024, 2048, device=dev, params_dtype=bf16),
+        ft.LayerNormMLP(1024, 4096, device=dev, params_dtype=bf16),
+    ):
         x = torch.randn(512, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
         ref_out = module(x)
         ref_out.float().square().mean().backward()
@@ -54,9 +60,9 @@ def main() -> int:
         for key in ("scaling_fwd", "scaling_bwd"):
             scale = module.fp8_meta[key].scale
             assert bool(torch.isfinite(scale).all() and (scale > 0).all()), (key, scale)
-    print("all CUDA checks passed")
+    print(f"all {device} checks passed")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:]))
