@@ -23,8 +23,9 @@ from .scaling import ScalingStorage, update_scaling
 __all__ = ["AmaxGroup", "AmaxReductionError", "LayoutMismatchError", "ReductionStats", "PendingReduction"]
 
 # Header of every reduced buffer: each quantity q is sent as (q, -q) so that one MAX reveals both
-# the group's max and min. Quantities: two 24-bit halves of the layout fingerprint, the number of
-# roles, the number of modules, and the number of roles that recorded an amax.
+# the group's max and min. Quantities: two 24-bit halves of the fingerprint (direction, recipe,
+# module signatures in order, roles that recorded), the number of roles, of modules, of roles that
+# recorded an amax, and the index of the training region the amaxes belong to.
 _HEADER_FIELDS = ("fingerprint_hi", "fingerprint_lo", "roles", "modules", "roles_recorded", "training_region")
 _HEADER_LEN = 2 * len(_HEADER_FIELDS)
 
