@@ -62,7 +62,7 @@ def load_checkpoint(path: PathLike, map_location: Any = None, weights_only: bool
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as exc:  # torch reports damage through many exception types
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first_line = (str(exc).strip().splitlines() or [""])[0]
         raise CheckpointError(
             f"cannot load checkpoint {path!r}: {_diagnose(path)}. Use an earlier checkpoint. "
             f"(torch.load: {type(exc).__name__}: {first_line})"

@@ -117,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or os.path.join(
         "runs", "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     )
+    from .report import render
+    from .telemetry import METRICS_FILE
+
     os.makedirs(run_dir, exist_ok=True)
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = os.path.join(run_dir, METRICS_FILE)
     if os.path.exists(metrics):
         os.remove(metrics)  # telemetry appends; a reused run directory starts afresh
     env = dict(os.environ)
@@ -142,8 +145,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
-    from .report import render
-
     outputs = render(run_dir)
     print(format_summary(summary, outputs))
     return 0
@@ -185,12 +186,14 @@ def format_summary(summary: dict, outputs: dict) -> str:
             f"  amax reductions per rank and run: {first['launched']} launched "
             f"({first['bytes_reduced'] / 1024:.1f} KiB); time per step (worst rank):"
         )
-    for p in fp8:
-        per_rank, steps = p["reduction_per_rank"], p["steps"]
-        exposed = max(s["exposed_wait_s"] for s in per_rank) * 1e3 / steps
-        hidden = min(s["hidden_s"] for s in per_rank) * 1e3 / steps
-        lines.append(f"    {p['run']:<13} exposed {exposed:.3f} ms, hidden {hidden:.3f} ms (launch to wait)")
-    if fp8:  # FP8 runs compute the same values (or the line above says NO): one line is enough
+        for p in fp8:
+            per_rank, steps = p["reduction_per_rank"], p["steps"]
+            exposed = max(s["exposed_wait_s"] for s in per_rank) * 1e3 / steps
+            hidden = min(s["hidden_s"] for s in per_rank) * 1e3 / steps
+            lines.append(
+                f"    {p['run']:<13} exposed {exposed:.3f} ms, hidden {hidden:.3f} ms (launch to wait)"
+            )
+        # FP8 runs compute the same values (or the bit-identical line says NO): one line is enough
         ev = fp8[0]["events"]
         lines.append(
             f"  {fp8[0]['run']}: saturated casts (amax x scale used > fp8_max) {ev['overflow']} role-steps, "

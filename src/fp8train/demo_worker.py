@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import fp8train
 from fp8train.autocast import ENV_ASYNC, async_amax_reduction
-from fp8train.models import GPT, MODEL_SIZES, GPTConfig
+from fp8train.models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
 from fp8train.modules import FP8Module
 from fp8train.telemetry import Telemetry
 
@@ -112,9 +112,10 @@ def train_phase(
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     fp8train.synchronize()
     fp8train.reset_reduction_stats()  # before the telemetry takes its baseline
+    async_mode = async_amax_reduction() if fp8 else None
     tel = Telemetry(model, run_dir, every=args.log_every, tensorboard=args.tensorboard, run=name)
     tel.write({
-        "kind": "meta", "run": name, "fp8": fp8, "async": async_amax_reduction() if fp8 else None,
+        "kind": "meta", "run": name, "fp8": fp8, "async": async_mode,
         "world_size": world, "device": str(device), "model": cfg.as_dict(), "model_size": args.model_size,
         "steps": len(data), "batch_size": args.batch_size, "seed": args.seed,
         "params": sum(p.numel() for p in model.parameters()), "recipe": repr(DEMO_RECIPE),
@@ -131,9 +132,7 @@ def train_phase(
         tokens = data[step].to(device, non_blocking=True)
         with fp8train.fp8_autocast(enabled=fp8, fp8_recipe=DEMO_RECIPE, fp8_group=group):
             logits = net(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, cfg.vocab_size).float(), tokens[:, 1:].reshape(-1)
-        )
+        loss = next_token_loss(logits, tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         mean_loss = loss.detach().clone()
@@ -158,24 +157,24 @@ def train_phase(
     if bar is not None:
         bar.close()
     stats = fp8train.reduction_stats()
-    all_stats = [None] * world
+    all_stats = [stats]
     if world > 1:
+        all_stats = [None] * world
         dist.all_gather_object(all_stats, stats)
-    else:
-        all_stats = [stats]
     tail = max(1, len(losses) // 10)
+    median_step = statistics.median(step_times)
     result = {
         "kind": "phase_end",
         "run": name,
         "fp8": fp8,
-        "async": async_amax_reduction() if fp8 else None,
+        "async": async_mode,
         "steps": len(losses),
         "final_loss": sum(losses[-tail:]) / tail,
         "last_loss": losses[-1],
         "losses": losses,
         "wall_s": wall,
-        "median_step_s": statistics.median(step_times),
-        "tokens_per_s": tokens_per_step / statistics.median(step_times),
+        "median_step_s": median_step,
+        "tokens_per_s": tokens_per_step / median_step,
         "reduction_per_rank": all_stats,
         "events": tel.totals,
         "loss_digest": hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16],

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear
 
-__all__ = ["GPTConfig", "GPT", "MODEL_SIZES"]
+__all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "next_token_loss"]
 
 
 @dataclass(frozen=True)
@@ -90,5 +90,10 @@ class GPT(torch.nn.Module):
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token cross entropy over tokens[:, 1:] given tokens[:, :-1]."""
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        return next_token_loss(self(tokens[:, :-1]), tokens)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross entropy (fp32) of `logits` (of tokens[:, :-1]) against tokens[:, 1:]; for callers that
+    run the model through a wrapper (DDP), which `GPT.loss` would bypass."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))

@@ -6,6 +6,7 @@ per-run totals, which the report uses when present). matplotlib runs with the Ag
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -80,7 +81,8 @@ def load_run(run_dir: str) -> dict[str, RunData]:
         )
     runs: dict[str, RunData] = {}
     for rec in read_metrics(path):
-        run = runs.setdefault(rec.get("run", "fp8"), RunData(rec.get("run", "fp8")))
+        name = rec.get("run", "fp8")
+        run = runs.setdefault(name, RunData(name))
         kind = rec.get("kind", "step")
         if kind == "meta":
             run.meta = rec
@@ -101,13 +103,19 @@ def _group_of(role: str) -> tuple[Optional[int], str]:
     return int(m.group(1)), role[m.end() :]
 
 
+def _is_finite(v) -> bool:
+    """A finite number (logged values may also be None or, in raw records, "inf"/"nan" strings)."""
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _finite_or_nan(values: list) -> list[float]:
-    return [v if isinstance(v, (int, float)) and math.isfinite(v) else float("nan") for v in values]
+    return [v if _is_finite(v) else float("nan") for v in values]
 
 
 def _plot_roles(ax, series: dict, suffix: str, ylabel: str, title: str) -> None:
     """One line per role ending in `suffix`: colour = role within the layer, line style = layer."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     chosen = {n: s for n, s in series.items() if n.endswith("/" + suffix)}
     kinds = sorted({_group_of(n)[1] for n in chosen})
@@ -124,8 +132,6 @@ def _plot_roles(ax, series: dict, suffix: str, ylabel: str, title: str) -> None:
     ax.set_ylabel(ylabel)
     ax.set_xlabel("step")
     ax.grid(True, which="major", alpha=0.3)
-    from matplotlib.lines import Line2D
-
     handles = [
         Line2D([], [], color=colors(i % 10), label=k.removesuffix("/" + suffix)) for i, k in enumerate(kinds)
     ]
@@ -174,23 +180,8 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
         )
     fig.suptitle(title, fontsize=12, y=0.985)
 
-    ax = fig.add_subplot(grid[0, 0])
-    styles = {"reference": dict(color="0.45", linewidth=2.2, alpha=0.8)}
-    for i, run in enumerate(runs.values()):
-        xs, ys = run.losses()
-        if xs:
-            style = styles.get(run.name, dict(color=f"C{i}", linewidth=1.3, linestyle=_STYLES[i % 4]))
-            ax.plot(xs, _finite_or_nan(ys), label=f"{run.name} (final {run.final_loss():.3f})", **style)
-    if floor is not None:
-        ax.axhline(floor, color="k", linestyle=":", linewidth=1, label=f"loss floor {floor:.3f}")
-    ax.set_title("Training loss: FP8 vs reference", fontsize=10)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-
-    ax = fig.add_subplot(grid[0, 1])
-    _plot_reduction(ax, fp8_runs)
+    _plot_losses(fig.add_subplot(grid[0, 0]), runs, floor)
+    _plot_reduction(fig.add_subplot(grid[0, 1]), fp8_runs)
 
     for row, (suffix, what) in enumerate(
         (("input", "forward input"), ("grad_output", "gradient (grad_output)")), 1
@@ -209,6 +200,24 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
     with open(md, "w", encoding="utf-8") as f:
         f.write(_markdown(run_dir, runs, fp8_runs, floor, out_name))
     return {"png": png, "markdown": md, "metrics": os.path.join(run_dir, METRICS_FILE)}
+
+
+def _plot_losses(ax, runs: dict[str, RunData], floor: Optional[float]) -> None:
+    """Every run's loss curve (the reference grey and thick, underneath), and the loss floor if known."""
+    for i, run in enumerate(runs.values()):
+        xs, ys = run.losses()
+        if xs:
+            style = dict(color=f"C{i}", linewidth=1.3, linestyle=_STYLES[i % len(_STYLES)])
+            if run.name == "reference":
+                style = dict(color="0.45", linewidth=2.2, alpha=0.8)
+            ax.plot(xs, _finite_or_nan(ys), label=f"{run.name} (final {run.final_loss():.3f})", **style)
+    if floor is not None:
+        ax.axhline(floor, color="k", linestyle=":", linewidth=1, label=f"loss floor {floor:.3f}")
+    ax.set_title("Training loss: FP8 vs reference", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def _plot_reduction(ax, fp8_runs: list[RunData]) -> None:
@@ -250,7 +259,8 @@ def _plot_utilisation(ax, run: RunData) -> None:
 
     series = run.role_series("util")
     order = {"input": 0, "grad_output": 1, "weight": 2}
-    names = sorted(series, key=lambda n: (order.get(n.rsplit("/", 1)[-1], 3), _sort_key(n)))
+    kind_of = {n: order.get(n.rsplit("/", 1)[-1], 3) for n in series}
+    names = sorted(series, key=lambda n: (kind_of[n], _sort_key(n)))
     if not names:
         ax.text(0.5, 0.5, "no FP8 roles recorded", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -269,9 +279,8 @@ def _plot_utilisation(ax, run: RunData) -> None:
         n if layer is None else f"L{layer} {kind}" for n, (layer, kind) in zip(names, map(_group_of, names))
     ]
     ax.set_yticks(range(len(names)), labels, fontsize=max(4, min(8, 420 // len(names))))
-    kinds = [order.get(n.rsplit("/", 1)[-1], 3) for n in names]
     for row in range(1, len(names)):
-        if kinds[row] != kinds[row - 1]:
+        if kind_of[names[row]] != kind_of[names[row - 1]]:
             ax.axhline(row - 0.5, color="white", linewidth=2)
     ax.set_xlabel("step")
     ax.set_title(
@@ -299,8 +308,6 @@ def _recipe_text(recipe: str) -> str:
 
 
 def _loss_floor(run_dir: str) -> Optional[float]:
-    import json
-
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
         return None
@@ -347,8 +354,7 @@ def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], 
         )
     if fp8_runs:
         run = fp8_runs[0]
-        utils = {n: [v for v in ys if isinstance(v, float) and math.isfinite(v)] for n, (_, ys) in
-                 run.role_series("util").items()}  # fmt: skip
+        utils = {n: [v for v in ys if _is_finite(v)] for n, (_, ys) in run.role_series("util").items()}
         med = sorted((statistics.median(v), n) for n, v in utils.items() if v)
         if med:
             out += [
@@ -371,7 +377,7 @@ def _overflow_table(run: RunData) -> str:
             entry = kinds.setdefault(name.rsplit("/", 1)[-1], [0, 0, 0.0])
             entry[0] += 1
             entry[1] += bool(values["overflow"])
-            if isinstance(values["util"], float) and math.isfinite(values["util"]):
+            if _is_finite(values["util"]):
                 entry[2] = max(entry[2], values["util"])
     lines = [
         f"Overflow events in {run.name} (a cast saturated: amax x scale used > fp8_max):",

@@ -43,6 +43,7 @@ __all__ = ["Telemetry", "role_names", "read_metrics", "METRICS_FILE"]
 METRICS_FILE = "metrics.jsonl"
 FWD_ROLE_NAMES = {0: "input", 1: "weight"}  # role 2 (output) is never cast, its amax stays 0
 BWD_ROLE_NAMES = {0: "grad_output"}  # role 1 (grad_input) is never cast
+_DIRECTIONS = (("scaling_fwd", FWD_ROLES, FWD_ROLE_NAMES), ("scaling_bwd", BWD_ROLES, BWD_ROLE_NAMES))
 
 
 def _gemm_names(module: FP8Module) -> list[str]:
@@ -58,12 +59,11 @@ def role_names(model: torch.nn.Module) -> list[tuple[str, FP8Module, str, int]]:
         base = mod_name or type(module).__name__
         for g, gemm in enumerate(_gemm_names(module)):
             prefix = f"{base}/{gemm}" if gemm else base
-            for key, per_gemm, names in (
-                ("scaling_fwd", FWD_ROLES, FWD_ROLE_NAMES),
-                ("scaling_bwd", BWD_ROLES, BWD_ROLE_NAMES),
-            ):
-                for role, role_name in names.items():
-                    out.append((f"{prefix}/{role_name}", module, key, per_gemm * g + role))
+            out += [
+                (f"{prefix}/{role_name}", module, key, per_gemm * g + role)
+                for key, per_gemm, names in _DIRECTIONS
+                for role, role_name in names.items()
+            ]
     return out
 
 
@@ -72,7 +72,7 @@ class _GroupView:
     """The roles of one amax group that belong to the model: storage columns and their names."""
 
     group: object  # fp8train.reduction.AmaxGroup
-    columns: torch.Tensor  # int64 indices into the group's storage
+    columns: torch.Tensor  # int64 indices into the group's storage, on its device (which never changes)
     names: list[str]
     last_scale: Optional[torch.Tensor] = None  # scale of `columns` after the previous logged update
 
@@ -123,8 +123,9 @@ class Telemetry:
         """(Re)build the per-group column maps when modules joined amax groups since the last log."""
         if self._roles is None:
             self._roles = role_names(self.model)
-        roles = self._roles
-        joined = [(n, m.fp8_meta[k], c) for n, m, k, c in roles if m.fp8_meta[k].group is not None]
+        if self._registered == len(self._roles):
+            return  # every role has joined (for good: a module never leaves its group), the maps are final
+        joined = [(n, m.fp8_meta[k], c) for n, m, k, c in self._roles if m.fp8_meta[k].group is not None]
         if len(joined) == self._registered:
             return
         by_group: dict[int, tuple[object, list[int], list[str]]] = {}
@@ -133,7 +134,7 @@ class Telemetry:
             entry[1].append(meta.offset + col)
             entry[2].append(name)
         self.views = [
-            _GroupView(group, torch.tensor(cols, dtype=torch.long), names)
+            _GroupView(group, torch.tensor(cols, dtype=torch.long, device=group.storage.device), names)
             for group, cols, names in by_group.values()
         ]
         self._registered = len(joined)
@@ -175,7 +176,7 @@ class Telemetry:
     def _read_group(self, view: _GroupView, roles: dict, events: dict) -> None:
         group = view.group
         storage = group.storage
-        cols = view.columns.to(storage.device)
+        cols = view.columns
         # While this step's reductions are pending, the storage still holds the scale the step used:
         # only finish() writes it. If something already finished them, use the scale we saw last time.
         if group.pending:

@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fp8train as ft
+
 
 def interleaved_medians(
     fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 2
@@ -27,6 +29,22 @@ def interleaved_medians(
             fn()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def train_step(
+    model: torch.nn.Module, x: torch.Tensor, recipe, fp8: bool, backward: Callable[[torch.Tensor], None]
+) -> Callable[[], None]:
+    """A timeable forward (in an FP8 region when `fp8`) and `backward(output)`; on CUDA it waits for
+    the device, so that the time is the kernels' and not the launches'."""
+
+    def fn() -> None:
+        with ft.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            y = model(x)
+        backward(y)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+
+    return fn
 
 
 class OpCounter(TorchDispatchMode):

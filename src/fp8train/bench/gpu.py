@@ -7,7 +7,7 @@ import torch
 import fp8train as ft
 from fp8train.gemm import choose_path
 
-from .common import interleaved_medians
+from .common import interleaved_medians, train_step
 
 
 def run(sizes=(4096, 8192), device: str = "cuda", repeats: int = 20) -> dict:
@@ -19,17 +19,14 @@ def run(sizes=(4096, 8192), device: str = "cuda", repeats: int = 20) -> dict:
         fp8 = ft.Linear(n, n, bias=False, device=device, params_dtype=torch.bfloat16)
         x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
 
-        def step(model, region):
-            def fn():
-                with ft.fp8_autocast(enabled=region, fp8_recipe=recipe):
-                    y = model(x)
-                y.backward(torch.ones_like(y))
-                if device == "cuda":
-                    torch.cuda.synchronize()
+        def backward(y: torch.Tensor) -> None:
+            y.backward(torch.ones_like(y))
 
-            return fn
-
-        times = interleaved_medians({"bf16": step(bf16, False), "fp8": step(fp8, True)}, repeats)
+        fns = {
+            "bf16": train_step(bf16, x, recipe, False, backward),
+            "fp8": train_step(fp8, x, recipe, True, backward),
+        }
+        times = interleaved_medians(fns, repeats)
         flops = 3 * 2 * n**3  # forward, dgrad, wgrad
         rows.append(
             {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import time
 
@@ -19,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fp8train as ft
+
+from ..demo import _free_port
 
 MODES = ("none", "blocking", "async")
 SIZES = {"tiny": (64, 128, 2, 64), "small": (256, 1024, 6, 1024)}  # hidden, ffn, blocks, tokens
@@ -91,7 +92,8 @@ def _rank(rank: int, world: int, port: int, latencies, steps: int, rounds: int, 
                     out.square().mean().backward()
                     opt.step()
                     opt.zero_grad()
-                    times.append(time.perf_counter() - start) if round_ else None
+                    if round_:
+                        times.append(time.perf_counter() - start)
                 ft.synchronize()  # completes the last reductions (their wait counts as exposed)
                 if round_:
                     for k, v in ft.reduction_stats().items():
@@ -117,9 +119,7 @@ def run(
     model_size: str = "small",
     world: int = 2,
 ) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     per_round = max(1, steps // rounds)

@@ -8,7 +8,7 @@ import torch
 
 import fp8train as ft
 
-from .common import interleaved_medians
+from .common import interleaved_medians, train_step
 
 
 def _mlp(linear, hidden: int, ffn: int) -> torch.nn.Module:
@@ -36,14 +36,7 @@ def run(
     recipe = ft.DelayedScaling(amax_history_len=16)
 
     def step(model, inp, fp8_region=False):
-        def fn():
-            with ft.fp8_autocast(enabled=fp8_region, fp8_recipe=recipe):
-                y = model(inp)
-            y.float().square().mean().backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-
-        return fn
+        return train_step(model, inp, recipe, fp8_region, lambda y: y.float().square().mean().backward())
 
     fns = {
         "fp32 torch.nn": step(fp32, x),
