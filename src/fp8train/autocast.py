@@ -55,7 +55,7 @@ class Region:
 
     def __init__(self, async_op: bool) -> None:
         self.async_op = async_op
-        self.fwd_groups: dict[AmaxGroup, tuple[torch.Tensor, torch.Tensor]] = {}  # -> scale snapshot
+        self.snapshots: dict[AmaxGroup, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
         self.bwd_groups: dict[AmaxGroup, None] = {}
         self.backward_nodes = 0  # FP8 nodes whose backward has not run yet
         self.backward_recorded = False  # bwd amaxes recorded but not launched
@@ -67,11 +67,11 @@ class Region:
 
     def scales(self, group: AmaxGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, scale_inv) this region uses for `group`: finished once, then frozen (a copy)."""
-        snap = self.fwd_groups.get(group)
+        snap = self.snapshots.get(group)
         if snap is None or snap[0].numel() != group.storage.num_roles:
             group.finish()
             snap = (group.storage.scale.clone(), group.storage.scale_inv.clone())
-            self.fwd_groups[group] = snap
+            self.snapshots[group] = snap
         return snap
 
     def launch_backward(self) -> None:
