@@ -3,7 +3,7 @@
 import pytest
 
 import fp8train
-from fp8train.autocast import REGISTRY
+from fp8train.protocol import REGISTRY
 
 
 @pytest.fixture(autouse=True)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.autocast import REGISTRY
 from fp8train.cast import amax, quantize
 from fp8train.gemm import choose_path, gemm
+from fp8train.protocol import REGISTRY
 from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.autocast import REGISTRY
 from fp8train.modules.base import EAGER_REASON
+from fp8train.protocol import REGISTRY
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 

@@ -14,7 +14,7 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling
-from fp8train.autocast import ENV_ASYNC, REGISTRY
+from fp8train.protocol import ENV_ASYNC, REGISTRY
 
 RECIPE = DelayedScaling(amax_history_len=4)
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train
 from fp8train import DelayedScaling
-from fp8train.autocast import REGISTRY
+from fp8train.protocol import REGISTRY
 from reference import amax_of
 
 
@@ -40,7 +40,7 @@ def test_module_history_is_the_rolled_storage() -> None:
             held = mods[1].fp8_meta["scaling_fwd"].amax_history  # a view taken now...
     # ...shows the later updates too: it is the storage that the update rolls, not a temporary.
     assert held[:5, 0].tolist() == amaxes[1][::-1]
-    storage = REGISTRY.amax_groups(recipe, None)[0].storage
+    storage = REGISTRY.amax_group(recipe, None).fwd.storage
     for i, m in enumerate(mods):
         meta = m.fp8_meta["scaling_fwd"]
         for name, whole in (("amax_history", storage.history), ("scale", storage.scale)):
@@ -53,7 +53,8 @@ def test_modules_of_a_region_share_one_contiguous_storage() -> None:
     recipe = DelayedScaling(amax_history_len=4)
     mods = [fp8train.Linear(8, 8), fp8train.LayerNormMLP(8, 16), fp8train.Linear(8, 8)]
     _step(mods, [torch.randn(2, 8) for _ in mods], recipe)
-    fwd, bwd = REGISTRY.amax_groups(recipe, None)
+    group = REGISTRY.amax_group(recipe, None)
+    fwd, bwd = group.fwd, group.bwd
     assert fwd.storage.history.shape == (4, 3 + 6 + 3) and bwd.storage.history.shape == (4, 2 + 4 + 2)
     assert fwd.storage.history.is_contiguous()
     offsets = [m.fp8_meta["scaling_fwd"].offset for m in mods]
@@ -71,7 +72,7 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _finish_ops(num_modules: int, recipe: DelayedScaling) -> tuple[collections.Counter, collections.Counter]:
-    """aten ops executed by AmaxGroup.finish() (fwd, bwd) after one training step of N Linears."""
+    """aten ops executed by Direction.finish() (fwd, bwd) after one training step of N Linears."""
     REGISTRY.__init__()
     mods = [fp8train.Linear(8, 8) for _ in range(num_modules)]
     x = torch.randn(2, 8)
@@ -80,7 +81,8 @@ def _finish_ops(num_modules: int, recipe: DelayedScaling) -> tuple[collections.C
         for m in mods:
             h = m(h)
     h.square().sum().backward()
-    fwd, bwd = REGISTRY.amax_groups(recipe, None)
+    group = REGISTRY.amax_group(recipe, None)
+    fwd, bwd = group.fwd, group.bwd
     assert len(fwd.pending) == 1 and len(bwd.pending) == 1 and fwd.storage.num_roles == 3 * num_modules
     counts = []
     for group in (fwd, bwd):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from fp8train import DelayedScaling, Format
 from fp8train.cast import quantize
 from fp8train.recipe import fp8_dtype
-from fp8train.reduction import AmaxGroup, ReductionStats
+from fp8train.reduction import Direction, ReductionStats
 from fp8train.scaling import update_scaling
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -81,7 +81,7 @@ def run_update(history, scale, last, recipe, fp8_max):
     scale_t = torch.tensor(scale, dtype=torch.float32)
     scale_inv_t = torch.reciprocal(scale_t)
     last_t = torch.tensor(last, dtype=torch.float32)
-    last_t.masked_fill_(torch.isnan(last_t), math.inf)  # as AmaxGroup.launch does
+    last_t.masked_fill_(torch.isnan(last_t), math.inf)  # as Direction.launch does
     update_scaling(hist_t, scale_t, scale_inv_t, last_t, recipe, fp8_max)
     return hist_t, scale_t, scale_inv_t
 
@@ -134,13 +134,13 @@ def test_group_record_launch_finish_equals_the_reference(case) -> None:
     gives the reference update; a column that recorded nothing (or 0) does not move."""
     history, scale, last, recipe, encoding = case
     direction = "fwd" if encoding == "e4m3" else "bwd"
-    group = AmaxGroup(direction, recipe, None, ReductionStats())
+    group = Direction(direction, recipe, None, ReductionStats())
     hist_t = torch.tensor(history, dtype=torch.float32)
     scale_t = torch.tensor(scale, dtype=torch.float32)
     group.register("Case()", hist_t, scale_t, torch.reciprocal(scale_t))
     for c, value in enumerate(last):
         group.record(c, torch.tensor(value))
-    group.launch(async_op=True)
+    group.launch(async_op=True, region_index=0)
     group.finish()
     storage = group.storage
     assert_matches(

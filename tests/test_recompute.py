@@ -16,8 +16,7 @@ import torch.utils.checkpoint
 
 import fp8train
 import fp8train.modules.fp8_linear as fp8_linear_mod
-from fp8train.autocast import REGISTRY
-from fp8train.modules.base import in_backward
+from fp8train.protocol import REGISTRY, in_backward
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 STEPS = 3
@@ -42,7 +41,8 @@ def _forward(model: torch.nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor
 
 
 def _groups():
-    return REGISTRY.amax_groups(RECIPE, None)
+    group = REGISTRY.amax_group(RECIPE, None)
+    return group.fwd, group.bwd
 
 
 def _state() -> list[torch.Tensor]:

@@ -29,8 +29,8 @@ import fp8train
 from collectives import AllReduceSpy
 from dist_utils import run_ranks
 from fp8train import DelayedScaling, LayoutMismatchError
-from fp8train.autocast import ENV_ASYNC, REGISTRY
-from fp8train.reduction import _HEADER_LEN, AmaxGroup
+from fp8train.protocol import ENV_ASYNC, REGISTRY
+from fp8train.reduction import HEADER_LEN, Direction
 from reference import E4M3_MAX, E5M2_MAX, RefScaling, amax_of
 
 WIDTH, BATCH, HISTORY = 16, 8, 4
@@ -117,7 +117,7 @@ def snapshot(model: Net, public: bool) -> dict:
             scale = torch.cat([m.scale for m in metas])
             scale_inv = torch.cat([m.scale_inv for m in metas])
         else:  # no finish: whatever the protocol has applied so far
-            storage = model.layers[0].fp8_meta[key].group.storage
+            storage = model.layers[0].fp8_meta[key].direction.storage
             history, scale, scale_inv = storage.history, storage.scale, storage.scale_inv
         state[name] = (history.tolist(), scale.tolist(), scale_inv.tolist())
     return state
@@ -268,18 +268,15 @@ def assert_agree_with_reference(logs: list[dict], ranks: list[int], read: str) -
 
 
 # ---- scenarios: each runs inside every rank, with a fresh registry and its own amax group -------------
-def _read_before_wait(self: AmaxGroup, pending) -> torch.Tensor:
-    """The bug this project exists to avoid: copy the amaxes out of the buffer, then wait."""
-    if pending.local_header:
-        parts = [pending.buffer[_HEADER_LEN:]] + ([pending.extra[0]] if pending.extra else [])
-        early = torch.cat(parts).clone()
-    else:
-        early = pending.buffer.clone()
+def _read_before_wait(self: Direction, pending) -> None:
+    """The bug this project exists to avoid: take the amaxes out of the buffer, then wait."""
+    early = [t.clone() for t in (pending.buffer, pending.extra) if t is not None]
     _read_before_wait.original(self, pending)
-    return early
+    for t, values in zip([t for t in (pending.buffer, pending.extra) if t is not None], early):
+        t.copy_(values)  # what the update then reads: this rank's own values
 
 
-_read_before_wait.original = AmaxGroup._wait
+_read_before_wait.original = Direction._wait
 
 
 def _agreement(
@@ -296,14 +293,14 @@ def _agreement(
     trainer = Trainer(rank, subgroup(groups, rank))
     with AllReduceSpy(defer=defer) as spy:
         if buggy:
-            AmaxGroup._wait = _read_before_wait
+            Direction._wait = _read_before_wait
         try:
             for t in range(steps):
                 sleep_fwd, sleep_bwd = skew_sleeps(rank, world, t, skew)
                 trainer.step(*batch(rank, t), sleep_fwd, sleep_bwd, spy=spy, read=read)
             return trainer.finish()
         finally:
-            AmaxGroup._wait = _read_before_wait.original
+            Direction._wait = _read_before_wait.original
 
 
 def _modes(rank: int, world: int, steps: int) -> dict:
@@ -553,9 +550,10 @@ def test_one_collective_per_region_and_direction(two_ranks):
     for rank_runs in runs:
         for n in (4, 64):
             calls = rank_runs[f"layers={n}"]
-            # first step: a blocking header collective settles the new layout, then the amaxes
-            # (reduction.py, "The layout grew"); afterwards exactly one per direction
-            assert calls[0] == (2, 2), calls
+            # first step: a blocking handshake settles the size of every collective on the process
+            # group, then the amaxes (reduction.py, "The layout grew"); the backward's fewer roles
+            # fit that size. Afterwards exactly one per direction
+            assert calls[0] == (2, 1), calls
             assert calls[1:] == [(1, 1)] * (len(calls) - 1), (n, calls)
     for name in ("own single-rank group", "reduce_amax=False"):
         logs = [rank_runs[name] for rank_runs in runs]
@@ -641,8 +639,8 @@ def test_exception_in_region_on_both_ranks(two_ranks):
 def test_reduction_stats_with_injected_latency(two_ranks):
     steady = 4 - 1
     launched = 2 * steady
-    n_fwd = 3 * 2  # the backward buffer is padded to the forward's size (AmaxGroup.wire_roles)
-    bytes_per_step = 4 * (2 * _HEADER_LEN + 2 * n_fwd)  # float32 header + amaxes, per direction
+    n_fwd = 3 * 2  # every collective on a process group has one size: the backward's is padded
+    bytes_per_step = 4 * (2 * HEADER_LEN + 2 * n_fwd)  # float32 header + amaxes, per direction
     for rank_runs in outcome(two_ranks, "stats"):
         for stats in rank_runs.values():
             assert stats["launched"] == launched

@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 import fp8train
 from dist_utils import _worker, free_port
 from fp8train import DelayedScaling, Format, fp8_autocast
-from fp8train.autocast import ENV_ASYNC, REGISTRY
 from fp8train.checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from fp8train.modules import FP8Module
+from fp8train.protocol import ENV_ASYNC, REGISTRY
 from fp8train.reduction import AmaxReductionError
 from helpers import digest, fp8_state
 
@@ -415,10 +415,11 @@ def _mismatch_worker(rank: int, world_size: int) -> dict:
     for case, per_rank in MISMATCH_CASES.items():
         widths, recipe = per_rank[rank]
         model = make_model(widths=widths)
+        group = dist.new_group([0, 1])  # a failed process group stays failed: each case gets its own
         result = {"error": None, "step": None}
         for step in range(3):
             try:
-                with fp8_autocast(fp8_recipe=recipe):
+                with fp8_autocast(fp8_recipe=recipe, fp8_group=group):
                     y = model(batch(rank, step))
                 y.float().pow(2).mean().backward()
             except Exception as exc:
@@ -532,7 +533,7 @@ class TwoLayer(torch.nn.Module):
 
 def _clean_registry() -> None:
     assert REGISTRY.stack == [] and REGISTRY.region is None, "a failed region stayed on the stack"
-    for fwd, _ in REGISTRY.groups.values():
+    for fwd in (group.fwd for group in REGISTRY.groups.values()):
         assert fwd.recorded_columns == [] and not bool(fwd.storage.recording.any()), "stale forward amaxes"
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import fp8train
 from dist_utils import run_ranks
-from fp8train.autocast import ENV_ASYNC, REGISTRY
+from fp8train.protocol import ENV_ASYNC, REGISTRY
 from helpers import digest, fp8_state
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=8)
@@ -54,8 +54,9 @@ def _steps(rank: int, model, opt, first: int, save_path=None) -> dict:
         opt.step()
         opt.zero_grad()
         if save_path and step == K - 1 and rank == 0:
-            pending = [p for g in REGISTRY.groups[(RECIPE, model.process_group)] for p in g.pending]
-            out["saved_in_flight"] = any(p.work is not None or p.extra for p in pending)
+            group = REGISTRY.amax_group(RECIPE, model.process_group)
+            pending = [p for d in (group.fwd, group.bwd) for p in d.pending]
+            out["saved_in_flight"] = any(p.works for p in pending)
             state = {"model": model.module.state_dict(), "optim": opt.state_dict()}  # finishes, no collective
             torch.save(state, save_path)
         out["loss"].append(loss.item())

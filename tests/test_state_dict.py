@@ -10,7 +10,7 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling
-from fp8train.autocast import REGISTRY
+from fp8train.protocol import REGISTRY
 from helpers import fp8_state
 
 RECIPE = DelayedScaling(amax_history_len=4)  # short: the window rolls over within the test
@@ -158,8 +158,8 @@ def test_deepcopy_of_a_trained_module_owns_its_state() -> None:
     twin = copy.deepcopy(model[0])
     for a, b in zip(before, fp8_state(twin)):
         assert torch.equal(a, b)
-    assert twin.fp8_meta["scaling_fwd"].group is None  # its own state until it trains
-    group = model[0].fp8_meta["scaling_fwd"].group
+    assert twin.fp8_meta["scaling_fwd"].direction is None  # its own state until it trains
+    group = model[0].fp8_meta["scaling_fwd"].direction
     members = list(group.members)
     with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4, margin=1)):
         twin(torch.randn(4, 16)).sum().backward()  # trains under another recipe: its own group

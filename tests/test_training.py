@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.autocast import REGISTRY
+from fp8train.protocol import REGISTRY
 
 D, HIDDEN, OUT, BATCH, STEPS = 32, 64, 8, 64, 200
 

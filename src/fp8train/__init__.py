@@ -1,12 +1,13 @@
 """fp8train: FP8 training with delayed scaling and an asynchronous global amax reduction."""
 
-from .autocast import autocast, fp8_autocast, reduction_stats, reset_reduction_stats, synchronize
+from .autocast import autocast, fp8_autocast
 from .checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .protocol import reduction_stats, reset_reduction_stats, synchronize
 from .recipe import DelayedScaling, Format
 from .recompute import checkpoint
-from .reduction import AmaxReductionError, LayoutMismatchError
+from .reduction import AmaxReductionError, LayoutMismatchError, StateMismatchError
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "LayoutMismatchError",
+    "StateMismatchError",
     "AmaxReductionError",
     "CheckpointError",
     "save_checkpoint",

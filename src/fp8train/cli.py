@@ -115,8 +115,8 @@ def _info() -> int:
     import torch
 
     from . import __version__
-    from .autocast import ENV_ASYNC, async_amax_reduction
     from .gemm import ENV_PATH, choose_path
+    from .protocol import ENV_ASYNC, async_amax_reduction
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from fp8train.autocast import ENV_ASYNC, async_amax_reduction
 from fp8train.models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
 from fp8train.modules import FP8Module
+from fp8train.protocol import ENV_ASYNC, async_amax_reduction
 from fp8train.telemetry import Telemetry
 
 __all__ = ["MarkovTask", "train_phase", "main", "measure_telemetry_overhead", "DEMO_RECIPE"]

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.utils.checkpoint
 
-from .autocast import REGISTRY, RegionSettings
+from .protocol import REGISTRY, RegionSettings
 
 __all__ = ["checkpoint", "CallRecord"]
 

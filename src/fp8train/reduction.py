@@ -1,9 +1,18 @@
-"""The amax group: one direction's contiguous state, its MAX all-reduce and its pending handles.
+"""The wire of the amax protocol: one direction's state, its MAX all-reduce, and the only wait.
 
-Protocol (DESIGN.md section 3): `launch` snapshots the recording slot (double buffering), clears it,
-and starts one all-reduce over the snapshot; `finish` is the only code that reads a reduced buffer,
-and it waits on the handle first. `finish` never issues a collective, so a rank may call it alone
-(e.g. rank 0 saving a checkpoint) without desynchronising the group.
+docs/design.md, section 3. `Direction.launch` snapshots the recording slot (double buffering) and
+starts one all-reduce over [header | amaxes]; `Direction.finish` is the only code that reads a
+reduced buffer, and it waits on the collective first. When they run is decided in protocol.py.
+
+The header is checked on the device: a reduction whose ranks disagree updates nothing and sets a
+sticky flag. The host reads the flag without waiting (a non-blocking copy) at every later launch
+and finish, and blocking at host points (`synchronize`, `state_dict`, `reduction_stats`); every
+rank saw the same reduced header, so every rank raises the same error.
+
+All amax all-reduces on one process group (its `Channel`) have the same size, HEADER_LEN + `agreed`,
+whatever their direction or recipe. Ranks that fall out of step therefore fail the header check
+instead of issuing collectives of different sizes (gloo aborts the process on those, NCCL hangs).
+The size grows only through a blocking handshake whose outcome every rank sees.
 """
 
 from __future__ import annotations
@@ -20,18 +29,43 @@ import torch.distributed as dist
 from .recipe import DelayedScaling, fp8_max
 from .scaling import ScalingStorage, update_scaling
 
-__all__ = ["AmaxGroup", "AmaxReductionError", "LayoutMismatchError", "ReductionStats", "PendingReduction"]
+__all__ = [
+    "AmaxGroup",
+    "AmaxReductionError",
+    "Channel",
+    "Direction",
+    "HEADER_FIELDS",
+    "HEADER_LEN",
+    "LayoutMismatchError",
+    "PendingReduction",
+    "ReductionStats",
+    "StateMismatchError",
+]
 
-# Header of every reduced buffer: each quantity q is sent as (q, -q) so that one MAX reveals both
-# the group's max and min. Quantities: two 24-bit halves of the fingerprint (direction, recipe,
-# module signatures in order, roles that recorded), the number of roles, of modules, of roles that
-# recorded an amax, and the index of the training region the amaxes belong to.
-_HEADER_FIELDS = ("fingerprint_hi", "fingerprint_lo", "roles", "modules", "roles_recorded", "training_region")
-_HEADER_LEN = 2 * len(_HEADER_FIELDS)
+# Each header quantity q is sent as (q, -q), so one MAX reveals the group's max and min of it.
+HEADER_FIELDS = (
+    "layout_hi",  # two 24-bit halves of the layout fingerprint: direction, recipe, modules in
+    "layout_lo",  # order and the roles that recorded
+    "roles",
+    "modules",
+    "roles_recorded",
+    "training_region",  # the amax group's own index of the region these amaxes belong to
+    "wire",  # values this rank sends after the header
+    "state_hi",  # two 24-bit digests of the scales in use: ranks must hold the same FP8 state
+    "state_lo",
+)
+HEADER_LEN = 2 * len(HEADER_FIELDS)
+_STATE_FIELDS = {"state_hi", "state_lo"}
+_DIGEST_PRIME = 16_777_213  # the largest prime below 2**24: digests are exact in float32
+_MAX_UNREAD_POLLS = 4  # a flag copy still in flight after this many polls is waited for
 
 
 class LayoutMismatchError(RuntimeError):
-    """Ranks of an amax group contributed different FP8 roles; no scale was updated."""
+    """Ranks of an amax group contributed different FP8 roles or steps; no scale was updated."""
+
+
+class StateMismatchError(LayoutMismatchError):
+    """Ranks of an amax group agree on the layout but hold different FP8 scales (e.g. a load on one rank)."""
 
 
 class AmaxReductionError(RuntimeError):
@@ -66,8 +100,10 @@ class ReductionStats:
 
     _nonfinite_on_device: dict = field(default_factory=dict)  # device -> count not yet read (no sync)
 
-    def count_nonfinite(self, last: torch.Tensor) -> None:
+    def count_nonfinite(self, last: torch.Tensor, ok: Optional[torch.Tensor]) -> None:
         count = torch.isinf(last).sum()
+        if ok is not None:
+            count = count * ok
         previous = self._nonfinite_on_device.get(last.device)
         self._nonfinite_on_device[last.device] = count if previous is None else previous + count
 
@@ -78,77 +114,116 @@ class ReductionStats:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
+class StickyFlag:
+    """A failure flag set on the device, and its host copy, which the host reads without waiting."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.value = torch.zeros((), dtype=torch.bool, device=device)
+        pinned = device.type == "cuda"
+        self.host = torch.zeros((), dtype=torch.bool, pin_memory=pinned)
+        self.host._fp8train_host_mirror = True  # host memory: reading it never waits for the device
+        self.event = torch.cuda.Event() if pinned else None
+        self.unread_polls = 0
+
+    def set_where(self, failed: torch.Tensor) -> None:
+        self.value |= failed
+        self.host.copy_(self.value, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+
+    def seen(self, block: bool = False) -> bool:
+        """What the last completed copy says; `block` (or a copy outstanding for too long) waits for it."""
+        if self.event is not None and not self.event.query():
+            self.unread_polls += 1
+            if not block and self.unread_polls < _MAX_UNREAD_POLLS:
+                return False
+            self.event.synchronize()
+        self.unread_polls = 0
+        return bool(self.host)
+
+
+class Channel:
+    """The amax all-reduces on one process group: their common size, and whether they went wrong."""
+
+    def __init__(self, process_group) -> None:
+        self.process_group = process_group
+        self.agreed = 0  # values after the header, agreed by every rank in a handshake
+        self.directions: list[Direction] = []
+        self.error: Optional[LayoutMismatchError] = None
+
+    def check(self, block: bool = False) -> None:
+        """Raise the mismatch any direction on this channel has seen (sticky: again at every call)."""
+        if self.error is None:
+            for direction in self.directions:
+                if direction.flag is not None and direction.flag.seen(block):
+                    self.error = direction.mismatch_error()
+                    break
+        if self.error is not None:
+            raise type(self.error)(str(self.error))
+
+
 @dataclass
 class PendingReduction:
-    """A launched reduction: the snapshot buffer, its handle, and what is needed to check it."""
+    """A launched reduction: the snapshot buffer, its collectives, and this rank's header."""
 
-    buffer: torch.Tensor  # header + amaxes, reduced in place
-    work: Optional[object]  # torch.distributed Work, or None once completed / never started
+    buffer: torch.Tensor  # [header | amaxes] reduced in place; only the amaxes when not reduced
+    works: list  # torch.distributed Work handles still to wait on
     num_roles: int
     launched_at: float
-    local_header: list = field(default_factory=list)
-    extra: Optional[tuple] = None  # (buffer, work) for the columns added by a layout growth
+    header: Optional[torch.Tensor] = None  # this rank's header; None when not reduced
+    extra: Optional[torch.Tensor] = None  # amaxes beyond the agreed size (a growth step), reduced apart
 
 
-class AmaxGroup:
-    """One direction ("fwd" or "bwd") of the FP8 state shared by a (recipe, process group)."""
+def state_digest(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Two 24-bit digests of the bits of float32 `values`, as float32, computed on the device.
 
-    def __init__(self, direction: str, recipe: DelayedScaling, process_group, stats: ReductionStats) -> None:
-        self.direction = direction
+    Integer arithmetic is exact and order-independent, so every rank and device computes the same
+    digest of the same bits: 16-bit halves times weights below 2**24 stay below 2**41 per term.
+    """
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    halves = torch.stack([bits >> 16, bits & 0xFFFF])  # 2 x n
+    sums = (weights * halves.unsqueeze(0)).sum(dim=(1, 2))  # 2 digests
+    return (sums % _DIGEST_PRIME).to(torch.float32)
+
+
+def _digest_weights(n: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0x5EED)
+    return torch.randint(1, 2**24, (2, 2, n), generator=generator, dtype=torch.int64).to(device)
+
+
+class Direction:
+    """One direction ("fwd" or "bwd") of an amax group: contiguous state, recording, reductions."""
+
+    def __init__(
+        self, name: str, recipe: DelayedScaling, channel: Optional[Channel], stats: ReductionStats
+    ) -> None:
+        self.name = name
         self.recipe = recipe
-        self.process_group = process_group
+        self.channel = channel  # None: nothing to reduce (one rank, or reduce_amax=False)
         self.stats = stats
-        encoding = recipe.fp8_format.fwd if direction == "fwd" else recipe.fp8_format.bwd
-        self.encoding = encoding
-        self.fp8_max = fp8_max(encoding)
+        self.encoding = recipe.fp8_format.fwd if name == "fwd" else recipe.fp8_format.bwd
+        self.fp8_max = fp8_max(self.encoding)
         self.storage: Optional[ScalingStorage] = None
         self.members: list[str] = []  # signature of each registered module, in order
         # The recipe seeds the layout fingerprint: ranks with different recipes (margin, history
         # length, algorithms) would otherwise reduce happily and silently compute different scales.
         self.recipe_key = recipe_key(recipe)
-        seed = f"{direction} {self.recipe_key}".encode()
-        self._layout_digest = hashlib.blake2b(seed, digest_size=8).digest()
+        self._layout = hashlib.blake2b(f"{name} {self.recipe_key}".encode(), digest_size=8).digest()
         self._recording_task = -1  # autograd graph task of the amaxes in the recording slot
         self.recorded_columns: list[int] = []
         self.pending: collections.deque[PendingReduction] = collections.deque()
-        self.agreed_roles = 0  # wire roles all ranks agreed on in an earlier launch
-        # Values sent per step, padded so that a forward and a backward collective of the same modules
-        # have the same size: ranks that fall out of step then fail the header check (the direction
-        # is in the fingerprint) instead of aborting on collectives of different sizes.
-        self.wire_roles = 0
-        self._check_group()
+        self._static_headers: dict[tuple, torch.Tensor] = {}  # recorded columns -> header fields 0-4
+        self._weights: Optional[torch.Tensor] = None  # state digest weights for the current size
+        self.flag: Optional[StickyFlag] = None
+        self.failure: Optional[torch.Tensor] = None  # (reduced, local) header of the first mismatch
+        if channel is not None:
+            channel.directions.append(self)
 
-    # ---- layout -----------------------------------------------------------------------------
-    def _check_group(self) -> None:
-        # Not `self.reduces`: a group this rank is not in reports world size -1, which reads as "no
-        # reduction" and would let the rank train alone, silently, with its own scales.
-        initialized = dist.is_available() and dist.is_initialized()
-        if self.recipe.reduce_amax and initialized and dist.get_rank(self.process_group) < 0:
-            raise ValueError(
-                f"rank {dist.get_rank()} is not a member of the amax reduction group passed to "
-                "fp8_autocast(fp8_group=...); pass a group that contains every rank that runs this region"
-            )
-
-    @property
-    def reduces(self) -> bool:
-        return (
-            self.recipe.reduce_amax
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(self.process_group) > 1
-        )
-
+    # ---- layout ---------------------------------------------------------------------------------
     def register(
-        self,
-        signature: str,
-        history: torch.Tensor,
-        scale: torch.Tensor,
-        scale_inv: torch.Tensor,
-        wire_roles: Optional[int] = None,
+        self, signature: str, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor
     ) -> int:
-        """Append one module's roles (with their current state) and return their first column.
-
-        `wire_roles` (>= its roles) is how many values the module sends per reduction."""
+        """Append one module's roles (with their current state) and return their first column."""
         if history.shape[0] != self.recipe.amax_history_len:
             raise ValueError(
                 f"{signature}: its FP8 state has amax history length {history.shape[0]} but the recipe in "
@@ -157,35 +232,25 @@ class AmaxGroup:
             )
         if self.storage is None:
             self.storage = ScalingStorage(self.recipe.amax_history_len, scale.device)
+            self.flag = StickyFlag(scale.device)
+            self.failure = torch.zeros(2, HEADER_LEN, device=scale.device)
         elif scale.device != self.storage.device:
             raise ValueError(
-                f"{signature} is on {scale.device} but other FP8 modules of this region are on "
+                f"{signature} is on {scale.device} but other FP8 modules of this amax group are on "
                 f"{self.storage.device}; one amax group holds modules of one device"
             )
         self.members.append(signature)
-        self.wire_roles += max(wire_roles or 0, scale.numel())
-        self._layout_digest = hashlib.blake2b(
-            self._layout_digest + signature.encode(), digest_size=8
-        ).digest()
+        self._layout = hashlib.blake2b(self._layout + signature.encode(), digest_size=8).digest()
+        self._static_headers.clear()
+        self._weights = None
         return self.storage.append(history, scale, scale_inv)
-
-    def _header(self, columns: list[int], region_index: int) -> list[float]:
-        digest = hashlib.blake2b(self._layout_digest + repr(columns).encode(), digest_size=6).digest()
-        values = [
-            float(int.from_bytes(digest[:3], "little")),
-            float(int.from_bytes(digest[3:], "little")),
-            float(self.storage.num_roles),
-            float(len(self.members)),
-            float(len(columns)),
-            float(region_index % 2**24),  # ranks at different steps pair the wrong collectives
-        ]
-        return [x for v in values for x in (v, -v)]
 
     def describe(self) -> str:
         head = ", ".join(self.members[:6]) + (", ..." if len(self.members) > 6 else "")
-        return f"{len(self.members)} modules / {self.storage.num_roles} {self.direction} roles [{head}]"
+        roles = self.storage.num_roles if self.storage is not None else 0
+        return f"{len(self.members)} modules / {roles} {self.name} roles [{head}]"
 
-    # ---- recording ----------------------------------------------------------------------------
+    # ---- recording ------------------------------------------------------------------------------
     def record(self, column: int, amax: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
         if self.recorded_columns and task != self._recording_task:
@@ -198,49 +263,81 @@ class AmaxGroup:
         self.recorded_columns.append(column)
 
     def discard_recording(self) -> None:
-        """Forget amaxes of a region that failed; nothing was launched for them."""
+        """Forget amaxes of a region that failed; what is launched for it is then empty."""
         if self.storage is not None:
             self.storage.recording.zero_()
         self.recorded_columns.clear()
 
-    # ---- the collective -----------------------------------------------------------------------
-    def launch(self, async_op: bool, region_index: int = 0) -> None:
+    # ---- the collective -------------------------------------------------------------------------
+    def launch(self, async_op: bool, region_index: int) -> None:
         """Snapshot and clear the recording slot, then start the MAX all-reduce on the snapshot."""
         storage = self.storage
         n = storage.num_roles
-        snapshot = torch.nn.functional.pad(storage.recording, (0, self.wire_roles - n))  # a copy
-        storage.recording.zero_()
-        snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # NCCL's MAX may drop NaN
-        columns = sorted(set(self.recorded_columns))
+        columns = tuple(sorted(set(self.recorded_columns)))
         self.recorded_columns.clear()
-        now = time.perf_counter()
-        if not self.reduces:
-            self.pending.append(PendingReduction(snapshot, None, n, now))
+        channel = self.channel
+        if channel is None:
+            snapshot = storage.recording.clone()
+            storage.recording.zero_()
+            snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
+            self.pending.append(PendingReduction(snapshot, [], n, time.perf_counter()))
             return
-        header = self._header(columns, region_index)
-        wire = snapshot.numel()
-        agreed = self.agreed_roles
-        head = torch.tensor(header, dtype=torch.float32, device=snapshot.device)
-        buffer = torch.cat([head, snapshot[:agreed]])
-        pending = PendingReduction(buffer, None, n, now, header)
-        if wire != agreed:
-            # The layout grew since the last agreement: settle the header first (blocking), so that
-            # ranks never issue collectives of different sizes, then reduce the new columns.
-            self._all_reduce(buffer, async_op=False)
-            self._check_header(buffer, header)
-            extra = snapshot[agreed:].clone()
-            pending.extra = (extra, self._all_reduce(extra, async_op))
-            self.agreed_roles = wire
+        channel.check()  # a rank that saw a mismatch issues no further collective
+        self.finish()  # the state digest must cover every earlier update (normally already applied)
+        agreed = channel.agreed
+        wire = max(n, agreed)
+        buffer = torch.zeros(HEADER_LEN + wire, device=storage.device)
+        amaxes = buffer[HEADER_LEN : HEADER_LEN + n]
+        amaxes.copy_(storage.recording)
+        storage.recording.zero_()
+        amaxes.masked_fill_(torch.isnan(amaxes), float("inf"))  # NCCL's MAX may drop NaN
+        header = self._header(columns, region_index, wire)
+        buffer[:HEADER_LEN].copy_(header)
+        pending = PendingReduction(buffer, [], n, time.perf_counter(), header)
+        if wire == agreed:
+            pending.works.append(self._all_reduce(buffer, async_op))
         else:
-            pending.work = self._all_reduce(buffer, async_op)
+            # The layout grew: settle the header first (blocking, checked on the host), so that ranks
+            # never issue collectives of different sizes, then reduce the new values.
+            pending.buffer, pending.extra = (
+                buffer[: HEADER_LEN + agreed],
+                buffer[HEADER_LEN + agreed :].clone(),
+            )
+            self._all_reduce(pending.buffer, async_op=False)
+            if not bool(self._agrees(pending.buffer[:HEADER_LEN], header)):
+                channel.check(block=True)
+            channel.agreed = wire
+            pending.works.append(self._all_reduce(pending.extra, async_op))
         self.pending.append(pending)
+
+    def _header(self, columns: tuple, region_index: int, wire: int) -> torch.Tensor:
+        """This rank's header, written on the device: no host-to-device copy in a steady step."""
+        static = self._static_headers.get(columns)
+        device = self.storage.device
+        if static is None:  # a new layout or set of recorded roles: once, not every step
+            digest = hashlib.blake2b(self._layout + repr(columns).encode(), digest_size=6).digest()
+            values = [
+                int.from_bytes(digest[:3], "little"),
+                int.from_bytes(digest[3:], "little"),
+                self.storage.num_roles,
+                len(self.members),
+                len(columns),
+            ]
+            static = self._static_headers[columns] = torch.tensor(values, dtype=torch.float32, device=device)
+        if self._weights is None:
+            self._weights = _digest_weights(2 * self.storage.num_roles, device)
+        state = state_digest(torch.cat([self.storage.scale, self.storage.scale_inv]), self._weights)
+        dynamic = torch.full((2,), float(region_index % 2**24), device=device)
+        dynamic[1] = wire
+        q = torch.cat([static, dynamic, state])
+        return torch.stack([q, -q], dim=1).flatten()
 
     def _all_reduce(self, buffer: torch.Tensor, async_op: bool):
         """Start the collective; in blocking mode complete it here and count it all as exposed."""
         self.stats.launched += 1
         self.stats.bytes_reduced += buffer.numel() * buffer.element_size()
         start = time.perf_counter()
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.channel.process_group, async_op=True)
         if async_op:
             return work
         self._wait_work(work)
@@ -253,39 +350,71 @@ class AmaxGroup:
             work.wait()
         except RuntimeError as exc:
             raise AmaxReductionError(
-                f"the {self.direction} amax all-reduce of rank {dist.get_rank()} failed ({self.describe()}): "
+                f"the {self.name} amax all-reduce of rank {dist.get_rank()} failed ({self.describe()}): "
                 "another rank of the amax group died, stalled beyond the process group timeout or left "
                 "the group. This rank's FP8 scales and histories were not updated from it; its last "
                 f"saved checkpoint is the state to resume from. Cause: {exc}"
             ) from exc
 
-    def _check_header(self, buffer: torch.Tensor, local: list[float]) -> None:
-        reduced = buffer[:_HEADER_LEN].tolist()
-        if all(reduced[2 * i] == -reduced[2 * i + 1] for i in range(len(_HEADER_FIELDS))):
-            return
-        spans = []
-        for i, name in enumerate(_HEADER_FIELDS[2:], start=2):
-            hi, lo = reduced[2 * i], -reduced[2 * i + 1]
-            spans.append(f"{name}: this rank {int(local[2 * i])}, group min {int(lo)} max {int(hi)}")
-        self.pending.clear()
-        raise LayoutMismatchError(
-            f"FP8 layout mismatch in the {self.direction} amax group (rank {dist.get_rank()}): ranks "
-            f"contributed different modules, order or sizes, or a module ran on some ranks only, or "
-            f"ranks use different recipes. {'; '.join(spans)}. This rank has {self.describe()} and "
-            f"recipe ({self.recipe_key}). Every rank of the amax group must run the same FP8 modules "
-            "in the same order under the same recipe; no scale was updated."
+    # ---- checking, on the device ----------------------------------------------------------------
+    def _agrees(self, reduced: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Whether every rank sent the same header (a device bool); a mismatch is recorded, sticky."""
+        pairs = reduced.view(-1, 2)
+        ok = (pairs[:, 0] == -pairs[:, 1]).all() & ~self.flag.value
+        first = ~ok & ~self.flag.value
+        self.failure.copy_(torch.where(first, torch.stack([reduced, local]), self.failure))
+        self.flag.set_where(~ok)
+        return ok
+
+    def mismatch_error(self) -> LayoutMismatchError:
+        """The error for the first mismatch this direction saw (reads the device: only when failing)."""
+        reduced, local = self.failure.tolist()
+        differing = [name for i, name in enumerate(HEADER_FIELDS) if reduced[2 * i] != -reduced[2 * i + 1]]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if differing and set(differing) <= _STATE_FIELDS:
+            return StateMismatchError(
+                f"FP8 state differs between ranks of the {self.name} amax group (rank {rank}, "
+                f"{self.describe()}): the ranks run the same modules but use different scales, so they "
+                "would train with different FP8 casts. This happens when a checkpoint was loaded on some "
+                "ranks only (for example rank 0 loads it, then DDP broadcasts parameters and buffers, but "
+                "not FP8 state). Fix: after loading, call fp8train.broadcast_fp8_state(model, src=0) on "
+                "every rank, or load the checkpoint on every rank. No scale was updated from this reduction."
+            )
+        spans = [
+            f"{name}: this rank {int(local[2 * i])}, group min {int(-reduced[2 * i + 1])} "
+            f"max {int(reduced[2 * i])}"
+            for i, name in enumerate(HEADER_FIELDS)
+            if name in differing and not name.startswith(("layout", "state"))
+        ]
+        return LayoutMismatchError(
+            f"FP8 layout mismatch in the {self.name} amax group (rank {rank}): ranks contributed different "
+            "modules, order or sizes, a module or a backward ran on some ranks only, ranks ran different "
+            f"numbers of training regions, or ranks use different recipes. Differing: {', '.join(differing)}"
+            f"{'; ' if spans else ''}{'; '.join(spans)}. This rank has {self.describe()} and recipe "
+            f"({self.recipe_key}). Every rank of the amax group must run the same FP8 modules in the same "
+            "order under the same recipe, in the same training regions; no scale was updated."
         )
 
+    # ---- the only wait --------------------------------------------------------------------------
     def finish(self) -> None:
-        """Wait for every launched reduction, then unpack it and run the fused update."""
+        """Wait for every launched reduction, check it on the device, then run the fused update."""
         while self.pending:
-            pending = self.pending[0]
-            last = self._wait(pending)[: pending.num_roles]
-            self.pending.popleft()
-            storage = self.storage
+            pending = self.pending.popleft()
+            if self.channel is not None and self.channel.error is not None:
+                continue  # after a mismatch the collectives may be mispaired: apply nothing more
+            self._wait(pending)
             n = pending.num_roles
+            ok = None
+            last = pending.buffer[:n]
+            if pending.header is not None:
+                amaxes = pending.buffer[HEADER_LEN:]
+                if pending.extra is not None:
+                    amaxes = torch.cat([amaxes, pending.extra])
+                last = amaxes[:n]
+                ok = self._agrees(pending.buffer[:HEADER_LEN], pending.header)
+            storage = self.storage
             self.stats.updates += 1
-            self.stats.count_nonfinite(last)
+            self.stats.count_nonfinite(last, ok)
             update_scaling(
                 storage.history[:, :n],
                 storage.scale[:n],
@@ -293,19 +422,38 @@ class AmaxGroup:
                 last,
                 self.recipe,
                 self.fp8_max,
+                ok,
             )
 
-    def _wait(self, pending: PendingReduction) -> torch.Tensor:
-        handles = [pending.work] + ([pending.extra[1]] if pending.extra else [])
-        handles = [w for w in handles if w is not None]
-        if handles:
+    def check(self, block: bool = False) -> None:
+        """Raise a mismatch seen on this direction's process group (without waiting, unless `block`)."""
+        if self.channel is not None:
+            self.channel.check(block)
+
+    def _wait(self, pending: PendingReduction) -> None:
+        works = [w for w in pending.works if w is not None]
+        if works:
             start = time.perf_counter()
             self.stats.hidden_s += start - pending.launched_at
-            for work in handles:
+            for work in works:
                 self._wait_work(work)
             self.stats.exposed_wait_s += time.perf_counter() - start
-        if not pending.local_header:  # not reduced: the snapshot itself
-            return pending.buffer
-        self._check_header(pending.buffer, pending.local_header)
-        parts = [pending.buffer[_HEADER_LEN:]] + ([pending.extra[0]] if pending.extra else [])
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class AmaxGroup:
+    """The FP8 state the ranks of `process_group` share under `recipe`: both directions, and the
+    index of the group's training regions (each group counts its own: other groups never shift it)."""
+
+    def __init__(
+        self, recipe: DelayedScaling, process_group, channel: Optional[Channel], stats: ReductionStats
+    ) -> None:
+        self.recipe = recipe
+        self.process_group = process_group
+        self.fwd = Direction("fwd", recipe, channel, stats)
+        self.bwd = Direction("bwd", recipe, channel, stats)
+        self.training_regions = 0
+
+    def next_region_index(self) -> int:
+        index = self.training_regions
+        self.training_regions += 1
+        return index

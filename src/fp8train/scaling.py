@@ -7,6 +7,8 @@ the storage is the real one, the history a module sees is the rolled one.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .recipe import DelayedScaling
@@ -51,13 +53,17 @@ def update_scaling(
     last: torch.Tensor,
     recipe: DelayedScaling,
     fp8_max: float,
+    ok: Optional[torch.Tensor] = None,
 ) -> None:
     """Roll `last` into `history` and recompute `scale`/`scale_inv`, in place, for all columns at once.
 
     A column whose `last` is 0 (the role did not run) neither rolls nor changes scale. A column whose
     amax is not finite and positive keeps its old scale; an infinite scale is clamped to float32 max.
+    `ok` (a device bool) false changes nothing: the reduction failed its check, decided on the device.
     """
     rolled = last > 0
+    if ok is not None:
+        rolled &= ok
     shifted = torch.cat([last.unsqueeze(0), history[:-1]])
     torch.where(rolled, shifted, history, out=history)
 

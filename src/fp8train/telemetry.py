@@ -34,9 +34,9 @@ from typing import Optional
 
 import torch
 
-from .autocast import reduction_stats
 from .modules.base import BWD_ROLES, FWD_ROLES, FP8Module
 from .modules.layernorm_linear import LayerNormMLP
+from .protocol import reduction_stats, settle
 
 __all__ = ["Telemetry", "role_names", "read_metrics", "METRICS_FILE"]
 
@@ -71,7 +71,7 @@ def role_names(model: torch.nn.Module) -> list[tuple[str, FP8Module, str, int]]:
 class _GroupView:
     """The roles of one amax group that belong to the model: storage columns and their names."""
 
-    group: object  # fp8train.reduction.AmaxGroup
+    group: object  # fp8train.reduction.Direction
     columns: torch.Tensor  # int64 indices into the group's storage, on its device (which never changes)
     names: list[str]
     last_scale: Optional[torch.Tensor] = None  # scale of `columns` after the previous logged update
@@ -125,12 +125,12 @@ class Telemetry:
             self._roles = role_names(self.model)
         if self._registered == len(self._roles):
             return  # every role has joined (for good: a module never leaves its group), the maps are final
-        joined = [(n, m.fp8_meta[k], c) for n, m, k, c in self._roles if m.fp8_meta[k].group is not None]
+        joined = [(n, m.fp8_meta[k], c) for n, m, k, c in self._roles if m.fp8_meta[k].direction is not None]
         if len(joined) == self._registered:
             return
         by_group: dict[int, tuple[object, list[int], list[str]]] = {}
         for name, meta, col in joined:
-            entry = by_group.setdefault(id(meta.group), (meta.group, [], []))
+            entry = by_group.setdefault(id(meta.direction), (meta.direction, [], []))
             entry[1].append(meta.offset + col)
             entry[2].append(name)
         self.views = [
@@ -185,7 +185,7 @@ class Telemetry:
             used = view.last_scale.to(storage.device)
         else:  # finished by someone else before the first log: the scale used is not known any more
             used = torch.full((len(view.names),), float("nan"), device=storage.device)
-        group.finish()
+        settle(group)
         snap = torch.stack([used, storage.history[0, cols], storage.scale[cols]]).cpu()  # one copy
         view.last_scale = snap[2]
         used_v, amax_v, scale_v = snap

@@ -5,20 +5,20 @@ from __future__ import annotations
 import torch
 
 import fp8train as ft
-from fp8train.autocast import REGISTRY
+from fp8train.protocol import REGISTRY
 from fp8train.scaling import update_scaling
 
 from .common import OpCounter, interleaved_medians
 
 
 def _model(n_modules: int, history_len: int) -> tuple[torch.nn.Module, object]:
-    REGISTRY.groups.clear()  # a fresh amax group holding exactly these modules
+    REGISTRY.__init__()  # a fresh amax group holding exactly these modules
     model = torch.nn.Sequential(*[ft.Linear(16, 16) for _ in range(n_modules)])
     recipe = ft.DelayedScaling(amax_history_len=history_len)
     with ft.fp8_autocast(fp8_recipe=recipe):
         model(torch.randn(4, 16))  # registers every module (no grad needed for that under autocast)
     ft.synchronize()
-    return model, model[0].fp8_meta["scaling_fwd"].group
+    return model, model[0].fp8_meta["scaling_fwd"].direction
 
 
 def run(module_counts=(4, 64, 512), history_len: int = 1024, repeats: int = 30) -> dict:
@@ -31,7 +31,7 @@ def run(module_counts=(4, 64, 512), history_len: int = 1024, repeats: int = 30) 
         def fused():
             storage.recording.copy_(amaxes)
             group.recorded_columns.append(0)
-            group.launch(async_op=True)
+            group.launch(async_op=True, region_index=0)
             group.finish()
 
         def per_module():  # what a library without contiguous storage does: one update per module

@@ -1,0 +1,428 @@
+"""When every amax group launches and finishes: regions, the plan of each FP8 call, backward bookkeeping.
+
+docs/design.md, section 3. The rules, all applied in this file:
+
+- An amax group's forward amaxes are launched when the outermost `fp8_autocast` exits, for a region
+  in which the group recorded amaxes for training (an FP8 call with grad enabled, or a calibrating
+  one). A region whose FP8 calls of the group all ran without grad (evaluation) launches nothing
+  for it and does not count: one rank may evaluate, or evaluate more batches, alone.
+- Each amax group numbers its own training regions, and the number travels in every header. A
+  region entered and left with grad enabled that ran none of the group's modules counts as a
+  training region that skipped them (it launches nothing), so a rank whose step skipped its modules
+  fails the header check instead of pairing its collectives with other steps'.
+- Backward amaxes are launched when the region's last FP8 backward node has run, or when the
+  backward pass ends if some never run.
+- `Direction.finish` (reduction.py) is the only wait, and every call of it is in this file: the
+  first FP8 call of a region (forward scales), the first FP8 backward node of a pass (backward
+  scales), a launch, and every reader of FP8 state (`settle`: fp8_meta, state_dict, telemetry;
+  `synchronize`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .recipe import DelayedScaling
+from .reduction import AmaxGroup, Channel, Direction, ReductionStats
+
+__all__ = [
+    "ENV_ASYNC",
+    "REGISTRY",
+    "Plan",
+    "Region",
+    "RegionSettings",
+    "async_amax_reduction",
+    "enter_region",
+    "exit_region",
+    "plan_forward",
+    "settle",
+    "synchronize",
+    "reduction_stats",
+    "reset_reduction_stats",
+]
+
+ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"
+
+
+def async_amax_reduction() -> bool:
+    """Read NVTE_ASYNC_AMAX_REDUCTION: unset or '1' is asynchronous, '0' blocking."""
+    value = os.environ.get(ENV_ASYNC)
+    if value is None or value.strip() == "1":
+        return True
+    if value.strip() == "0":
+        return False
+    raise ValueError(f"{ENV_ASYNC}={value!r} is not valid: use 1 (asynchronous, the default) or 0 (blocking)")
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (where a forward is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True)
+class RegionSettings:
+    enabled: bool
+    calibrating: bool
+    recipe: DelayedScaling
+    group: object  # torch.distributed ProcessGroup or None for the world
+
+
+@dataclass
+class GroupUse:
+    """What one region did with one amax group."""
+
+    called: bool = False  # an FP8 call of the group ran in the region
+    trained: bool = False  # ... and recorded amaxes for training (grad enabled, or calibrating)
+    index: int = -1  # the group's index of this training region, once it has one
+
+
+@dataclass
+class Plan:
+    """How one forward call of an FP8 module runs, and what its backward owes the protocol."""
+
+    fp8: bool
+    scale: torch.Tensor  # forward scales of the module's group (a frozen snapshot), indexed by column
+    scale_inv: torch.Tensor
+    fwd_offset: int
+    bwd_offset: int
+    records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
+    backward: Optional[AmaxGroup] = None  # an FP8 training call: its backward scales and amaxes
+    region: Optional[Region] = None  # the region whose backward this call owes
+
+
+class Region:
+    """One outermost fp8_autocast entry: what each amax group did in it, and what its backward owes."""
+
+    def __init__(self, serial: int, async_op: bool) -> None:
+        self.serial = serial
+        self.async_op = async_op
+        self.grad_at_entry = torch.is_grad_enabled()
+        self.uses: dict[AmaxGroup, GroupUse] = {}  # every group entered (enabled or calibrating)
+        self.snapshots: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
+        self.calls: dict[int, collections.deque] = {}  # module id -> forward plans, for recomputation
+        self.backward_nodes = 0  # FP8 nodes whose backward has not run yet
+        self.backward_groups: dict[AmaxGroup, None] = {}
+        self.backward_recorded = False  # backward amaxes recorded but not launched
+        self.backward_task: Optional[int] = None  # graph task that will launch leftovers at its end
+        self.backward_done = False
+
+    def index_of(self, group: AmaxGroup) -> int:
+        """This region's index among `group`'s training regions (taken by whichever launch comes first)."""
+        use = self.uses[group]
+        if use.index < 0:
+            use.index = group.next_region_index()
+        return use.index
+
+    def forward_scales(self, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) this region uses for `direction`: finished once, then frozen (a copy)."""
+        snap = self.snapshots.get(direction)
+        if snap is None or snap[0].numel() != direction.storage.num_roles:
+            direction.finish()
+            direction.check()
+            snap = (direction.storage.scale.clone(), direction.storage.scale_inv.clone())
+            self.snapshots[direction] = snap
+        return snap
+
+    def note_backward(self, group: AmaxGroup) -> None:
+        """A backward node of this region recorded into `group`; make sure the amaxes get launched."""
+        self.backward_groups[group] = None
+        self.backward_recorded = True
+        task = torch._C._current_graph_task_id()
+        if self.backward_task != task:  # if some nodes never run, launch at the end of this pass
+            self.backward_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def backward_node_done(self) -> None:
+        if self.backward_nodes > 0:
+            self.backward_nodes -= 1
+            if self.backward_nodes == 0:
+                self.finish_backward()
+
+    def finish_backward(self) -> None:
+        if self.backward_recorded:
+            self.backward_recorded = False
+            for group in self.backward_groups:
+                if group.bwd.recorded_columns:
+                    group.bwd.launch(self.async_op, self.index_of(group))
+        self.backward_done = True
+        self.calls.clear()
+
+
+def _world_if_default(process_group):
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return process_group
+
+
+def _reduces(recipe: DelayedScaling, process_group) -> bool:
+    if not (recipe.reduce_amax and dist.is_available() and dist.is_initialized()):
+        return False
+    # A group this rank is not in reports world size -1, which would read as "no reduction" and let
+    # the rank train alone, silently, with its own scales.
+    if dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the amax reduction group passed to "
+            "fp8_autocast(fp8_group=...); pass a group that contains every rank that runs this region"
+        )
+    return dist.get_world_size(process_group) > 1
+
+
+class Registry:
+    """The one process-wide state: the stack of active regions, and the amax groups and channels."""
+
+    def __init__(self) -> None:
+        self.stack: list[RegionSettings] = []
+        self.region: Optional[Region] = None  # the outermost region being run
+        self.groups: dict[tuple, AmaxGroup] = {}
+        self.channels: dict[object, Channel] = {}
+        self.stats = ReductionStats()
+        self.live_regions: weakref.WeakSet[Region] = weakref.WeakSet()  # matched by torch checkpointing
+        self.regions_entered = 0
+        self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
+        self.checkpoints: list = []  # fp8train.checkpoint calls whose forward is running: they note plans
+
+    def amax_group(self, recipe: DelayedScaling, process_group) -> AmaxGroup:
+        process_group = _world_if_default(process_group)
+        key = (recipe, process_group)
+        group = self.groups.get(key)
+        if group is None:
+            channel = None
+            if _reduces(recipe, process_group):
+                channel = self.channels.setdefault(process_group, Channel(process_group))
+            group = self.groups[key] = AmaxGroup(recipe, process_group, channel, self.stats)
+        return group
+
+
+REGISTRY = Registry()
+
+
+# ---- regions ----------------------------------------------------------------------------------------
+def enter_region(settings: RegionSettings) -> Optional[Region]:
+    """Push `settings`; return the new Region when this entry is outermost (None otherwise)."""
+    replaying = REGISTRY.recompute is not None or in_backward()
+    region = None
+    if not REGISTRY.stack and not replaying:
+        region = Region(REGISTRY.regions_entered + 1, async_amax_reduction())
+    group = None
+    if (settings.enabled or settings.calibrating) and not replaying:
+        group = REGISTRY.amax_group(settings.recipe, settings.group)
+    # nothing above may have left state behind: it can raise (a bad env value, a foreign group)
+    REGISTRY.stack.append(settings)
+    if region is not None:
+        REGISTRY.regions_entered += 1
+        REGISTRY.region = region
+        REGISTRY.live_regions.add(region)
+    if group is not None and REGISTRY.region is not None:
+        REGISTRY.region.uses.setdefault(group, GroupUse())
+    return region
+
+
+def exit_region(region: Optional[Region], failed: bool) -> None:
+    """Pop a region; when it is the outermost, launch the forward reductions it owes.
+
+    A region that raised launches what it owes with its amaxes discarded, so a rank that caught an
+    exception its peers did not have fails their header check instead of pairing other steps.
+    """
+    REGISTRY.stack.pop()
+    if region is None:
+        return
+    REGISTRY.region = None
+    grad = torch.is_grad_enabled()
+    for group, use in region.uses.items():
+        if use.trained:
+            if failed:
+                group.fwd.discard_recording()
+            group.fwd.launch(region.async_op, region.index_of(group))
+        elif not use.called and region.grad_at_entry and grad:
+            region.index_of(group)  # trained none of the group's modules: counts, launches nothing
+
+
+# ---- the plan of one FP8 call -------------------------------------------------------------------------
+def plan_forward(module) -> Optional[Plan]:
+    """How `module` (an FP8Module) runs this forward call: precision, scales, where amaxes go."""
+    if REGISTRY.recompute is not None or in_backward():
+        plan = _recompute_plan(module)
+        if plan is not None:
+            for call in REGISTRY.checkpoints:  # a checkpoint nested in the one being recomputed
+                call.add(id(module), plan)
+        return plan
+    training = torch.is_grad_enabled()
+    settings = REGISTRY.stack[-1] if REGISTRY.stack else None
+    if settings is None or not (settings.enabled or settings.calibrating):
+        module._last_fp8_untracked = module._last_fp8_untracked and not training
+        return None
+    region = REGISTRY.region
+    group = REGISTRY.amax_group(settings.recipe, settings.group)
+    use = region.uses[group]
+    record = settings.calibrating or training
+    if not use.called:
+        use.called = True
+        if group.fwd.channel is not None:
+            _refuse_ddp_join()
+    use.trained = use.trained or record
+    module._last_fp8_untracked = settings.enabled and not training
+    if module._last_fp8_untracked:
+        module._untracked_region = region.serial
+    fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
+    if record and fwd_meta.direction is None:
+        device = next(module.parameters()).device
+        fwd_meta.join(group.fwd, module._signature(), device)
+        bwd_meta.join(group.bwd, module._signature(), device)
+    elif record and fwd_meta.direction is not group.fwd:
+        raise RuntimeError(
+            f"{module._signature()} trains under one recipe and amax group; it was first trained with "
+            f"{fwd_meta.direction.recipe} and is now run with {settings.recipe} (or another group). Use "
+            "the same fp8_recipe and fp8_group for every training region of a module"
+        )
+    if fwd_meta.direction is None:  # not trained yet (evaluation): its own scales, on its device
+        device = next(module.parameters()).device
+        scale, scale_inv, offset = fwd_meta.own_scale.to(device), fwd_meta.own_scale_inv.to(device), 0
+    else:
+        scale, scale_inv = region.forward_scales(fwd_meta.direction)
+        offset = fwd_meta.offset
+    trains = settings.enabled and training
+    plan = Plan(
+        fp8=settings.enabled,
+        scale=scale,
+        scale_inv=scale_inv,
+        fwd_offset=offset,
+        bwd_offset=bwd_meta.offset,
+        records_into=group.fwd if record else None,
+        backward=group if trains else None,
+        region=region if trains else None,
+    )
+    if training:
+        replay = Plan(settings.enabled, scale, scale_inv, offset, bwd_meta.offset)  # no region reference
+        region.calls.setdefault(id(module), collections.deque()).append(replay)
+        for call in REGISTRY.checkpoints:
+            call.add(id(module), replay)
+    return plan
+
+
+def _recompute_plan(module) -> Optional[Plan]:
+    """The plan of the original forward call, replayed: same scales, no amax, no registration."""
+    call = REGISTRY.recompute
+    if call is not None:  # fp8train.checkpoint noted this call's plans and restored its settings
+        settings = REGISTRY.stack[-1] if REGISTRY.stack else None
+        if settings is None or not (settings.enabled or settings.calibrating):
+            return None  # the original call ran in high precision
+        plan = call.next(id(module))
+        if plan is None:
+            raise RuntimeError(
+                f"{module._signature()} runs more often in the recomputed forward than in the original "
+                "one; a function passed to fp8train.checkpoint must call the same FP8 modules each time"
+            )
+        return plan
+    # torch.utils.checkpoint: the one region whose backward still owes a call of this module
+    candidates = [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(module))]
+    # use_reentrant=True ran the original forward without grad: nothing to replay, and a training call
+    # of the same module in that region is not the one being recomputed
+    reentrant = any(r.serial == module._untracked_region for r in candidates)
+    if not candidates and not module._last_fp8_untracked:
+        return None  # no FP8 training call pending: the original forward was high precision
+    if len(candidates) == 1 and not reentrant:
+        return candidates[0].calls[id(module)].popleft()
+    raise RuntimeError(
+        f"{module._signature()} is being recomputed during backward, but fp8train cannot tell which "
+        f"FP8 forward it repeats ({len(candidates)} candidate regions). Wrap the recomputed code in "
+        "fp8train.checkpoint(fn, *args), or use torch.utils.checkpoint with use_reentrant=False "
+        "and one region per backward pass; use_reentrant=True is not supported, and a region's "
+        "backward must run in one backward pass"
+    )
+
+
+def _refuse_ddp_join() -> None:
+    """Raise inside DistributedDataParallel's join() (uneven inputs) unless it throws on early termination.
+
+    A rank that ran out of data shadows DDP's collectives, not the amax all-reduces, so the others'
+    amax collectives would pair with DDP's (gloo kills the process on the size mismatch; NCCL hangs).
+    Called at the first FP8 call of each region: every rank raises in its first step inside join(),
+    before any rank can have joined. Reads DDP's private `_join_config` (torch >= 2.0).
+    """
+    ddp_forward = torch.nn.parallel.DistributedDataParallel.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is ddp_forward:
+            config = getattr(frame.f_locals.get("self"), "_join_config", None)
+            if config is not None and config.enable and not config.throw_on_early_termination:
+                raise RuntimeError(
+                    "DistributedDataParallel.join() (uneven inputs) cannot be used with a multi-rank FP8 "
+                    "amax reduction: a rank that ran out of data would shadow DDP's collectives but not "
+                    "fp8train's amax all-reduce, and the other ranks would hang or abort. Use "
+                    "join(throw_on_early_termination=True) (every rank stops when one runs out of data), "
+                    "give every rank the same number of batches (e.g. DistributedSampler(drop_last=True)), "
+                    "or DelayedScaling(reduce_amax=False)"
+                )
+            return
+        frame = frame.f_back
+
+
+# ---- backward ------------------------------------------------------------------------------------------
+def expect_backward(plan: Plan) -> None:
+    """The forward of a training call created an FP8 backward node."""
+    if plan.region is not None:
+        plan.region.backward_nodes += 1
+
+
+def backward_scale(plan: Plan, column: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward scale of `column`, and a frozen copy of its scale_inv, once earlier steps are applied."""
+    direction = plan.backward.bwd
+    direction.finish()  # backward reductions of earlier steps: wait before read
+    direction.check()
+    storage = direction.storage
+    return storage.scale[column], storage.scale_inv[column].clone()
+
+
+def record_backward(plan: Plan, column: int, amax: torch.Tensor) -> None:
+    plan.backward.bwd.record(column, amax)
+    if plan.region is not None:
+        plan.region.note_backward(plan.backward)
+
+
+def backward_node_done(plan: Plan) -> None:
+    if plan.region is not None:
+        plan.region.backward_node_done()
+
+
+# ---- readers of FP8 state ----------------------------------------------------------------------------
+def settle(direction: Direction, host_point: bool = False) -> None:
+    """Complete `direction`'s reductions before its state is read; issues no collective.
+
+    Only at a host point (a checkpoint) is a mismatch raised: seen on the device, even if its flag has
+    not reached the host yet (this waits for the device). Other readers can inspect the state after one."""
+    direction.finish()
+    if host_point:
+        direction.check(block=True)
+
+
+def synchronize() -> None:
+    """Complete every in-flight amax reduction and apply it, then raise any mismatch. No collective."""
+    for group in REGISTRY.groups.values():
+        group.fwd.finish()
+        group.bwd.finish()
+    for channel in REGISTRY.channels.values():
+        channel.check(block=True)
+
+
+def reduction_stats(complete: bool = True) -> dict:
+    """Per-process reduction counters: launched, bytes_reduced, exposed_wait_s, hidden_s, updates,
+    nonfinite_amax_events.
+
+    By default in-flight reductions are completed first (no collective is issued), so the counters
+    include the last step's update; `complete=False` reads them without waiting.
+    """
+    if complete:
+        synchronize()
+    return REGISTRY.stats.as_dict()
+
+
+def reset_reduction_stats() -> None:
+    REGISTRY.stats.__init__()
