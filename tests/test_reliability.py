@@ -10,15 +10,14 @@ import math
 import os
 import pickle
 import time
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8train
-from dist_utils import _worker, free_port
+from dist_utils import assert_ok, run_ranks_outcomes
 from fp8train import DelayedScaling, Format, fp8_autocast
 from fp8train.checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from fp8train.modules import FP8Module
@@ -71,72 +70,6 @@ def probe(model: torch.nn.Module) -> list[float]:
     """An eval forward in FP8 on a fixed batch: depends on weights and scales, records nothing."""
     with torch.no_grad(), fp8_autocast(fp8_recipe=RECIPE):
         return model(batch(99, 0)).flatten().tolist()
-
-
-def _exiting_worker(*args: Any) -> None:
-    """dist_utils' rank body, then a hard exit: skips seconds of interpreter teardown per rank."""
-    _worker(*args)
-    os._exit(0)
-
-
-def run_ranks_outcomes(
-    fn: Callable,
-    world_size: int,
-    *args: Any,
-    env: Optional[dict] = None,
-    timeout_s: float = 90,
-    pg_timeout_s: float = PG_TIMEOUT_S,
-) -> list[tuple[bool, Any]]:
-    """Like dist_utils.run_ranks, but a rank that raises or vanishes is an outcome, not an error.
-
-    Returns (ok, payload) per rank: (True, return value), (False, traceback) or (False, "exited with
-    code N without a result"). Raises TimeoutError if any rank is still running after `timeout_s`.
-    Ranks are forked from a forkserver that imported torch once, so a run starts in well under a
-    second instead of paying a fresh interpreter and torch import per rank.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "fp8train", "dist_utils"])
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_exiting_worker,
-            args=(r, world_size, port, fn, args, env, pg_timeout_s, queue),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    outcomes: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outcomes) < world_size:
-            if not queue.empty():
-                rank, ok, payload = queue.get()
-                outcomes[rank] = (ok, payload)
-            elif all(not p.is_alive() for p in procs):
-                if queue.empty():
-                    break
-            elif time.monotonic() > deadline:
-                raise TimeoutError(f"ranks still running after {timeout_s}s (finished: {sorted(outcomes)})")
-            else:
-                time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    for r, p in enumerate(procs):
-        outcomes.setdefault(r, (False, f"exited with code {p.exitcode} without a result"))
-    return [outcomes[r] for r in range(world_size)]
-
-
-def _assert_ok(outcomes: list[tuple[bool, Any]]) -> list[Any]:
-    for rank, (ok, payload) in enumerate(outcomes):
-        assert ok, f"rank {rank} failed:\n{payload}"
-    return [payload for _, payload in outcomes]
 
 
 # ---- 1. a rank dies while reductions are in flight --------------------------------------------------
@@ -208,7 +141,13 @@ def test_rank_failure_raises_on_survivors_and_keeps_checkpoint(
     """
     env = {ENV_ASYNC: async_env}
     outcomes = run_ranks_outcomes(
-        _rank_failure_worker, world_size, mode, str(tmp_path), env=env, timeout_s=120
+        _rank_failure_worker,
+        world_size,
+        mode,
+        str(tmp_path),
+        env=env,
+        timeout_s=120,
+        pg_timeout_s=PG_TIMEOUT_S,
     )
     victim_ok, victim = outcomes[-1]
     if mode == "raise":
@@ -303,7 +242,9 @@ def _f32(x: float) -> float:
 
 @pytest.mark.multirank
 def test_nonfinite_on_one_rank_keeps_scales_and_recovers(tmp_path) -> None:
-    ranks = _assert_ok(run_ranks_outcomes(_nonfinite_worker, 2, str(tmp_path), timeout_s=90))
+    ranks = assert_ok(
+        run_ranks_outcomes(_nonfinite_worker, 2, str(tmp_path), timeout_s=90, pg_timeout_s=PG_TIMEOUT_S)
+    )
     for r0, r1 in zip(*ranks):
         # A NaN on rank 1 reaches rank 0 as inf: both apply the same update, bit for bit.
         assert r0["fwd"] == r1["fwd"] and r0["bwd"] == r1["bwd"] and r0["events"] == r1["events"]
@@ -449,7 +390,7 @@ def _mismatch_worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def mismatch_outcomes() -> list[dict]:
-    return _assert_ok(run_ranks_outcomes(_mismatch_worker, 2, timeout_s=90))
+    return assert_ok(run_ranks_outcomes(_mismatch_worker, 2, timeout_s=90, pg_timeout_s=PG_TIMEOUT_S))
 
 
 @pytest.mark.multirank
