@@ -6,6 +6,7 @@ would show up as a TimeoutError of the launcher, never as a stuck test run.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -21,6 +22,7 @@ from dist_utils import assert_ok, run_ranks_outcomes
 from fp8train import DelayedScaling, Format, fp8_autocast
 from fp8train.checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from fp8train.modules import FP8Module
+from fp8train.modules.base import decode_extra_state
 from fp8train.protocol import ENV_ASYNC, REGISTRY
 from fp8train.reduction import AmaxReductionError
 from helpers import digest, fp8_state
@@ -622,12 +624,16 @@ def test_failed_save_keeps_the_previous_checkpoint(saved_checkpoint) -> None:
     assert [p.name for p in path.parent.iterdir()] == [path.name], "temporary file left behind"
 
 
-def _overwrite(data: bytes, tensor: torch.Tensor, value: float) -> bytes:
-    """`data` (a torch.save file) with the first element of `tensor` replaced by float32 `value`."""
-    raw = tensor.contiguous().numpy().tobytes()
-    at = data.find(raw)
-    assert at >= 0 and data.find(raw, at + 1) < 0, "tensor bytes not found exactly once"
-    return data[:at] + torch.tensor([value], dtype=torch.float32).numpy().tobytes() + data[at + 4 :]
+def _damaged(extra_state: bytes, key: str, value: float) -> bytes:
+    """A module's extra state with the first forward `key` value replaced, as a damaged file gives it.
+
+    The state is serialized bytes inside the checkpoint (pickled as text), so the damage is made on
+    the decoded tensors rather than by flipping bytes of the file."""
+    state = decode_extra_state(extra_state)
+    state["scaling_fwd"][key].view(-1)[0] = value
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 @pytest.mark.parametrize(
@@ -641,15 +647,13 @@ def _overwrite(data: bytes, tensor: torch.Tensor, value: float) -> bytes:
         ("amax_history", -3.0),
     ],
 )
-def test_damaged_fp8_state_is_refused(saved_checkpoint, tmp_path, key: str, value: float) -> None:
+def test_damaged_fp8_state_is_refused(saved_checkpoint, key: str, value: float) -> None:
     """torch.save has no checksum, so damaged values load; the FP8 state refuses impossible ones."""
-    good, model = saved_checkpoint
-    tensor = getattr(model[0].fp8_meta["scaling_fwd"], key).detach()
-    bad = tmp_path / "damaged.pt"
-    bad.write_bytes(_overwrite(good.read_bytes(), tensor, value))
-    ckpt = load_checkpoint(bad)
+    good, _ = saved_checkpoint
+    state = load_checkpoint(good)["model"]
+    state["0._extra_state"] = _damaged(state["0._extra_state"], key, value)
     with pytest.raises(ValueError, match=f"scaling_fwd: checkpoint {key}.*corrupted"):
-        make_model(seed=5).load_state_dict(ckpt["model"])
+        make_model(seed=5).load_state_dict(state)
 
 
 def test_foreign_checkpoints_are_refused_by_name(saved_checkpoint) -> None:
@@ -667,7 +671,11 @@ def test_foreign_checkpoints_are_refused_by_name(saved_checkpoint) -> None:
         ({"version": 2, "scaling_fwd": {}}, "not an fp8train"),
         ({"version": 1, "scaling_fwd": {"scale": [1.0]}, "scaling_bwd": {}}, "not fp8train's"),
         (
-            {"version": 1, "scaling_fwd": good["2._extra_state"]["scaling_bwd"], "scaling_bwd": {}},
+            {
+                "version": 1,
+                "scaling_fwd": decode_extra_state(good["2._extra_state"])["scaling_bwd"],
+                "scaling_bwd": {},
+            },
             "different model",
         ),
     ]:

@@ -10,6 +10,7 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling
+from fp8train.modules.base import decode_extra_state
 from fp8train.protocol import REGISTRY
 from helpers import fp8_state
 
@@ -58,8 +59,8 @@ def test_state_dict_round_trip_includesfp8_state(target: str) -> None:
         _train_step(model, opt, x, t)
     sd = model.state_dict()
     assert {"0._extra_state", "1._extra_state", "2._extra_state"} <= set(sd)
-    assert sd["2._extra_state"]["scaling_fwd"]["amax_history"].shape == (4, 3)
-    assert sd["0._extra_state"]["scaling_bwd"]["scale"].shape == (4,)
+    assert decode_extra_state(sd["2._extra_state"])["scaling_fwd"]["amax_history"].shape == (4, 3)
+    assert decode_extra_state(sd["0._extra_state"])["scaling_bwd"]["scale"].shape == (4,)
 
     # into a model that never trained (state held by the module until it joins a group), or into one
     # that already trains (state copied into its columns of the group's storage)
@@ -129,7 +130,7 @@ def test_other_shapes_are_a_clear_error() -> None:
     sd["_extra_state"] = linear_state
     with pytest.raises(ValueError, match="6 roles"):
         mlp.load_state_dict(sd)
-    state = _trained(_model(0), RECIPE)[2].get_extra_state()
+    state = decode_extra_state(_trained(_model(0), RECIPE)[2].get_extra_state())
     state["scaling_fwd"]["scale"] = state["scaling_fwd"]["scale"][:2]
     with pytest.raises(ValueError, match=r"scale \(2,\).*3 roles"):
         fp8train.Linear(24, 8).set_extra_state(state)

@@ -3,6 +3,7 @@
 from .autocast import autocast, fp8_autocast
 from .checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
+from .distributed import broadcast_fp8_state
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .protocol import reduction_stats, reset_reduction_stats, synchronize
 from .recipe import DelayedScaling, Format
@@ -33,4 +34,5 @@ __all__ = [
     "load_checkpoint",
     "checkpoint",
     "convert_to_fp8",
+    "broadcast_fp8_state",
 ]

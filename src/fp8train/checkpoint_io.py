@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import zipfile
 from typing import Any, Union
 
 import torch
@@ -46,7 +45,10 @@ def _diagnose(path: str) -> str:
     size = os.path.getsize(path)
     if size == 0:
         return "the file is empty"
-    if not zipfile.is_zipfile(path):
+    with open(path, "rb") as f:  # a complete torch.save archive ends with the zip end record
+        f.seek(max(0, size - 22))
+        complete = f.read(4) == b"PK\x05\x06"
+    if not complete:
         return (
             f"the file ({size} bytes) is not a complete torch.save archive: it was truncated (e.g. the "
             "job died while writing it), corrupted, or written by something else"

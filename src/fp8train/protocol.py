@@ -257,7 +257,6 @@ def plan_forward(module) -> Optional[Plan]:
     training = torch.is_grad_enabled()
     settings = REGISTRY.stack[-1] if REGISTRY.stack else None
     if settings is None or not (settings.enabled or settings.calibrating):
-        module._last_fp8_untracked = module._last_fp8_untracked and not training
         return None
     region = REGISTRY.region
     group = REGISTRY.amax_group(settings.recipe, settings.group)
@@ -268,9 +267,8 @@ def plan_forward(module) -> Optional[Plan]:
         if group.fwd.channel is not None:
             _refuse_ddp_join()
     use.trained = use.trained or record
-    module._last_fp8_untracked = settings.enabled and not training
-    if module._last_fp8_untracked:
-        module._untracked_region = region.serial
+    if settings.enabled and not training and region.grad_at_entry:
+        _refuse_reentrant_checkpoint()
     fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
     if record and fwd_meta.direction is None:
         device = next(module.parameters()).device
@@ -321,22 +319,39 @@ def _recompute_plan(module) -> Optional[Plan]:
                 "one; a function passed to fp8train.checkpoint must call the same FP8 modules each time"
             )
         return plan
-    # torch.utils.checkpoint: the one region whose backward still owes a call of this module
+    # torch.utils.checkpoint(use_reentrant=False): the one region whose backward still owes a call
     candidates = [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(module))]
-    # use_reentrant=True ran the original forward without grad: nothing to replay, and a training call
-    # of the same module in that region is not the one being recomputed
-    reentrant = any(r.serial == module._untracked_region for r in candidates)
-    if not candidates and not module._last_fp8_untracked:
+    if not candidates:
         return None  # no FP8 training call pending: the original forward was high precision
-    if len(candidates) == 1 and not reentrant:
+    if len(candidates) == 1:
         return candidates[0].calls[id(module)].popleft()
     raise RuntimeError(
         f"{module._signature()} is being recomputed during backward, but fp8train cannot tell which "
         f"FP8 forward it repeats ({len(candidates)} candidate regions). Wrap the recomputed code in "
         "fp8train.checkpoint(fn, *args), or use torch.utils.checkpoint with use_reentrant=False "
-        "and one region per backward pass; use_reentrant=True is not supported, and a region's "
-        "backward must run in one backward pass"
+        "and one region per backward pass; a region's backward must run in one backward pass"
     )
+
+
+def _refuse_reentrant_checkpoint() -> None:
+    """Raise inside torch.utils.checkpoint(use_reentrant=True) in a training region.
+
+    Its forward runs without grad, so the FP8 call records nothing and owes no backward, and its
+    recomputation in backward cannot be told apart from another call of the same module. Called for
+    FP8 calls without grad in a region entered with grad (evaluation inside a training region, or
+    this), so evaluation under no_grad outside the region pays nothing.
+    """
+    reentrant_forward = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is reentrant_forward:
+            raise RuntimeError(
+                "torch.utils.checkpoint(..., use_reentrant=True) over FP8 modules in a training region: "
+                "use_reentrant=True is not supported (its forward runs without autograd, so its FP8 "
+                "calls cannot be matched to their recomputation). Use fp8train.checkpoint(fn, *args) or "
+                "torch.utils.checkpoint(fn, *args, use_reentrant=False)"
+            )
+        frame = frame.f_back
 
 
 def _refuse_ddp_join() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import io
 import sys
 from typing import Callable, Optional
 
@@ -11,7 +12,7 @@ import torch
 from .. import protocol
 from ..reduction import Direction
 
-__all__ = ["FP8Module", "ScalingMeta"]
+__all__ = ["FP8Module", "ScalingMeta", "decode_extra_state"]
 
 FWD_ROLES = 3  # input, weight, output per GEMM
 BWD_ROLES = 2  # grad_output, grad_input per GEMM
@@ -175,6 +176,26 @@ def _eager(forward: Callable) -> Callable:
     return run
 
 
+def decode_extra_state(state, where: str = "FP8 module") -> dict:
+    """{"scaling_fwd": {...}, "scaling_bwd": {...}} from a module's extra state: the bytes written by
+    `get_extra_state`, or the dict that version 1 checkpoints hold."""
+    if isinstance(state, (bytes, bytearray)):
+        try:
+            state = torch.load(io.BytesIO(state), weights_only=True)
+        except Exception:
+            state = None
+    if (
+        not isinstance(state, dict)
+        or state.get("version") not in (1, 2)
+        or not {"scaling_fwd", "scaling_bwd"} <= set(state)
+    ):
+        raise ValueError(
+            f"{where}: the checkpoint's FP8 extra state is not an fp8train state; "
+            "load a checkpoint saved by fp8train's state_dict()"
+        )
+    return state
+
+
 class FP8Module(torch.nn.Module):
     """Base of modules with FP8 GEMMs. Subclasses set `num_gemms` and call `_plan()` in forward."""
 
@@ -191,8 +212,6 @@ class FP8Module(torch.nn.Module):
             "scaling_fwd": ScalingMeta(FWD_ROLES * self.num_gemms),
             "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
         }
-        self._last_fp8_untracked = False  # its last FP8 call ran without grad (eval, reentrant checkpoint)
-        self._untracked_region = -1  # the last region in which an FP8 call of it ran without grad
         self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _signature(self) -> str:
@@ -203,20 +222,23 @@ class FP8Module(torch.nn.Module):
         return protocol.plan_forward(self)
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def get_extra_state(self) -> dict:
-        return {
-            "version": 1,
-            "scaling_fwd": self.fp8_meta["scaling_fwd"].state(),
-            "scaling_bwd": self.fp8_meta["scaling_bwd"].state(),
-        }
+    def get_extra_state(self) -> bytes:
+        """FP8 state as serialized bytes (see `decode_extra_state`).
+
+        Checkpoint formats store bytes whole and restore them by replacement, whatever the history
+        length: torch.distributed.checkpoint loads tensors in place, so a fresh module (no history
+        yet) could not receive a trained module's (H x N) history if it were a tensor.
+        """
+        state = {"version": 2}
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state[key] = self.fp8_meta[key].state()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
 
     def set_extra_state(self, state) -> None:
         where = self._signature()
-        if not isinstance(state, dict) or state.get("version") != 1 or "scaling_fwd" not in state:
-            raise ValueError(
-                f"{where}: the checkpoint's FP8 extra state is not an fp8train (version 1) state; "
-                "load a checkpoint saved by fp8train's state_dict()"
-            )
+        state = decode_extra_state(state, where)
         for key in ("scaling_fwd", "scaling_bwd"):
             self.fp8_meta[key].load(state[key], f"{where} {key}")
         self._weight_cache.clear()

@@ -1,0 +1,345 @@
+"""The amax protocol under real training patterns, not only lockstep loops (issue 9).
+
+Real gloo ranks. Every scenario ends in correct training (checked bit for bit against the same run
+without the pattern) or in the same clear error on every rank; none may hang or kill a process.
+
+1. Regions that only some ranks enter or that train nothing: rank-0-only validation (no_grad and
+   inference_mode inside the region) followed by a save and a barrier, uneven validation shards, a
+   high-precision region with grad on one rank, a second FP8 model trained or calibrated by one rank
+   alone, and (3 ranks) a model trained by a subgroup that the third rank never runs.
+2. Rank 0 loads a checkpoint, DDP broadcasts parameters but not FP8 state: a StateMismatchError on
+   every rank; `fp8train.broadcast_fp8_state` after it, or torch.distributed.checkpoint loading on
+   every rank, continues exactly like the uninterrupted run.
+3. Divergence in a step that grows the layout (the first step, or the step where a module first
+   trains): LayoutMismatchError on every rank, never collectives of different sizes.
+4. DDP join() with uneven inputs: a clear error on every rank at once; join(throw_on_early_termination=
+   True) works and ends with DDP's own error on every rank.
+5. torch.utils.checkpoint(use_reentrant=True) over a module also called outside it: the documented
+   RuntimeError.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.utils.checkpoint
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fp8train
+from collectives import AllReduceSpy
+from dist_utils import run_ranks
+from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, fp8_autocast
+from fp8train.protocol import REGISTRY
+from helpers import digest, fp8_state
+
+RECIPE = DelayedScaling(amax_history_len=4)
+LR = 0.05
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(fp8train.Linear(16, 32), torch.nn.GELU(), fp8train.Linear(32, 16))
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 16, generator=gen) * (1 + rank)
+
+
+def sgd(model: torch.nn.Module) -> None:
+    """Plain SGD: no optimizer state, so a resumed run needs only the model's state."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= LR * p.grad
+                p.grad = None
+
+
+def train_step(model: torch.nn.Module, x: torch.Tensor, group, backward: bool = True) -> float:
+    with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
+        y = model(x)
+    loss = y.float().pow(2).mean()
+    if backward:
+        loss.backward()
+        sgd(model)
+    return loss.item()
+
+
+def fp8_digest(model: torch.nn.Module) -> str:
+    return digest(fp8_state(model))
+
+
+# ---- 1. regions that only some ranks enter, or that train nothing -------------------------------------
+def _rank_local_regions(rank: int, ddp: DDP, local: torch.nn.Module, step: int, group, solo) -> None:
+    model = ddp.module
+    if step == 1:  # rank 0 validates alone, saves, then every rank meets at a barrier
+        if rank == 0:
+            with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group), torch.no_grad():
+                model(batch(99, step))
+            torch.save(model.state_dict(), io.BytesIO())
+        dist.barrier(group)
+    if step == 2 and rank == 0:  # inference_mode inside the region
+        with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group), torch.inference_mode():
+            model(batch(98, step))
+    if step == 3:  # uneven validation shards: rank 0 has one batch more
+        for i in range(3 if rank == 0 else 2):
+            with torch.no_grad(), fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
+                model(batch(90 + i, step))
+    if step == 4 and rank == 1:  # a high-precision region with grad on, on one rank
+        with fp8_autocast(enabled=False, fp8_recipe=RECIPE, fp8_group=group):
+            model(batch(97, step)).sum()
+    if step == 5:  # a second FP8 model that each rank trains, then calibrates, alone
+        recipe = DelayedScaling(amax_history_len=4, reduce_amax=False) if rank == 0 else RECIPE
+        own = None if rank == 0 else solo[rank]
+        for i in range(2):
+            with fp8_autocast(fp8_recipe=recipe, fp8_group=own):
+                y = local(batch(80 + i, step))
+            y.square().mean().backward()
+            sgd(local)
+        with torch.no_grad(), fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe, fp8_group=own):
+            local(batch(85, step))
+
+
+def rank_local(rank: int, world: int) -> dict:
+    solo = [dist.new_group([r]) for r in range(world)]
+    runs = {}
+    for variant in ("lockstep", "with rank-local regions"):
+        group = dist.new_group(list(range(world)))
+        ddp = DDP(make_model(), process_group=group)
+        local = make_model(seed=7)
+        log = []
+        with AllReduceSpy() as spy:
+            for step in range(6):
+                before = spy.calls
+                loss = train_step(ddp, batch(rank, step), group)
+                if variant != "lockstep":
+                    _rank_local_regions(rank, ddp, local, step, group, solo)
+                collectives = spy.calls - before
+                log.append({"loss": loss, "fp8": fp8_digest(ddp.module), "amax_collectives": collectives})
+        runs[variant] = log
+    return runs
+
+
+def three_ranks(rank: int, world: int) -> dict:
+    """Model A is trained by ranks {0, 1} only; model B by all three ranks, in the same steps."""
+    pair, everyone = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
+    a, b = make_model(seed=1), make_model(seed=2)
+    losses = []
+    for step in range(4):
+        if rank < 2:
+            train_step(a, batch(rank, step), pair)
+        losses.append(train_step(b, batch(rank, step), everyone))
+    return {"a": fp8_digest(a) if rank < 2 else None, "b": fp8_digest(b), "losses": losses}
+
+
+# ---- 2. a checkpoint loaded on rank 0 only ------------------------------------------------------------
+def rank0_load(rank: int, world: int, directory: str) -> dict:
+    path, dcp_dir = os.path.join(directory, "model.pt"), os.path.join(directory, "dcp")
+    group = dist.new_group([0, 1])
+    model = make_model()
+    ddp = DDP(model, process_group=group)
+    for step in range(3):
+        train_step(ddp, batch(rank, step), group)
+    if rank == 0:
+        torch.save(model.state_dict(), path)  # finishes the step's reductions first
+    dcp.save({"model": model.state_dict()}, checkpoint_id=dcp_dir, process_group=group)
+    dist.barrier(group)
+    out = {"uninterrupted": [train_step(ddp, batch(rank, step), group) for step in range(3, 6)]}
+    out["uninterrupted_fp8"] = fp8_digest(model)
+    for how in ("rank 0 loads", "rank 0 loads, then broadcast_fp8_state", "dcp on every rank"):
+        group = dist.new_group([0, 1])
+        fresh = make_model(seed=5)
+        if how.startswith("rank 0") and rank == 0:
+            fresh.load_state_dict(torch.load(path))
+        if how.startswith("dcp"):
+            state = {"model": fresh.state_dict()}
+            dcp.load(state, checkpoint_id=dcp_dir, process_group=group)
+            fresh.load_state_dict(state["model"])
+        ddp = DDP(fresh, process_group=group)  # broadcasts rank 0's parameters, not FP8 state
+        if how.endswith("broadcast_fp8_state"):
+            fp8train.broadcast_fp8_state(fresh, src=0, group=group)
+        losses = []
+        try:
+            for step in range(3, 6):
+                losses.append(train_step(ddp, batch(rank, step), group))
+            out[how] = {"losses": losses, "fp8": fp8_digest(fresh), "error": None}
+        except StateMismatchError as exc:
+            out[how] = {"losses": losses, "error": str(exc)}
+    return out
+
+
+# ---- 3. divergence in a step that grows the layout ---------------------------------------------------------
+GROWTH_CASES = {
+    # case: (step at which rank 1 diverges, what it does)
+    "skips its backward in the first step": 0,
+    "raises before any FP8 call in the first step": 0,
+    "raises after its FP8 calls in the first step": 0,
+    "skips a module in the step it first trains": 2,
+    "skips its backward in the step a module first trains": 2,
+}
+
+
+def _growth_step(case: str, model, extra, x, group, step: int, diverge: bool) -> None:
+    new_module = case.endswith("first trains") and step >= 2
+    with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
+        if diverge and case.startswith("raises before"):
+            raise ValueError("bad batch")
+        y = model(x)
+        if new_module and not (diverge and case.startswith("skips a module")):
+            y = extra(y)
+        if diverge and case.startswith("raises after"):
+            raise ValueError("bad batch")
+    if not (diverge and case.startswith("skips its backward")):
+        y.float().pow(2).mean().backward()
+        sgd(model)
+
+
+def growth(rank: int, world: int) -> dict:
+    out = {}
+    for case, diverge_at in GROWTH_CASES.items():
+        group = dist.new_group([0, 1])
+        model, extra = make_model(), fp8train.Linear(16, 16)  # `extra` joins the model at step 2
+        out[case] = {"error": None}
+        for step in range(5):
+            diverge = rank == 1 and step == diverge_at
+            try:
+                _growth_step(case, model, extra, batch(rank, step), group, step, diverge)
+            except ValueError as exc:
+                assert str(exc) == "bad batch"  # the rank skips the batch and carries on
+            except LayoutMismatchError as exc:
+                out[case] = {"error": str(exc), "step": step}
+                break
+    return out
+
+
+# ---- 4. DDP join() with uneven inputs ------------------------------------------------------------------
+def join(rank: int, world: int) -> dict:
+    out = {}
+    for throw in (False, True):
+        group = dist.new_group([0, 1])
+        ddp = DDP(make_model(), process_group=group)
+        steps = 0
+        try:
+            with ddp.join(throw_on_early_termination=throw):
+                for step in range(3 if rank == 0 else 2):  # rank 1 runs out of data first
+                    train_step(ddp, batch(rank, step), group)
+                    steps += 1
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        fp8train.synchronize()
+        out[throw] = {"error": error, "steps": steps, "fp8": fp8_digest(ddp.module)}
+    return out
+
+
+# ---- 5. reentrant checkpointing over a module also called outside it --------------------------------------
+def reentrant(rank: int, world: int) -> dict:
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    shared = fp8train.Linear(16, 16)
+    x = batch(rank, 0).requires_grad_()
+    try:
+        with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
+            h = torch.utils.checkpoint.checkpoint(shared, x, use_reentrant=True)
+            y = shared(h)
+        y.sum().backward()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+SCENARIOS = {"rank_local": rank_local, "rank0_load": rank0_load, "growth": growth, "join": join}
+SCENARIOS["reentrant"] = reentrant
+
+
+def _worker(rank: int, world: int, names: list[str], directory: str) -> dict:
+    out = {}
+    for name in names:
+        REGISTRY.__init__()
+        args = (directory,) if name == "rank0_load" else ()
+        try:
+            out[name] = ("ok", SCENARIOS[name](rank, world, *args))
+        except Exception:
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+def outcome(runs: list[dict], name: str) -> list:
+    for rank, run in enumerate(runs):
+        status, value = run[name]
+        if status != "ok":
+            pytest.fail(f"rank {rank} failed in scenario {name!r}:\n{value}")
+    return [run[name][1] for run in runs]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    directory = str(tmp_path_factory.mktemp("patterns"))
+    return run_ranks(_worker, 2, list(SCENARIOS), directory, timeout_s=240, pg_timeout_s=30)
+
+
+@pytest.mark.multirank
+def test_rank_local_regions_change_nothing(two_ranks):
+    runs = outcome(two_ranks, "rank_local")
+    for rank_runs in runs:
+        # bit for bit the lockstep run, with the same amax collectives per step: evaluation, extra
+        # validation batches, high-precision regions and other groups' regions launch nothing
+        assert rank_runs["with rank-local regions"] == rank_runs["lockstep"]
+        counts = [s["amax_collectives"] for s in rank_runs["lockstep"]]
+        assert counts == [3] + [2] * 5  # one per direction, + the first step's size handshake
+    assert [s["fp8"] for s in runs[0]["lockstep"]] == [s["fp8"] for s in runs[1]["lockstep"]]
+
+
+@pytest.mark.multirank
+def test_a_subgroup_model_the_third_rank_never_runs():
+    runs = run_ranks(three_ranks, 3, timeout_s=120, pg_timeout_s=30)
+    assert runs[0]["a"] == runs[1]["a"] and runs[2]["a"] is None
+    assert runs[0]["b"] == runs[1]["b"] == runs[2]["b"]
+    assert len({tuple(r["losses"]) for r in runs}) == 3  # different data per rank: a real reduction
+
+
+@pytest.mark.multirank
+def test_rank0_load_is_caught_and_broadcast_fp8_state_fixes_it(two_ranks):
+    runs = outcome(two_ranks, "rank0_load")
+    for out in runs:
+        caught = out["rank 0 loads"]
+        assert caught["error"] is not None and caught["losses"] == [], caught  # in the first region
+        assert "broadcast_fp8_state" in caught["error"] and "different scales" in caught["error"]
+        for how in ("rank 0 loads, then broadcast_fp8_state", "dcp on every rank"):
+            assert out[how]["error"] is None, out[how]["error"]
+            assert out[how]["losses"] == out["uninterrupted"], how
+            assert out[how]["fp8"] == out["uninterrupted_fp8"], how
+    assert runs[0]["uninterrupted_fp8"] == runs[1]["uninterrupted_fp8"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", list(GROWTH_CASES))
+def test_divergence_in_a_growth_step_is_a_layout_mismatch_on_every_rank(two_ranks, case):
+    for rank, out in enumerate(outcome(two_ranks, "growth")):
+        result = out[case]
+        assert result["error"] is not None, f"rank {rank} trained on: {case}"
+        assert "FP8 layout mismatch" in result["error"]
+        assert result["step"] <= GROWTH_CASES[case] + 2
+
+
+@pytest.mark.multirank
+def test_ddp_join_is_refused_on_every_rank_unless_it_throws(two_ranks):
+    runs = outcome(two_ranks, "join")
+    for out in runs:
+        refused = out[False]
+        assert refused["steps"] == 0 and "join(throw_on_early_termination=True)" in refused["error"]
+        throwing = out[True]  # DDP's own error on every rank once rank 1 runs out, after 2 good steps
+        assert throwing["steps"] == 2 and "exhausted" in throwing["error"]
+    assert runs[0][True]["fp8"] == runs[1][True]["fp8"]
+
+
+@pytest.mark.multirank
+def test_reentrant_checkpoint_over_a_shared_module_is_the_documented_error(two_ranks):
+    for out in outcome(two_ranks, "reentrant"):
+        assert out["error"] is not None and "use_reentrant=True is not supported" in out["error"]
