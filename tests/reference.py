@@ -1,4 +1,4 @@
-"""Independent reference implementations for the tests, written from DESIGN.md section 1.
+"""Independent reference implementations for the tests, written from docs/design.md, section 1.
 
 Deliberately naive: one column at a time, plain Python lists, float32 rounding done explicitly, so
 that a vectorisation or storage bug in the library cannot hide behind the same bug here.

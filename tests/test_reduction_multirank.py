@@ -3,7 +3,7 @@
 Every rank feeds different data (seeded and scaled by rank), so local amaxes differ and only a
 correct MAX reduction makes the ranks agree. Each rank also measures its own local amaxes with
 module hooks; the test process MAX-reduces them itself and replays them through the per-column
-reference of DESIGN.md section 1 (tests/reference.py), which every rank's state must equal bit for bit.
+reference of docs/design.md, section 1 (tests/reference.py), which every rank's state must equal bit for bit.
 
 Two ways to read the state after a step:
 - "public": through `fp8_meta[...]` (which first completes in-flight reductions): state after the
