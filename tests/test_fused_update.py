@@ -108,4 +108,4 @@ def test_update_op_count_is_independent_of_module_count(recipe: DelayedScaling) 
     assert sum(few_fwd.values()) > 0
     assert few_fwd == many_fwd and few_bwd == many_bwd
     # a small fixed number: no per-module (or per-column) Python loop hides inside
-    assert sum(many_fwd.values()) < 40, dict(many_fwd)
+    assert sum(many_fwd.values()) < 60, dict(many_fwd)  # the update and the history digest roll

@@ -6,6 +6,7 @@ would show up as a TimeoutError of the launcher, never as a stuck test run.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -327,7 +328,12 @@ def test_nonfinite_on_one_rank_keeps_scales_and_recovers(tmp_path) -> None:
 
 # ---- 3 and 5. mismatched ranks: other models, other recipes, a group without this rank -------------
 
+
 # Each case uses its own history length, so that it gets fresh amax groups in the same processes.
+def _row(history: torch.Tensor, row: int) -> torch.Tensor:
+    return history[row]
+
+
 MISMATCH_CASES = {
     # case: (rank 0 (widths, recipe), rank 1 (widths, recipe))
     "extra_layer": (
@@ -349,6 +355,15 @@ MISMATCH_CASES = {
     "algo": (
         ((16, 16, 16), DelayedScaling(amax_history_len=10)),
         ((16, 16, 16), DelayedScaling(amax_history_len=10, amax_compute_algo="most_recent")),
+    ),
+    # callables with the same name: known by their code, constants and arguments, not their name
+    "lambda": (
+        ((16, 16, 16), DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: h.amax(0))),
+        ((16, 16, 16), DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: h[0])),
+    ),
+    "partial": (
+        ((16, 16, 16), DelayedScaling(amax_history_len=4, amax_compute_algo=functools.partial(_row, row=0))),
+        ((16, 16, 16), DelayedScaling(amax_history_len=4, amax_compute_algo=functools.partial(_row, row=1))),
     ),
 }
 
@@ -409,7 +424,7 @@ def test_different_models_fail_on_all_ranks_in_first_step(mismatch_outcomes, cas
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["margin", "history_len", "algo"])
+@pytest.mark.parametrize("case", ["margin", "history_len", "algo", "lambda", "partial"])
 def test_different_recipes_fail_instead_of_diverging(mismatch_outcomes, case: str) -> None:
     """Same model, recipes differing in one field: without the recipe in the layout fingerprint the
     ranks would silently compute different scales from the same reduced amaxes."""

@@ -4,14 +4,19 @@ Real gloo ranks. Every scenario ends in correct training (checked bit for bit ag
 without the pattern) or in the same clear error on every rank; none may hang or kill a process.
 
 1. Regions that only some ranks enter or that train nothing: rank-0-only validation (no_grad and
-   inference_mode inside the region) followed by a save and a barrier, uneven validation shards, a
-   high-precision region with grad on one rank, a second FP8 model trained or calibrated by one rank
-   alone, and (3 ranks) a model trained by a subgroup that the third rank never runs.
+   inference_mode inside the region) followed by a save and a barrier, a region every rank enters
+   but only rank 0 evaluates in, uneven validation shards, a high-precision region with grad on one
+   rank, an out-of-memory retry inside the region on one rank, a second FP8 model trained or
+   calibrated by one rank alone, nested groups on several process groups with one evaluated by
+   rank 0 first, and (3 ranks) a model trained by a subgroup that the third rank never runs.
 2. Rank 0 loads a checkpoint, DDP broadcasts parameters but not FP8 state: a StateMismatchError on
-   every rank; `fp8train.broadcast_fp8_state` after it, or torch.distributed.checkpoint loading on
-   every rank, continues exactly like the uninterrupted run.
+   every rank (also when only the amax histories differ); `fp8train.broadcast_fp8_state` after it,
+   or torch.distributed.checkpoint loading on every rank, continues exactly like the uninterrupted
+   run.
 3. Divergence in a step that grows the layout (the first step, or the step where a module first
-   trains): LayoutMismatchError on every rank, never collectives of different sizes.
+   trains): LayoutMismatchError on every rank, never collectives of different sizes. (A rank that
+   skips a whole training step, e.g. raises before any FP8 call, only shifts which steps pair:
+   docs/design.md, section 4.)
 4. DDP join() with uneven inputs: a clear error on every rank at once; join(throw_on_early_termination=
    True) works and ends with DDP's own error on every rank.
 5. torch.utils.checkpoint(use_reentrant=True) over a module also called outside it: the documented
@@ -84,9 +89,11 @@ def _rank_local_regions(rank: int, ddp: DDP, local: torch.nn.Module, step: int, 
                 model(batch(99, step))
             torch.save(model.state_dict(), io.BytesIO())
         dist.barrier(group)
-    if step == 2 and rank == 0:  # inference_mode inside the region
-        with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group), torch.inference_mode():
-            model(batch(98, step))
+    if step == 2:  # every rank enters a region; only rank 0 evaluates in it (inference_mode)
+        with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
+            if rank == 0:
+                with torch.inference_mode():
+                    model(batch(98, step))
     if step == 3:  # uneven validation shards: rank 0 has one batch more
         for i in range(3 if rank == 0 else 2):
             with torch.no_grad(), fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
@@ -106,6 +113,23 @@ def _rank_local_regions(rank: int, ddp: DDP, local: torch.nn.Module, step: int, 
             local(batch(85, step))
 
 
+def _train_step_retrying(ddp: DDP, x: torch.Tensor, group, fail_first: bool) -> float:
+    """A step whose first attempt (on this rank) fails after one FP8 call, inside the region, and is
+    retried there: the usual out-of-memory retry. The failed attempt's graph is dropped."""
+    with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
+        if fail_first:
+            try:
+                ddp.module[0](x)
+                raise MemoryError("out of memory (simulated)")
+            except MemoryError:
+                pass
+        y = ddp(x)
+    loss = y.float().pow(2).mean()
+    loss.backward()
+    sgd(ddp.module)
+    return loss.item()
+
+
 def rank_local(rank: int, world: int) -> dict:
     solo = [dist.new_group([r]) for r in range(world)]
     runs = {}
@@ -117,11 +141,41 @@ def rank_local(rank: int, world: int) -> dict:
         with AllReduceSpy() as spy:
             for step in range(6):
                 before = spy.calls
-                loss = train_step(ddp, batch(rank, step), group)
+                retry = variant != "lockstep" and rank == 0 and step == 4
+                loss = _train_step_retrying(ddp, batch(rank, step), group, retry)
                 if variant != "lockstep":
                     _rank_local_regions(rank, ddp, local, step, group, solo)
                 collectives = spy.calls - before
                 log.append({"loss": loss, "fp8": fp8_digest(ddp.module), "amax_collectives": collectives})
+        runs[variant] = log
+    return runs
+
+
+def nested_groups(rank: int, world: int) -> dict:
+    """Three recipes (amax groups) in nested regions, two of them on their own process groups; rank 0
+    also evaluates model B before the others train, in the first (size handshake) step and later.
+    The groups launch in the order they first trained, the same on every rank."""
+    recipes = [DelayedScaling(amax_history_len=4, margin=m) for m in range(3)]
+    runs = {}
+    for variant in ("lockstep", "rank 0 evaluates B first"):
+        pg_b, pg_c = dist.new_group([0, 1]), dist.new_group([0, 1])
+        a, b, c = make_model(seed=1), make_model(seed=2), make_model(seed=3)
+        log = []
+        for step in range(4):
+            x = batch(rank, step)
+            with fp8_autocast(fp8_recipe=recipes[0]):
+                if variant != "lockstep" and rank == 0 and step in (0, 2):
+                    with torch.no_grad(), fp8_autocast(fp8_recipe=recipes[1], fp8_group=pg_b):
+                        b(x)
+                h = a(x)
+                with fp8_autocast(fp8_recipe=recipes[2], fp8_group=pg_c):
+                    h = c(h)
+                with fp8_autocast(fp8_recipe=recipes[1], fp8_group=pg_b):
+                    h = b(h)
+            h.float().pow(2).mean().backward()
+            for m in (a, b, c):
+                sgd(m)
+            log.append([fp8_digest(m) for m in (a, b, c)])
         runs[variant] = log
     return runs
 
@@ -171,14 +225,42 @@ def rank0_load(rank: int, world: int, directory: str) -> dict:
             out[how] = {"losses": losses, "fp8": fp8_digest(fresh), "error": None}
         except StateMismatchError as exc:
             out[how] = {"losses": losses, "error": str(exc)}
+            try:  # too late to resynchronise: every rank refuses, none waits in the broadcast
+                fp8train.broadcast_fp8_state(fresh, src=0, group=group)
+            except RuntimeError as late:
+                out[how]["broadcast_after_failure"] = str(late)
     return out
+
+
+def history_only_load(rank: int, world: int) -> dict:
+    """Rank 0 alone reloads an earlier checkpoint whose scales equal the current ones but whose amax
+    history does not (same data on both ranks, a spike in step 0, frozen weights): the first
+    reduction after the load must fail, before any step trains with different scales."""
+    group = dist.new_group([0, 1])
+    model = make_model()
+    saved, scales = None, []
+    for step in range(7):
+        if step == 3 and rank == 0:
+            model.load_state_dict(torch.load(io.BytesIO(saved)))
+        try:
+            with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
+                scales.append(model[0].fp8_meta["scaling_fwd"].scale.tolist())
+                y = model(batch(0, step) * (100.0 if step == 0 else 1.0))
+            y.float().pow(2).mean().backward()
+            model.zero_grad(set_to_none=True)  # frozen weights: only the FP8 state moves
+        except StateMismatchError:
+            return {"error_step": step, "scales": scales}
+        if step == 1:
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            saved = buffer.getvalue()
+    return {"error_step": None, "scales": scales}
 
 
 # ---- 3. divergence in a step that grows the layout ---------------------------------------------------------
 GROWTH_CASES = {
     # case: (step at which rank 1 diverges, what it does)
     "skips its backward in the first step": 0,
-    "raises before any FP8 call in the first step": 0,
     "raises after its FP8 calls in the first step": 0,
     "skips a module in the step it first trains": 2,
     "skips its backward in the step a module first trains": 2,
@@ -188,8 +270,6 @@ GROWTH_CASES = {
 def _growth_step(case: str, model, extra, x, group, step: int, diverge: bool) -> None:
     new_module = case.endswith("first trains") and step >= 2
     with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
-        if diverge and case.startswith("raises before"):
-            raise ValueError("bad batch")
         y = model(x)
         if new_module and not (diverge and case.startswith("skips a module")):
             y = extra(y)
@@ -254,8 +334,15 @@ def reentrant(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-SCENARIOS = {"rank_local": rank_local, "rank0_load": rank0_load, "growth": growth, "join": join}
-SCENARIOS["reentrant"] = reentrant
+SCENARIOS = {
+    "rank_local": rank_local,
+    "nested_groups": nested_groups,
+    "rank0_load": rank0_load,
+    "history_only_load": history_only_load,
+    "growth": growth,
+    "join": join,
+    "reentrant": reentrant,
+}
 
 
 def _worker(rank: int, world: int, names: list[str], directory: str) -> dict:
@@ -297,6 +384,14 @@ def test_rank_local_regions_change_nothing(two_ranks):
 
 
 @pytest.mark.multirank
+def test_nested_groups_launch_in_training_order_whatever_ranks_evaluate(two_ranks):
+    runs = outcome(two_ranks, "nested_groups")
+    for rank_runs in runs:
+        assert rank_runs["rank 0 evaluates B first"] == rank_runs["lockstep"]
+    assert runs[0]["lockstep"] == runs[1]["lockstep"]
+
+
+@pytest.mark.multirank
 def test_a_subgroup_model_the_third_rank_never_runs():
     runs = run_ranks(three_ranks, 3, timeout_s=120, pg_timeout_s=30)
     assert runs[0]["a"] == runs[1]["a"] and runs[2]["a"] is None
@@ -311,11 +406,21 @@ def test_rank0_load_is_caught_and_broadcast_fp8_state_fixes_it(two_ranks):
         caught = out["rank 0 loads"]
         assert caught["error"] is not None and caught["losses"] == [], caught  # in the first region
         assert "broadcast_fp8_state" in caught["error"] and "different scales" in caught["error"]
+        assert "already failed" in caught["broadcast_after_failure"]
         for how in ("rank 0 loads, then broadcast_fp8_state", "dcp on every rank"):
             assert out[how]["error"] is None, out[how]["error"]
             assert out[how]["losses"] == out["uninterrupted"], how
             assert out[how]["fp8"] == out["uninterrupted_fp8"], how
     assert runs[0]["uninterrupted_fp8"] == runs[1]["uninterrupted_fp8"]
+
+
+@pytest.mark.multirank
+def test_a_load_that_changes_only_the_history_is_caught_at_once(two_ranks):
+    for out in outcome(two_ranks, "history_only_load"):
+        assert out["error_step"] == 4, out  # the reduction of step 3, checked when step 4 needs it
+        assert out["scales"][3] == out["scales"][2]  # the loaded scales equal the current ones...
+    runs = outcome(two_ranks, "history_only_load")
+    assert runs[0]["scales"] == runs[1]["scales"]  # ...and no step ran with different scales
 
 
 @pytest.mark.multirank

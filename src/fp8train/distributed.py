@@ -2,7 +2,7 @@
 
 DDP broadcasts parameters and buffers from rank 0 when it wraps a model, but FP8 state (amax
 histories, scales) is module extra state, which it does not touch. After a checkpoint was loaded on
-some ranks only, the ranks hold different scales; the reduction header then fails its state check
+some ranks only, the ranks hold different FP8 state; the reduction header then fails its state check
 on every rank (`StateMismatchError`). `broadcast_fp8_state` is the fix it names.
 """
 
@@ -16,17 +16,40 @@ from .modules.base import FP8Module
 __all__ = ["broadcast_fp8_state"]
 
 
+def _agree_on_failure(error: str, group) -> str:
+    """Every rank of `group` learns whether any rank failed (one all-reduce), so all raise together."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    failed = torch.tensor([float(bool(error))], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    return error or ("failed on another rank of the group (see its error)" if failed.item() else "")
+
+
 def broadcast_fp8_state(model: torch.nn.Module, src: int = 0, group=None) -> None:
     """Give every rank of `group` the FP8 state of every FP8 module of `model` on rank `src`.
 
     Collective: every rank of `group` (default: the world) calls it with the same model structure;
-    `src` is a global rank. A rank whose FP8 modules differ from `src`'s makes every rank raise a
-    ValueError. Call it after loading a checkpoint on some ranks only, before the next FP8 region.
-    Reading and writing the state completes each module's in-flight reductions first, so none of
-    them can land on top of the broadcast state.
+    `src` is a global rank. Call it after loading a checkpoint on some ranks only, before the next FP8
+    step. Reading and writing the state completes each module's in-flight reductions first. If the
+    ranks' FP8 modules differ, or an amax reduction of the model has already failed on some rank,
+    every rank raises.
     """
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Module)]
     names = [name for name, _ in modules]
+    channels = {
+        m.fp8_meta[key].direction.channel
+        for _, m in modules
+        for key in ("scaling_fwd", "scaling_bwd")
+        if m.fp8_meta[key].direction is not None and m.fp8_meta[key].direction.channel is not None
+    }
+    failures = [channel.failure_message() for channel in channels if channel.failed]
+    error = _agree_on_failure(failures[0] if failures else "", group)
+    if error:
+        raise RuntimeError(
+            f"broadcast_fp8_state: an FP8 amax reduction of this model has already failed ({error}). A "
+            "failed amax group cannot be resynchronised in this process: restart from the last "
+            "checkpoint, and load it on every rank or call broadcast_fp8_state right after loading, "
+            "before the first FP8 step"
+        )
     payload = [(names, [m.get_extra_state() for _, m in modules]) if dist.get_rank() == src else None]
     dist.broadcast_object_list(payload, src=src, group=group)
     src_names, states = payload[0]
@@ -39,12 +62,9 @@ def broadcast_fp8_state(model: torch.nn.Module, src: int = 0, group=None) -> Non
     else:
         try:
             for (_, module), state in zip(modules, states):
-                module.set_extra_state(state)
+                module.set_extra_state(state)  # on src too: it also drops cached FP8 weights
         except ValueError as exc:
             error = f"rank {dist.get_rank()}: {exc}"
-    # every rank learns whether any rank failed, so that all of them raise together
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    failed = torch.tensor([float(bool(error))], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if error or failed.item():
-        raise ValueError(error or "broadcast_fp8_state failed on another rank of the group (see its error)")
+    error = _agree_on_failure(error, group)
+    if error:
+        raise ValueError(f"broadcast_fp8_state: {error}")

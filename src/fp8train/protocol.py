@@ -4,14 +4,12 @@ docs/design.md, section 3. The rules, all applied in this file:
 
 - An amax group's forward amaxes are launched when the outermost `fp8_autocast` exits, for a region
   in which the group recorded amaxes for training (an FP8 call with grad enabled, or a calibrating
-  one). A region whose FP8 calls of the group all ran without grad (evaluation) launches nothing
-  for it and does not count: one rank may evaluate, or evaluate more batches, alone.
-- Each amax group numbers its own training regions, and the number travels in every header. A
-  region entered and left with grad enabled that ran none of the group's modules counts as a
-  training region that skipped them (it launches nothing), so a rank whose step skipped its modules
-  fails the header check instead of pairing its collectives with other steps'.
-- Backward amaxes are launched when the region's last FP8 backward node has run, or when the
-  backward pass ends if some never run.
+  one), in the order in which the groups first trained in it. A region in which a group trained
+  nothing (evaluation without grad, no call at all) launches nothing for it and does not count, so
+  one rank may evaluate, or evaluate more batches, alone.
+- Each amax group numbers its own training regions; the number travels in every header.
+- Backward amaxes are launched when the backward pass that recorded them ends (`queue_callback`):
+  the same point on every rank, whatever else issued collectives during the pass.
 - `Direction.finish` (reduction.py) is the only wait, and every call of it is in this file: the
   first FP8 call of a region (forward scales), the first FP8 backward node of a pass (backward
   scales), a launch, and every reader of FP8 state (`settle`: fp8_meta, state_dict, telemetry;
@@ -76,15 +74,6 @@ class RegionSettings:
 
 
 @dataclass
-class GroupUse:
-    """What one region did with one amax group."""
-
-    called: bool = False  # an FP8 call of the group ran in the region
-    trained: bool = False  # ... and recorded amaxes for training (grad enabled, or calibrating)
-    index: int = -1  # the group's index of this training region, once it has one
-
-
-@dataclass
 class Plan:
     """How one forward call of an FP8 module runs, and what its backward owes the protocol."""
 
@@ -99,27 +88,22 @@ class Plan:
 
 
 class Region:
-    """One outermost fp8_autocast entry: what each amax group did in it, and what its backward owes."""
+    """One outermost fp8_autocast entry: the amax groups it trained, and its forward calls."""
 
     def __init__(self, serial: int, async_op: bool) -> None:
         self.serial = serial
         self.async_op = async_op
         self.grad_at_entry = torch.is_grad_enabled()
-        self.uses: dict[AmaxGroup, GroupUse] = {}  # every group entered (enabled or calibrating)
+        self.trained: dict[AmaxGroup, int] = {}  # groups in the order they first trained -> index
         self.snapshots: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
         self.calls: dict[int, collections.deque] = {}  # module id -> forward plans, for recomputation
-        self.backward_nodes = 0  # FP8 nodes whose backward has not run yet
-        self.backward_groups: dict[AmaxGroup, None] = {}
-        self.backward_recorded = False  # backward amaxes recorded but not launched
-        self.backward_task: Optional[int] = None  # graph task that will launch leftovers at its end
         self.backward_done = False
 
     def index_of(self, group: AmaxGroup) -> int:
-        """This region's index among `group`'s training regions (taken by whichever launch comes first)."""
-        use = self.uses[group]
-        if use.index < 0:
-            use.index = group.next_region_index()
-        return use.index
+        """This region's index among `group`'s training regions (taken by its first launch)."""
+        if self.trained[group] < 0:
+            self.trained[group] = group.next_region_index()
+        return self.trained[group]
 
     def forward_scales(self, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, scale_inv) this region uses for `direction`: finished once, then frozen (a copy)."""
@@ -131,29 +115,29 @@ class Region:
             self.snapshots[direction] = snap
         return snap
 
-    def note_backward(self, group: AmaxGroup) -> None:
-        """A backward node of this region recorded into `group`; make sure the amaxes get launched."""
-        self.backward_groups[group] = None
-        self.backward_recorded = True
-        task = torch._C._current_graph_task_id()
-        if self.backward_task != task:  # if some nodes never run, launch at the end of this pass
-            self.backward_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
-    def backward_node_done(self) -> None:
-        if self.backward_nodes > 0:
-            self.backward_nodes -= 1
-            if self.backward_nodes == 0:
-                self.finish_backward()
+class BackwardPass:
+    """What one backward pass (an autograd graph task) recorded: launched when the pass ends.
 
-    def finish_backward(self) -> None:
-        if self.backward_recorded:
-            self.backward_recorded = False
-            for group in self.backward_groups:
-                if group.bwd.recorded_columns:
-                    group.bwd.launch(self.async_op, self.index_of(group))
-        self.backward_done = True
-        self.calls.clear()
+    Each group's reduction carries the index of the region whose backward recorded into it first in
+    the pass, so a rank that ran a backward its peers did not (or in another order) fails the check.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[AmaxGroup, Region] = {}  # group -> the first region that recorded into it
+        self.regions: dict[Region, None] = {}
+
+    def note(self, group: AmaxGroup, region: Region) -> None:
+        self.groups.setdefault(group, region)
+        self.regions[region] = None
+
+    def end(self) -> None:
+        for group, region in self.groups.items():
+            if group.bwd.recorded_columns:
+                group.bwd.launch(region.async_op, region.index_of(group))
+        for region in self.regions:
+            region.backward_done = True
+            region.calls.clear()
 
 
 def _world_if_default(process_group):
@@ -185,6 +169,7 @@ class Registry:
         self.channels: dict[object, Channel] = {}
         self.stats = ReductionStats()
         self.live_regions: weakref.WeakSet[Region] = weakref.WeakSet()  # matched by torch checkpointing
+        self.backward_pass: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
         self.regions_entered = 0
         self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
         self.checkpoints: list = []  # fp8train.checkpoint calls whose forward is running: they note plans
@@ -211,17 +196,14 @@ def enter_region(settings: RegionSettings) -> Optional[Region]:
     region = None
     if not REGISTRY.stack and not replaying:
         region = Region(REGISTRY.regions_entered + 1, async_amax_reduction())
-    group = None
     if (settings.enabled or settings.calibrating) and not replaying:
-        group = REGISTRY.amax_group(settings.recipe, settings.group)
+        REGISTRY.amax_group(settings.recipe, settings.group)  # a group this rank is not in: raise now
     # nothing above may have left state behind: it can raise (a bad env value, a foreign group)
     REGISTRY.stack.append(settings)
     if region is not None:
         REGISTRY.regions_entered += 1
         REGISTRY.region = region
         REGISTRY.live_regions.add(region)
-    if group is not None and REGISTRY.region is not None:
-        REGISTRY.region.uses.setdefault(group, GroupUse())
     return region
 
 
@@ -235,14 +217,10 @@ def exit_region(region: Optional[Region], failed: bool) -> None:
     if region is None:
         return
     REGISTRY.region = None
-    grad = torch.is_grad_enabled()
-    for group, use in region.uses.items():
-        if use.trained:
-            if failed:
-                group.fwd.discard_recording()
-            group.fwd.launch(region.async_op, region.index_of(group))
-        elif not use.called and region.grad_at_entry and grad:
-            region.index_of(group)  # trained none of the group's modules: counts, launches nothing
+    for group in region.trained:
+        if failed:
+            group.fwd.discard_recording()
+        group.fwd.launch(region.async_op, region.index_of(group))
 
 
 # ---- the plan of one FP8 call -------------------------------------------------------------------------
@@ -260,26 +238,25 @@ def plan_forward(module) -> Optional[Plan]:
         return None
     region = REGISTRY.region
     group = REGISTRY.amax_group(settings.recipe, settings.group)
-    use = region.uses[group]
     record = settings.calibrating or training
-    if not use.called:
-        use.called = True
-        if group.fwd.channel is not None:
-            _refuse_ddp_join()
-    use.trained = use.trained or record
     if settings.enabled and not training and region.grad_at_entry:
         _refuse_reentrant_checkpoint()
     fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
-    if record and fwd_meta.direction is None:
-        device = next(module.parameters()).device
-        fwd_meta.join(group.fwd, module._signature(), device)
-        bwd_meta.join(group.bwd, module._signature(), device)
-    elif record and fwd_meta.direction is not group.fwd:
-        raise RuntimeError(
-            f"{module._signature()} trains under one recipe and amax group; it was first trained with "
-            f"{fwd_meta.direction.recipe} and is now run with {settings.recipe} (or another group). Use "
-            "the same fp8_recipe and fp8_group for every training region of a module"
-        )
+    if record:
+        if group not in region.trained:
+            if group.fwd.channel is not None:
+                _refuse_ddp_join()
+        if fwd_meta.direction is None:
+            device = next(module.parameters()).device
+            fwd_meta.join(group.fwd, module._signature(), device)
+            bwd_meta.join(group.bwd, module._signature(), device)
+        elif fwd_meta.direction is not group.fwd:
+            raise RuntimeError(
+                f"{module._signature()} trains under one recipe and amax group; it was first trained "
+                f"with {fwd_meta.direction.recipe} and is now run with {settings.recipe} (or another "
+                "group). Use the same fp8_recipe and fp8_group for every training region of a module"
+            )
+        region.trained.setdefault(group, -1)  # only once the module is a member: it can launch
     if fwd_meta.direction is None:  # not trained yet (evaluation): its own scales, on its device
         device = next(module.parameters()).device
         scale, scale_inv, offset = fwd_meta.own_scale.to(device), fwd_meta.own_scale_inv.to(device), 0
@@ -323,11 +300,14 @@ def _recompute_plan(module) -> Optional[Plan]:
     candidates = [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(module))]
     if not candidates:
         return None  # no FP8 training call pending: the original forward was high precision
-    if len(candidates) == 1:
-        return candidates[0].calls[id(module)].popleft()
+    plans = candidates[0].calls[id(module)] if len(candidates) == 1 else ()
+    # backward recomputes later calls first: taking the oldest plan is right only if all are alike
+    if plans and all(p.fp8 == plans[0].fp8 and p.scale is plans[0].scale for p in plans):
+        return plans.popleft()
     raise RuntimeError(
         f"{module._signature()} is being recomputed during backward, but fp8train cannot tell which "
-        f"FP8 forward it repeats ({len(candidates)} candidate regions). Wrap the recomputed code in "
+        f"FP8 forward it repeats ({len(candidates)} candidate regions, or calls of it that ran "
+        "differently in one region). Wrap the recomputed code in "
         "fp8train.checkpoint(fn, *args), or use torch.utils.checkpoint with use_reentrant=False "
         "and one region per backward pass; a region's backward must run in one backward pass"
     )
@@ -381,12 +361,6 @@ def _refuse_ddp_join() -> None:
 
 
 # ---- backward ------------------------------------------------------------------------------------------
-def expect_backward(plan: Plan) -> None:
-    """The forward of a training call created an FP8 backward node."""
-    if plan.region is not None:
-        plan.region.backward_nodes += 1
-
-
 def backward_scale(plan: Plan, column: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward scale of `column`, and a frozen copy of its scale_inv, once earlier steps are applied."""
     direction = plan.backward.bwd
@@ -397,14 +371,14 @@ def backward_scale(plan: Plan, column: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def record_backward(plan: Plan, column: int, amax: torch.Tensor) -> None:
+    """Record a backward amax; the pass that runs this launches the group's backward reduction at its end."""
     plan.backward.bwd.record(column, amax)
-    if plan.region is not None:
-        plan.region.note_backward(plan.backward)
-
-
-def backward_node_done(plan: Plan) -> None:
-    if plan.region is not None:
-        plan.region.backward_node_done()
+    task = torch._C._current_graph_task_id()
+    if REGISTRY.backward_pass is None or REGISTRY.backward_pass[0] != task:
+        backward_pass = BackwardPass()
+        REGISTRY.backward_pass = (task, backward_pass)
+        torch.autograd.Variable._execution_engine.queue_callback(backward_pass.end)
+    REGISTRY.backward_pass[1].note(plan.backward, plan.region)
 
 
 # ---- readers of FP8 state ----------------------------------------------------------------------------

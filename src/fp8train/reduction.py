@@ -18,7 +18,9 @@ The size grows only through a blocking handshake whose outcome every rank sees.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .recipe import DelayedScaling, fp8_max
-from .scaling import ScalingStorage, update_scaling
+from .scaling import DIGEST_PRIME, ScalingStorage, bits_mod_p, update_scaling
 
 __all__ = [
     "AmaxGroup",
@@ -51,12 +53,11 @@ HEADER_FIELDS = (
     "roles_recorded",
     "training_region",  # the amax group's own index of the region these amaxes belong to
     "wire",  # values this rank sends after the header
-    "state_hi",  # two 24-bit digests of the scales in use: ranks must hold the same FP8 state
-    "state_lo",
+    "state_hi",  # two 24-bit digests of the scales and amax histories: ranks must hold the same
+    "state_lo",  # FP8 state
 )
 HEADER_LEN = 2 * len(HEADER_FIELDS)
 _STATE_FIELDS = {"state_hi", "state_lo"}
-_DIGEST_PRIME = 16_777_213  # the largest prime below 2**24: digests are exact in float32
 _MAX_UNREAD_POLLS = 4  # a flag copy still in flight after this many polls is waited for
 
 
@@ -72,13 +73,29 @@ class AmaxReductionError(RuntimeError):
     """An amax all-reduce failed or timed out (a rank died or stalled); no scale was updated from it."""
 
 
+def _callable_key(fn) -> str:
+    """Text that is the same in every process for the same callable, and differs for different ones.
+
+    Functions (lambdas and closures included) are known by their code, constants and the values they
+    close over; `functools.partial` by its function and arguments; other callables by their type.
+    Memory addresses, which differ between processes, are left out."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_callable_key(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return f"{type(fn).__module__}.{type(fn).__qualname__}"
+    closure = [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())]
+    details = repr((code.co_consts, code.co_names, getattr(fn, "__defaults__", None), closure))
+    details = re.sub(r"0x[0-9a-fA-F]+", "0x", details)
+    digest = hashlib.blake2b(code.co_code + details.encode(), digest_size=6).hexdigest()
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}#{digest}"
+
+
 def recipe_key(recipe: DelayedScaling) -> str:
     """The recipe fields every rank must agree on, as text that is the same in every process."""
 
     def name(algo) -> str:
-        if algo is None or isinstance(algo, str):
-            return repr(algo)
-        return f"{getattr(algo, '__module__', '?')}.{getattr(algo, '__qualname__', type(algo).__qualname__)}"
+        return repr(algo) if algo is None or isinstance(algo, str) else _callable_key(algo)
 
     return (
         f"margin={recipe.margin}, fp8_format={recipe.fp8_format.name}, "
@@ -143,23 +160,94 @@ class StickyFlag:
 
 
 class Channel:
-    """The amax all-reduces on one process group: their common size, and whether they went wrong."""
+    """The amax all-reduces on one process group: their common size, and whether one went wrong.
+
+    A failed check anywhere on the channel stops every later update on it (the flag is checked on the
+    device by every reduction): after a mismatch, collectives may be paired with the wrong partners.
+    """
 
     def __init__(self, process_group) -> None:
         self.process_group = process_group
         self.agreed = 0  # values after the header, agreed by every rank in a handshake
         self.directions: list[Direction] = []
+        self.flag: Optional[StickyFlag] = None
+        self.failure: Optional[torch.Tensor] = None  # [direction, reduced header, local header]
         self.error: Optional[LayoutMismatchError] = None
 
+    def attach(self, direction: Direction, device: torch.device) -> None:
+        if self.flag is None:
+            self.flag = StickyFlag(device)
+            self.failure = torch.zeros(1 + 2 * HEADER_LEN, device=device)
+        elif self.flag.value.device != device:
+            raise ValueError(
+                f"FP8 modules on {device} and on {self.flag.value.device} use the same amax reduction "
+                "process group; one process group carries the FP8 state of one device"
+            )
+        self.directions.append(direction)
+
+    def agrees(self, reduced: torch.Tensor, local: torch.Tensor, direction: Direction) -> torch.Tensor:
+        """Whether every rank sent the same header and nothing failed before (a device bool)."""
+        pairs = reduced.view(-1, 2)
+        ok = (pairs[:, 0] == -pairs[:, 1]).all() & ~self.flag.value
+        first = ~ok & ~self.flag.value
+        record = torch.cat(
+            [torch.full((1,), float(self.directions.index(direction)), device=reduced.device), reduced, local]
+        )
+        self.failure.copy_(torch.where(first, record, self.failure))
+        self.flag.set_where(~ok)
+        return ok
+
+    @property
+    def failed(self) -> bool:
+        """Whether a mismatch has been seen here (waits for the device: for host points only)."""
+        return self.error is not None or (self.flag is not None and self.flag.seen(block=True))
+
+    def failure_message(self) -> str:
+        try:
+            self.check(block=True)
+        except LayoutMismatchError as exc:
+            return str(exc)
+        return ""
+
     def check(self, block: bool = False) -> None:
-        """Raise the mismatch any direction on this channel has seen (sticky: again at every call)."""
-        if self.error is None:
-            for direction in self.directions:
-                if direction.flag is not None and direction.flag.seen(block):
-                    self.error = direction.mismatch_error()
-                    break
+        """Raise the mismatch seen on this channel (sticky: again at every call)."""
+        if self.error is None and self.flag is not None and self.flag.seen(block):
+            self.error = self._mismatch_error()
         if self.error is not None:
             raise type(self.error)(str(self.error))
+
+    def _mismatch_error(self) -> LayoutMismatchError:
+        """The error for the first mismatch seen (reads the device: only when failing)."""
+        values = self.failure.tolist()
+        direction = self.directions[int(values[0])]
+        reduced, local = values[1 : 1 + HEADER_LEN], values[1 + HEADER_LEN :]
+        differing = [name for i, name in enumerate(HEADER_FIELDS) if reduced[2 * i] != -reduced[2 * i + 1]]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if differing and set(differing) <= _STATE_FIELDS:
+            return StateMismatchError(
+                f"FP8 state differs between ranks of the {direction.name} amax group (rank {rank}, "
+                f"{direction.describe()}): the ranks run the same modules but hold different scales or "
+                "amax histories, so they would train with different FP8 casts. This happens when a "
+                "checkpoint was loaded on some ranks only (for example rank 0 loads it, then DDP "
+                "broadcasts parameters and buffers, but not FP8 state). Fix: after loading, call "
+                "fp8train.broadcast_fp8_state(model, src=0) on every rank, or load the checkpoint on "
+                "every rank. No scale was updated from this reduction."
+            )
+        spans = [
+            f"{name}: this rank {int(local[2 * i])}, group min {int(-reduced[2 * i + 1])} "
+            f"max {int(reduced[2 * i])}"
+            for i, name in enumerate(HEADER_FIELDS)
+            if name in differing and not name.startswith(("layout", "state"))
+        ]
+        return LayoutMismatchError(
+            f"FP8 layout mismatch in the {direction.name} amax group (rank {rank}): ranks contributed "
+            "different modules, order or sizes, a module or a backward ran on some ranks only, ranks ran "
+            "different numbers of training regions, or ranks use different recipes. Differing: "
+            f"{', '.join(differing)}{'; ' if spans else ''}{'; '.join(spans)}. This rank has "
+            f"{direction.describe()} and recipe ({direction.recipe_key}). Every rank of the amax group "
+            "must run the same FP8 modules in the same order under the same recipe, in the same training "
+            "regions; no scale was updated."
+        )
 
 
 @dataclass
@@ -174,21 +262,17 @@ class PendingReduction:
     extra: Optional[torch.Tensor] = None  # amaxes beyond the agreed size (a growth step), reduced apart
 
 
-def state_digest(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Two 24-bit digests of the bits of float32 `values`, as float32, computed on the device.
+def state_digest(storage: ScalingStorage, weights: torch.Tensor) -> torch.Tensor:
+    """Two 24-bit digests (float32) of a direction's scales, inverse scales and history digests.
 
-    Integer arithmetic is exact and order-independent, so every rank and device computes the same
-    digest of the same bits: 16-bit halves times weights below 2**24 stay below 2**41 per term.
-    """
-    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    halves = torch.stack([bits >> 16, bits & 0xFFFF])  # 2 x n
-    sums = (weights * halves.unsqueeze(0)).sum(dim=(1, 2))  # 2 digests
-    return (sums % _DIGEST_PRIME).to(torch.float32)
+    Integer arithmetic modulo a prime: exact and identical on every device for the same bits."""
+    parts = torch.stack([bits_mod_p(storage.scale), bits_mod_p(storage.scale_inv), storage.digest])
+    return ((weights * parts.unsqueeze(0)) % DIGEST_PRIME).sum(dim=(1, 2)).remainder(DIGEST_PRIME).float()
 
 
 def _digest_weights(n: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0x5EED)
-    return torch.randint(1, 2**24, (2, 2, n), generator=generator, dtype=torch.int64).to(device)
+    return torch.randint(1, 2**24, (2, 3, n), generator=generator, dtype=torch.int64).to(device)
 
 
 class Direction:
@@ -214,10 +298,6 @@ class Direction:
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self._static_headers: dict[tuple, torch.Tensor] = {}  # recorded columns -> header fields 0-4
         self._weights: Optional[torch.Tensor] = None  # state digest weights for the current size
-        self.flag: Optional[StickyFlag] = None
-        self.failure: Optional[torch.Tensor] = None  # (reduced, local) header of the first mismatch
-        if channel is not None:
-            channel.directions.append(self)
 
     # ---- layout ---------------------------------------------------------------------------------
     def register(
@@ -231,9 +311,9 @@ class Direction:
                 "checkpoint was trained with"
             )
         if self.storage is None:
+            if self.channel is not None:
+                self.channel.attach(self, scale.device)
             self.storage = ScalingStorage(self.recipe.amax_history_len, scale.device)
-            self.flag = StickyFlag(scale.device)
-            self.failure = torch.zeros(2, HEADER_LEN, device=scale.device)
         elif scale.device != self.storage.device:
             raise ValueError(
                 f"{signature} is on {scale.device} but other FP8 modules of this amax group are on "
@@ -299,12 +379,10 @@ class Direction:
         else:
             # The layout grew: settle the header first (blocking, checked on the host), so that ranks
             # never issue collectives of different sizes, then reduce the new values.
-            pending.buffer, pending.extra = (
-                buffer[: HEADER_LEN + agreed],
-                buffer[HEADER_LEN + agreed :].clone(),
-            )
+            pending.buffer = buffer[: HEADER_LEN + agreed]
+            pending.extra = buffer[HEADER_LEN + agreed :].clone()
             self._all_reduce(pending.buffer, async_op=False)
-            if not bool(self._agrees(pending.buffer[:HEADER_LEN], header)):
+            if not bool(channel.agrees(pending.buffer[:HEADER_LEN], header, self)):
                 channel.check(block=True)
             channel.agreed = wire
             pending.works.append(self._all_reduce(pending.extra, async_op))
@@ -325,11 +403,10 @@ class Direction:
             ]
             static = self._static_headers[columns] = torch.tensor(values, dtype=torch.float32, device=device)
         if self._weights is None:
-            self._weights = _digest_weights(2 * self.storage.num_roles, device)
-        state = state_digest(torch.cat([self.storage.scale, self.storage.scale_inv]), self._weights)
+            self._weights = _digest_weights(self.storage.num_roles, device)
         dynamic = torch.full((2,), float(region_index % 2**24), device=device)
         dynamic[1] = wire
-        q = torch.cat([static, dynamic, state])
+        q = torch.cat([static, dynamic, state_digest(self.storage, self._weights)])
         return torch.stack([q, -q], dim=1).flatten()
 
     def _all_reduce(self, buffer: torch.Tensor, async_op: bool):
@@ -356,45 +433,6 @@ class Direction:
                 f"saved checkpoint is the state to resume from. Cause: {exc}"
             ) from exc
 
-    # ---- checking, on the device ----------------------------------------------------------------
-    def _agrees(self, reduced: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """Whether every rank sent the same header (a device bool); a mismatch is recorded, sticky."""
-        pairs = reduced.view(-1, 2)
-        ok = (pairs[:, 0] == -pairs[:, 1]).all() & ~self.flag.value
-        first = ~ok & ~self.flag.value
-        self.failure.copy_(torch.where(first, torch.stack([reduced, local]), self.failure))
-        self.flag.set_where(~ok)
-        return ok
-
-    def mismatch_error(self) -> LayoutMismatchError:
-        """The error for the first mismatch this direction saw (reads the device: only when failing)."""
-        reduced, local = self.failure.tolist()
-        differing = [name for i, name in enumerate(HEADER_FIELDS) if reduced[2 * i] != -reduced[2 * i + 1]]
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if differing and set(differing) <= _STATE_FIELDS:
-            return StateMismatchError(
-                f"FP8 state differs between ranks of the {self.name} amax group (rank {rank}, "
-                f"{self.describe()}): the ranks run the same modules but use different scales, so they "
-                "would train with different FP8 casts. This happens when a checkpoint was loaded on some "
-                "ranks only (for example rank 0 loads it, then DDP broadcasts parameters and buffers, but "
-                "not FP8 state). Fix: after loading, call fp8train.broadcast_fp8_state(model, src=0) on "
-                "every rank, or load the checkpoint on every rank. No scale was updated from this reduction."
-            )
-        spans = [
-            f"{name}: this rank {int(local[2 * i])}, group min {int(-reduced[2 * i + 1])} "
-            f"max {int(reduced[2 * i])}"
-            for i, name in enumerate(HEADER_FIELDS)
-            if name in differing and not name.startswith(("layout", "state"))
-        ]
-        return LayoutMismatchError(
-            f"FP8 layout mismatch in the {self.name} amax group (rank {rank}): ranks contributed different "
-            "modules, order or sizes, a module or a backward ran on some ranks only, ranks ran different "
-            f"numbers of training regions, or ranks use different recipes. Differing: {', '.join(differing)}"
-            f"{'; ' if spans else ''}{'; '.join(spans)}. This rank has {self.describe()} and recipe "
-            f"({self.recipe_key}). Every rank of the amax group must run the same FP8 modules in the same "
-            "order under the same recipe, in the same training regions; no scale was updated."
-        )
-
     # ---- the only wait --------------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for every launched reduction, check it on the device, then run the fused update."""
@@ -411,7 +449,7 @@ class Direction:
                 if pending.extra is not None:
                     amaxes = torch.cat([amaxes, pending.extra])
                 last = amaxes[:n]
-                ok = self._agrees(pending.buffer[:HEADER_LEN], pending.header)
+                ok = self.channel.agrees(pending.buffer[:HEADER_LEN], pending.header, self)
             storage = self.storage
             self.stats.updates += 1
             self.stats.count_nonfinite(last, ok)
@@ -423,6 +461,7 @@ class Direction:
                 self.recipe,
                 self.fp8_max,
                 ok,
+                storage.digest[:n],
             )
 
     def check(self, block: bool = False) -> None:

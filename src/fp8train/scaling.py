@@ -1,8 +1,12 @@
-"""Contiguous FP8 scaling state and the fused delayed-scaling update.
+"""Contiguous FP8 scaling state and the fused delayed-scaling update (docs/design.md, section 2).
 
 Every tensor role of every module in a group is one column of the same storage, and modules hold
 views into it. One update (a fixed number of tensor ops) serves any number of modules, and because
 the storage is the real one, the history a module sees is the rolled one.
+
+Each column also keeps a digest of its history (integer arithmetic modulo a prime below 2**24, so
+exact and identical on every device), which the update keeps current in O(N): the reduction header
+carries a digest of every rank's state, and ranks whose histories differ fail its check.
 """
 
 from __future__ import annotations
@@ -13,19 +17,47 @@ import torch
 
 from .recipe import DelayedScaling
 
-__all__ = ["ScalingStorage", "update_scaling"]
+__all__ = ["DIGEST_PRIME", "ScalingStorage", "bits_mod_p", "history_digest", "update_scaling"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+DIGEST_PRIME = 16_777_213  # the largest prime below 2**24: a digest is exact in float32
+_ROW_BASE = 1_000_003  # the digest weighs history row h by _ROW_BASE**h (mod DIGEST_PRIME)
+
+
+def bits_mod_p(x: torch.Tensor) -> torch.Tensor:
+    """The float32 bit pattern of each element, as an int64 modulo DIGEST_PRIME."""
+    return (x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) % DIGEST_PRIME
+
+
+def history_digest(history: torch.Tensor) -> torch.Tensor:
+    """Per column, sum over rows h of _ROW_BASE**h * bits(history[h]), modulo DIGEST_PRIME (int64)."""
+    powers = [pow(_ROW_BASE, h, DIGEST_PRIME) for h in range(history.shape[0])]
+    weights = torch.tensor(powers, dtype=torch.int64, device=history.device).unsqueeze(1)
+    return ((weights * bits_mod_p(history)) % DIGEST_PRIME).sum(0) % DIGEST_PRIME
+
+
+def _roll_digest(
+    digest: torch.Tensor, history: torch.Tensor, last: torch.Tensor, rolled: torch.Tensor
+) -> None:
+    """Bring `digest` to the history after the rolled columns drop their oldest row and take `last`.
+
+    Call before `history` rolls (its last row is the one that leaves)."""
+    top = pow(_ROW_BASE, history.shape[0] - 1, DIGEST_PRIME)
+    rest = (digest - (bits_mod_p(history[-1]) * top) % DIGEST_PRIME) % DIGEST_PRIME
+    rolled_digest = (bits_mod_p(last) + _ROW_BASE * rest) % DIGEST_PRIME
+    digest.copy_(torch.where(rolled, rolled_digest, digest))
 
 
 class ScalingStorage:
-    """amax_history (H x N), scale (N), scale_inv (N) and the recording slot (N) of one direction."""
+    """amax_history (H x N), scale (N), scale_inv (N), the recording slot (N) and the history digest
+    (N, int64) of one direction."""
 
     def __init__(self, history_len: int, device: torch.device) -> None:
         self.history = torch.zeros(history_len, 0, device=device)
         self.scale = torch.ones(0, device=device)
         self.scale_inv = torch.ones(0, device=device)
         self.recording = torch.zeros(0, device=device)
+        self.digest = torch.zeros(0, dtype=torch.int64, device=device)
 
     @property
     def num_roles(self) -> int:
@@ -39,11 +71,17 @@ class ScalingStorage:
         """Add columns holding the given state; return the offset of the first new column."""
         offset = self.num_roles
         dev = self.device
-        self.history = torch.cat([self.history, history.to(dev, torch.float32)], dim=1)
+        history = history.to(dev, torch.float32)
+        self.history = torch.cat([self.history, history], dim=1)
         self.scale = torch.cat([self.scale, scale.to(dev, torch.float32)])
         self.scale_inv = torch.cat([self.scale_inv, scale_inv.to(dev, torch.float32)])
         self.recording = torch.cat([self.recording, torch.zeros_like(scale, device=dev, dtype=torch.float32)])
+        self.digest = torch.cat([self.digest, history_digest(history)])
         return offset
+
+    def refresh_digest(self) -> None:
+        """Recompute the history digest from scratch: after the history was written from outside."""
+        self.digest = history_digest(self.history)
 
 
 def update_scaling(
@@ -54,16 +92,20 @@ def update_scaling(
     recipe: DelayedScaling,
     fp8_max: float,
     ok: Optional[torch.Tensor] = None,
+    digest: Optional[torch.Tensor] = None,
 ) -> None:
     """Roll `last` into `history` and recompute `scale`/`scale_inv`, in place, for all columns at once.
 
     A column whose `last` is 0 (the role did not run) neither rolls nor changes scale. A column whose
     amax is not finite and positive keeps its old scale; an infinite scale is clamped to float32 max.
     `ok` (a device bool) false changes nothing: the reduction failed its check, decided on the device.
+    `digest` (the columns' history digests) is kept current.
     """
     rolled = last > 0
     if ok is not None:
         rolled &= ok
+    if digest is not None:
+        _roll_digest(digest, history, last, rolled)
     shifted = torch.cat([last.unsqueeze(0), history[:-1]])
     torch.where(rolled, shifted, history, out=history)
 

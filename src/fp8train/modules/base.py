@@ -110,11 +110,12 @@ class ScalingMeta:
                 f"amax_history_len={self.direction.recipe.amax_history_len}; use the recipe the checkpoint "
                 "was trained with"
             )
-        storage = self.direction.storage
         protocol.settle(self.direction)
+        storage = self.direction.storage
         self._columns(storage.history).copy_(history)
         self._columns(storage.scale).copy_(scale)
         self._columns(storage.scale_inv).copy_(scale_inv)
+        storage.refresh_digest()
 
 
 def _checked_state(state, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

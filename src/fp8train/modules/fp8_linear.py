@@ -49,7 +49,6 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(qx, x_scale_inv, qweight, weight_scale_inv)
         ctx.plan, ctx.gemm_index, ctx.has_bias = plan, gemm_index, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        protocol.expect_backward(plan)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -67,7 +66,6 @@ class _FP8LinearFn(torch.autograd.Function):
             grad_x = gemm(qg, g_scale_inv, qweight, weight_scale_inv, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = gemm(qg.t(), g_scale_inv, qx, x_scale_inv, ctx.w_dtype)
-        protocol.backward_node_done(plan)
         return grad_x, grad_w, grad_bias, None, None, None, None
 
 
