@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -35,7 +36,9 @@ def _worker(rank, world_size, port, fn, args, env, pg_timeout_s, queue):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
-        result = fn(rank, world_size, *args)
+        # pickled by value here: tensors sent as they are would be shared through file descriptors,
+        # which the parent could no longer fetch once this process has exited
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
     except BaseException:  # report everything, including KeyboardInterrupt from the function
         queue.put((rank, False, traceback.format_exc()))
@@ -84,7 +87,7 @@ def run_ranks_outcomes(
         while len(outcomes) < world_size:
             if not queue.empty():
                 rank, ok, payload = queue.get()
-                outcomes[rank] = (ok, payload)
+                outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
             elif all(not p.is_alive() for p in procs):
                 if queue.empty():
                     break

@@ -12,11 +12,12 @@ region, `is_first_microbatch=True` on the first and `False` on the others. What 
 So the equivalent loop a user would write without fp8train's cache is not "the same loop with
 is_first_microbatch=None" (that recasts the weight every microbatch with a scale that has moved, and
 rolls the weight history N times per step). It is the loop below, written from primitives only
-(`quantize`, `gemm`, `update_scaling`): keep the FP8 weight cast at microbatch 1 for the whole step,
+(`cast_operand`, `gemm`, `update_scaling`): keep the FP8 weight cast at microbatch 1 for the whole step,
 and update the delayed-scaling state after every microbatch with [input amax, weight amax on
 microbatch 1 else 0, 0] forward and [grad amax, 0] backward. Losses, accumulated gradients, updated
 weights and every scale and history must be bitwise equal to fp8train's, and the weight must be
-cast once per step (counted by wrapping the module's `quantize`).
+cast once per step (counted by wrapping the module's `cast_operand`).
+
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 
 import fp8train
 import fp8train.modules.fp8_linear as fp8_linear_mod
-from fp8train.cast import amax, quantize
-from fp8train.gemm import gemm, operand
+from fp8train.cast import amax, cast_operand
+from fp8train.gemm import gemm
 from fp8train.scaling import update_scaling
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=16)
@@ -59,14 +60,14 @@ class CastCounter:
 @pytest.fixture
 def weight_casts(monkeypatch) -> CastCounter:
     counter = CastCounter()
-    real = fp8_linear_mod.quantize
+    real = fp8_linear_mod.cast_operand
 
-    def counting(x, scale, encoding):
+    def counting(x, scale, encoding, dtype):
         if any(x.data_ptr() == w.data_ptr() for w in counter.weights):
             counter.casts.append(float(scale))
-        return real(x, scale, encoding)
+        return real(x, scale, encoding, dtype)
 
-    monkeypatch.setattr(fp8_linear_mod, "quantize", counting)
+    monkeypatch.setattr(fp8_linear_mod, "cast_operand", counting)
     return counter
 
 
@@ -112,10 +113,10 @@ def _user_loop() -> dict:
             x, target = _batch(step, micro)
             if micro == 0:  # the step's one weight cast, with the weight scale of microbatch 1
                 w_amax = amax(weight)
-                q_weight = operand(quantize(weight.detach(), fwd_scale[1].clone(), "e4m3"))
+                q_weight = cast_operand(weight.detach(), fwd_scale[1].clone(), "e4m3", torch.bfloat16)
                 w_sinv = fwd_sinv[1].clone()
             x2d = x.reshape(-1, 32)
-            qx = operand(quantize(x2d, fwd_scale[0].clone(), "e4m3"))
+            qx = cast_operand(x2d, fwd_scale[0].clone(), "e4m3", torch.bfloat16)
             x_sinv = fwd_sinv[0].clone()
             y = gemm(qx, x_sinv, q_weight.t(), w_sinv, x.dtype).reshape(2, 4, 16).requires_grad_()
             last = torch.stack([amax(x), w_amax if micro == 0 else torch.zeros(()), torch.zeros(())])
@@ -123,7 +124,7 @@ def _user_loop() -> dict:
             loss = _loss(y, target)
             (grad_y,) = torch.autograd.grad(loss, y)
             g2d = grad_y.reshape(-1, 16)
-            qg = operand(quantize(g2d, bwd_scale[0].clone(), "e5m2"))
+            qg = cast_operand(g2d, bwd_scale[0].clone(), "e5m2", torch.bfloat16)
             g_w = gemm(qg.t(), bwd_sinv[0].clone(), qx, x_sinv, weight.dtype)
             last = torch.stack([amax(g2d), torch.zeros(())])
             update_scaling(bwd_hist, bwd_scale, bwd_sinv, last, RECIPE, E5M2_MAX)

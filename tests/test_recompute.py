@@ -54,14 +54,14 @@ def _state() -> list[torch.Tensor]:
 def cast_log(monkeypatch) -> list:
     """(during backward?, scale) of every forward (e4m3) cast; gradient casts are e5m2 (HYBRID)."""
     log: list = []
-    real = fp8_linear_mod.quantize
+    real = fp8_linear_mod.cast_operand
 
-    def spy(x, scale, encoding):
+    def spy(x, scale, encoding, dtype):
         if encoding == "e4m3":
             log.append((in_backward(), float(scale)))
-        return real(x, scale, encoding)
+        return real(x, scale, encoding, dtype)
 
-    monkeypatch.setattr(fp8_linear_mod, "quantize", spy)
+    monkeypatch.setattr(fp8_linear_mod, "cast_operand", spy)
     return log
 
 

@@ -44,7 +44,7 @@ class Conv1D(FP8Module):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         # weight.t() is a view: gradients flow back into the same (in, out) Parameter.
-        return fp8_linear(self, x, self.weight.t(), self.bias, self._plan(), 0, is_first_microbatch)
+        return fp8_linear(self, x, self.weight.t(), self.bias, 0, is_first_microbatch)
 
     def extra_repr(self) -> str:
         return f"nf={self.out_features}, nx={self.in_features}"

@@ -1,27 +1,24 @@
 """FP8 GEMM: `torch._scaled_mm` where the device and shape allow it, else an exact emulation.
 
-Paths, all computing round_out((a @ b) * a_scale_inv * b_scale_inv) from FP8-valued operands:
-- "scaled_mm": the hardware FP8 GEMM (Hopper and newer; also runs, slowly, on CPU).
+Paths, all computing (a @ b) * a_scale_inv * b_scale_inv (+ bias) from FP8-valued operands:
+- "scaled_mm": the hardware FP8 GEMM (Ada, Hopper and newer), scales applied on the device.
 - "bf16": FP8 values are exact in bf16, so a bf16 GEMM multiplies them exactly and accumulates in
-  fp32; the scale is applied to the fp32 accumulator (addmm's alpha) and the result is rounded once
-  to bf16, as an FP8 GEMM with bf16 output does. Several times faster than fp32 on CPU: the CPU default.
+  fp32; its output is rounded once to bf16, then scaled in fp32. Several times faster than fp32 on
+  CPU: the CPU default.
 - "fp32": the same in fp32: exact products, fp32 accumulation, fp32 output.
 `FP8TRAIN_GEMM` = auto (default) | scaled_mm | bf16 | fp32 overrides the choice; a shape the forced
-path cannot take falls back to emulation.
-
-Operands are kept in the dtype their GEMMs consume (`operand`), so an FP8 tensor that feeds a forward
-and a backward GEMM is converted once.
+path cannot take falls back to emulation. The scales stay tensors on the device throughout: no
+host read (a Python float alpha would wait for the GPU).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
 import torch
 
-__all__ = ["gemm", "choose_path", "operand", "PATHS"]
+__all__ = ["gemm", "choose_path", "PATHS"]
 
 PATHS = ("scaled_mm", "bf16", "fp32")
 ENV_PATH = "FP8TRAIN_GEMM"
@@ -51,20 +48,6 @@ def choose_path(device: torch.device, m: int, k: int, n: int) -> str:
     return "bf16" if forced == "auto" else forced
 
 
-@functools.cache
-def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """addmm's ignored input (beta=0), made once per dtype and device."""
-    return torch.zeros((), dtype=dtype, device=device)
-
-
-def operand(q: torch.Tensor) -> torch.Tensor:
-    """`q` (FP8) in the dtype this device's GEMMs consume: FP8 for scaled_mm, else bf16/fp32 (exact)."""
-    path = choose_path(q.device, 16, 16, 16)
-    if path == "scaled_mm":
-        return q
-    return q.to(torch.bfloat16 if path == "bf16" else torch.float32)
-
-
 def gemm(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -72,12 +55,14 @@ def gemm(
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
-    path: str = "auto",
 ) -> torch.Tensor:
     """(a @ b) * a_scale_inv * b_scale_inv (+ bias) for FP8-valued `a` (m x k) and `b` (k x n)."""
-    if path == "auto":
-        path = choose_path(a.device, a.shape[0], a.shape[1], b.shape[1])
-    if path == "scaled_mm" and a.dtype in _FP8_DTYPES and b.dtype in _FP8_DTYPES:
+    if a.dtype in _FP8_DTYPES:
+        if not _scaled_mm_fits(a.device, a.shape[0], a.shape[1], b.shape[1]):
+            raise ValueError(
+                f"FP8 operands of shape {tuple(a.shape)} x {tuple(b.shape)} on {a.device} cannot take "
+                "torch._scaled_mm (every dimension must be a multiple of 16); set FP8TRAIN_GEMM=bf16"
+            )
         y = torch._scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),
@@ -86,9 +71,7 @@ def gemm(
             out_dtype=out_dtype,
         )
         return y if bias is None else y + bias.to(out_dtype)
-    compute = torch.float32 if path == "fp32" else torch.bfloat16
-    alpha = float(a_scale_inv.float() * b_scale_inv.float())
-    y = torch.addmm(_zero(compute, a.device), a.to(compute), b.to(compute), beta=0, alpha=alpha)
+    y = torch.mm(a, b.to(a.dtype)).to(torch.float32).mul_(a_scale_inv * b_scale_inv)
     if bias is not None:
-        y = torch.add(y, bias)  # in the wider of the two dtypes
+        y = y.add_(bias)
     return y.to(out_dtype)

@@ -23,7 +23,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,8 +83,8 @@ class Plan:
     fwd_offset: int
     bwd_offset: int
     records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
-    backward: Optional[AmaxGroup] = None  # an FP8 training call: its backward scales and amaxes
-    region: Optional[Region] = None  # the region whose backward this call owes
+    region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
+    bwd_encoding: str = "e5m2"  # the FP8 encoding of its gradients
 
 
 class Region:
@@ -127,7 +127,9 @@ class BackwardPass:
         self.groups: dict[AmaxGroup, Region] = {}  # group -> the first region that recorded into it
         self.regions: dict[Region, None] = {}
 
-    def note(self, group: AmaxGroup, region: Region) -> None:
+    def note(self, group: AmaxGroup, region: Optional[Region]) -> None:
+        if region is None:  # its region was collected: it cannot be named, the group's latest stands in
+            region = group.latest_region
         self.groups.setdefault(group, region)
         self.regions[region] = None
 
@@ -168,7 +170,12 @@ class Registry:
         self.groups: dict[tuple, AmaxGroup] = {}
         self.channels: dict[object, Channel] = {}
         self.stats = ReductionStats()
-        self.live_regions: weakref.WeakSet[Region] = weakref.WeakSet()  # matched by torch checkpointing
+        # live regions by serial: backward nodes name their region by serial (a CPU tensor that can
+        # pass through compiled graphs), and torch checkpointing matches recomputations to them
+        self.regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
+        self.recent_regions: collections.deque[Region] = collections.deque(maxlen=64)  # kept alive
+        self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+        self.modules_registered = 0
         self.backward_pass: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
         self.regions_entered = 0
         self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
@@ -203,7 +210,8 @@ def enter_region(settings: RegionSettings) -> Optional[Region]:
     if region is not None:
         REGISTRY.regions_entered += 1
         REGISTRY.region = region
-        REGISTRY.live_regions.add(region)
+        REGISTRY.regions[region.serial] = region
+        REGISTRY.recent_regions.append(region)
     return region
 
 
@@ -220,19 +228,21 @@ def exit_region(region: Optional[Region], failed: bool) -> None:
     for group in region.trained:
         if failed:
             group.fwd.discard_recording()
+        group.latest_region = region
         group.fwd.launch(region.async_op, region.index_of(group))
 
 
 # ---- the plan of one FP8 call -------------------------------------------------------------------------
-def plan_forward(module) -> Optional[Plan]:
-    """How `module` (an FP8Module) runs this forward call: precision, scales, where amaxes go."""
+def plan_forward(module, training: bool) -> Optional[Plan]:
+    """How `module` (an FP8Module) runs this forward call: precision, scales, where amaxes go.
+
+    `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad)."""
     if REGISTRY.recompute is not None or in_backward():
         plan = _recompute_plan(module)
         if plan is not None:
             for call in REGISTRY.checkpoints:  # a checkpoint nested in the one being recomputed
                 call.add(id(module), plan)
         return plan
-    training = torch.is_grad_enabled()
     settings = REGISTRY.stack[-1] if REGISTRY.stack else None
     if settings is None or not (settings.enabled or settings.calibrating):
         return None
@@ -271,8 +281,8 @@ def plan_forward(module) -> Optional[Plan]:
         fwd_offset=offset,
         bwd_offset=bwd_meta.offset,
         records_into=group.fwd if record else None,
-        backward=group if trains else None,
         region=region if trains else None,
+        bwd_encoding=settings.recipe.fp8_format.bwd,
     )
     if training:
         replay = Plan(settings.enabled, scale, scale_inv, offset, bwd_meta.offset)  # no region reference
@@ -297,7 +307,9 @@ def _recompute_plan(module) -> Optional[Plan]:
             )
         return plan
     # torch.utils.checkpoint(use_reentrant=False): the one region whose backward still owes a call
-    candidates = [r for r in list(REGISTRY.live_regions) if not r.backward_done and r.calls.get(id(module))]
+    candidates = [
+        r for r in list(REGISTRY.regions.values()) if not r.backward_done and r.calls.get(id(module))
+    ]
     if not candidates:
         return None  # no FP8 training call pending: the original forward was high precision
     plans = candidates[0].calls[id(module)] if len(candidates) == 1 else ()
@@ -360,25 +372,92 @@ def _refuse_ddp_join() -> None:
         frame = frame.f_back
 
 
-# ---- backward ------------------------------------------------------------------------------------------
-def backward_scale(plan: Plan, column: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward scale of `column`, and a frozen copy of its scale_inv, once earlier steps are applied."""
-    direction = plan.backward.bwd
-    direction.finish()  # backward reductions of earlier steps: wait before read
+# ---- what an FP8 GEMM call asks of the protocol (eager, and at run time under torch.compile) ---------
+FWD_ROLES = 3  # input, weight, output per GEMM
+BWD_ROLES = 2  # grad_output, grad_input per GEMM
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 0
+
+
+def register_module(module: torch.nn.Module) -> int:
+    """A handle for `module`: how compiled graphs name it to the protocol's ops."""
+    REGISTRY.modules_registered += 1
+    REGISTRY.modules[REGISTRY.modules_registered] = module
+    return REGISTRY.modules_registered
+
+
+class CallPrecision(NamedTuple):
+    fp8: bool  # the GEMM runs in FP8
+    record: bool  # its amaxes are recorded (training, or calibrating)
+    bwd_encoding: str = "e5m2"  # the FP8 encoding of its gradients
+
+
+def call_precision(module, gemm_index: int) -> CallPrecision:
+    """How GEMM `gemm_index` of `module`'s current forward call runs.
+
+    Eager, the call's plan is made here (at its first GEMM). Under torch.compile the answer comes from
+    the region settings and grad mode, which dynamo guards, and the plan is made at run time by the
+    forward_scales op: the same rules, since a compiled graph is never a recomputation.
+    """
+    if torch.compiler.is_compiling():
+        settings = REGISTRY.stack[-1] if REGISTRY.stack else None
+        if settings is None or not (settings.enabled or settings.calibrating):
+            return CallPrecision(False, False)
+        record = settings.calibrating or torch.is_grad_enabled()
+        return CallPrecision(settings.enabled, record, settings.recipe.fp8_format.bwd)
+    REGISTRY.modules[module._fp8_handle] = module  # (again: the registry may have been reset)
+    if gemm_index == 0:
+        module._fp8_plan = plan_forward(module, torch.is_grad_enabled())
+    plan = module._fp8_plan
+    if plan is None:
+        return CallPrecision(False, False)
+    return CallPrecision(plan.fp8, plan.records_into is not None, plan.bwd_encoding)
+
+
+def forward_scales(
+    module,
+    gemm_index: int,
+    x_amax: Optional[torch.Tensor],
+    w_amax: Optional[torch.Tensor],
+    training: Optional[bool] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record this GEMM's amaxes; return its scales [[x, w], [x_inv, w_inv]] and its region's token.
+
+    The scales are the region's frozen ones (a copy); the token (a CPU int64 scalar) names the
+    region to the backward of a training call, -1 otherwise. With `training` given (the op under
+    torch.compile), the call's plan is made here; otherwise `call_precision` made it."""
+    if training is not None and gemm_index == 0:
+        module._fp8_plan = plan_forward(module, training)
+    plan = module._fp8_plan
+    base = plan.fwd_offset + FWD_ROLES * gemm_index
+    if plan.records_into is not None:
+        if x_amax is not None:
+            plan.records_into.record(base + INPUT, x_amax)
+        if w_amax is not None:
+            plan.records_into.record(base + WEIGHT, w_amax)
+    scales = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]])
+    token = torch.tensor(plan.region.serial if plan.region is not None else -1)
+    token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+    return scales, token
+
+
+def backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Record this backward GEMM's grad_output amax; return [scale, scale_inv] for it.
+
+    Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
+    launches the group's backward reduction when it ends."""
+    meta = module.fp8_meta["scaling_bwd"]
+    direction = meta.direction
+    direction.finish()
     direction.check()
-    storage = direction.storage
-    return storage.scale[column], storage.scale_inv[column].clone()
-
-
-def record_backward(plan: Plan, column: int, amax: torch.Tensor) -> None:
-    """Record a backward amax; the pass that runs this launches the group's backward reduction at its end."""
-    plan.backward.bwd.record(column, amax)
+    column = meta.offset + BWD_ROLES * gemm_index + GRAD_OUTPUT
+    direction.record(column, g_amax)
     task = torch._C._current_graph_task_id()
     if REGISTRY.backward_pass is None or REGISTRY.backward_pass[0] != task:
         backward_pass = BackwardPass()
         REGISTRY.backward_pass = (task, backward_pass)
         torch.autograd.Variable._execution_engine.queue_callback(backward_pass.end)
-    REGISTRY.backward_pass[1].note(plan.backward, plan.region)
+    REGISTRY.backward_pass[1].note(direction.group, REGISTRY.regions.get(int(token)))
+    return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 
 # ---- readers of FP8 state ----------------------------------------------------------------------------

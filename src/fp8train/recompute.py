@@ -74,6 +74,10 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("fp8train.checkpoint supports use_reentrant=False only")
     if "context_fn" in kwargs:
         raise ValueError("fp8train.checkpoint sets its own context_fn; it cannot take another")
+    if torch.compiler.is_compiling():
+        # A compiled graph recomputes inside the graph (AOTAutograd), without running this module's
+        # Python again: the protocol's ops are not replayed, and there is nothing to note.
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     call = CallRecord(tuple(REGISTRY.stack))
 
     def context_fn():

@@ -298,6 +298,7 @@ class Direction:
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self._static_headers: dict[tuple, torch.Tensor] = {}  # recorded columns -> header fields 0-4
         self._weights: Optional[torch.Tensor] = None  # state digest weights for the current size
+        self.group: Optional[AmaxGroup] = None  # set by the AmaxGroup that holds this direction
 
     # ---- layout ---------------------------------------------------------------------------------
     def register(
@@ -490,7 +491,9 @@ class AmaxGroup:
         self.process_group = process_group
         self.fwd = Direction("fwd", recipe, channel, stats)
         self.bwd = Direction("bwd", recipe, channel, stats)
+        self.fwd.group = self.bwd.group = self
         self.training_regions = 0
+        self.latest_region = None  # the latest region that launched its forward reduction
 
     def next_region_index(self) -> int:
         index = self.training_regions

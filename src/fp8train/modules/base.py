@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import io
-import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .. import protocol
+from ..protocol import BWD_ROLES, FWD_ROLES
 from ..reduction import Direction
 
-__all__ = ["FP8Module", "ScalingMeta", "decode_extra_state"]
-
-FWD_ROLES = 3  # input, weight, output per GEMM
-BWD_ROLES = 2  # grad_output, grad_input per GEMM
+__all__ = ["FP8Module", "ScalingMeta", "decode_extra_state", "FWD_ROLES", "BWD_ROLES"]
 
 
 class ScalingMeta:
@@ -144,39 +140,6 @@ def _checked_state(state, where: str) -> tuple[torch.Tensor, torch.Tensor, torch
     return history, scale, scale_inv
 
 
-EAGER_REASON = (
-    "fp8train FP8 modules run eagerly inside torch.compile (amax recording, scale snapshots and "
-    "recomputation plans are Python-side state); compile without fullgraph=True"
-)
-
-
-def _eager(forward: Callable) -> Callable:
-    """`forward`, kept out of torch.compile graphs: a compiled model graph-breaks around FP8 modules.
-
-    torch._dynamo is only touched once the user has loaded it (importing it costs about a second).
-    """
-    disabled: list[Callable] = []
-
-    def prepare() -> None:  # best outside a trace: fullgraph=True then reports EAGER_REASON
-        if not disabled and "torch._dynamo" in sys.modules:
-            disabled.append(torch.compiler.disable(forward, recursive=True, reason=EAGER_REASON))
-
-    @functools.wraps(forward)
-    def run(self, *args, **kwargs):
-        if "torch._dynamo" not in sys.modules:
-            return forward(self, *args, **kwargs)
-        if not disabled and torch.compiler.is_compiling():
-            # Traced before any eager call: dynamo cannot trace the wrapping itself. Under fullgraph=True
-            # this is the error the user sees; otherwise dynamo falls back to running this frame eagerly.
-            raise RuntimeError(EAGER_REASON)
-        prepare()
-        return disabled[0](self, *args, **kwargs)
-
-    prepare()
-
-    return run
-
-
 def decode_extra_state(state, where: str = "FP8 module") -> dict:
     """{"scaling_fwd": {...}, "scaling_bwd": {...}} from a module's extra state: the bytes written by
     `get_extra_state`, or the dict that version 1 checkpoints hold."""
@@ -198,14 +161,9 @@ def decode_extra_state(state, where: str = "FP8 module") -> dict:
 
 
 class FP8Module(torch.nn.Module):
-    """Base of modules with FP8 GEMMs. Subclasses set `num_gemms` and call `_plan()` in forward."""
+    """Base of modules with FP8 GEMMs. Subclasses set `num_gemms` and call `fp8_linear` in forward."""
 
     num_gemms = 1
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "forward" in cls.__dict__:
-            cls.forward = _eager(cls.forward)
 
     def __init__(self) -> None:
         super().__init__()
@@ -214,13 +172,16 @@ class FP8Module(torch.nn.Module):
             "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
         }
         self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fp8_plan: Optional[protocol.Plan] = None  # the plan of the current forward call
+        self._fp8_handle = protocol.register_module(self)  # how compiled graphs name this module
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._fp8_handle = protocol.register_module(self)  # a copy is a module of its own
 
     def _signature(self) -> str:
         shapes = ",".join("x".join(map(str, p.shape)) for p in self.parameters(recurse=False))
         return f"{type(self).__name__}({shapes})"
-
-    def _plan(self) -> Optional[protocol.Plan]:
-        return protocol.plan_forward(self)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def get_extra_state(self) -> bytes:

@@ -1,4 +1,4 @@
-"""The FP8 linear op (autograd): casts, GEMMs, amax recording and backward bookkeeping."""
+"""The FP8 linear op (autograd): casts and GEMMs, and what each call asks of the protocol (ops.py)."""
 
 from __future__ import annotations
 
@@ -7,83 +7,80 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import protocol
-from ..cast import amax, quantize
-from ..gemm import gemm, operand
-from ..protocol import Plan
-from .base import BWD_ROLES, FWD_ROLES, FP8Module
+from .. import ops, protocol
+from ..cast import amax, cast_operand
+from ..gemm import choose_path, gemm
 
 __all__ = ["fp8_linear"]
-
-INPUT, WEIGHT = 0, 1
-GRAD_OUTPUT = 0
-
-
-def _cast_weight(
-    module: FP8Module, weight: torch.Tensor, plan: Plan, gemm_index: int, is_first_microbatch: Optional[bool]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 weight and its scale_inv; cached across microbatches when asked to."""
-    cached = module._weight_cache.get(gemm_index)
-    if is_first_microbatch is False and cached is not None:
-        return cached
-    column = plan.fwd_offset + FWD_ROLES * gemm_index + WEIGHT
-    if plan.records_into is not None:
-        plan.records_into.record(column, amax(weight))
-    encoding = "e4m3"
-    cast = (operand(quantize(weight.detach(), plan.scale[column], encoding)), plan.scale_inv[column])
-    if is_first_microbatch is not None:
-        module._weight_cache[gemm_index] = cast
-    return cast
 
 
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight, weight_scale_inv, plan: Plan, gemm_index: int):
-        column = plan.fwd_offset + FWD_ROLES * gemm_index + INPUT
-        if plan.records_into is not None:
-            plan.records_into.record(column, amax(x))
+    def forward(
+        ctx, x, weight, bias, qweight, w_scale_inv, x_scale, x_scale_inv, token, handle, gemm_index, bwd
+    ):
         x2d = x.reshape(-1, x.shape[-1])
-        qx = operand(quantize(x2d, plan.scale[column], "e4m3"))
-        x_scale_inv = plan.scale_inv[column]
-        y = gemm(qx, x_scale_inv, qweight.t(), weight_scale_inv, x.dtype, bias)
-        ctx.save_for_backward(qx, x_scale_inv, qweight, weight_scale_inv)
-        ctx.plan, ctx.gemm_index, ctx.has_bias = plan, gemm_index, bias is not None
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        qx = cast_operand(x2d, x_scale, "e4m3", qweight.dtype)
+        y = gemm(qx, x_scale_inv, qweight.t(), w_scale_inv, x.dtype, bias)
+        ctx.save_for_backward(qx, x_scale_inv, qweight, w_scale_inv, token)
+        ctx.handle, ctx.gemm_index, ctx.bwd_encoding = handle, gemm_index, bwd
+        ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        plan = ctx.plan
-        qx, x_scale_inv, qweight, weight_scale_inv = ctx.saved_tensors
+        qx, x_scale_inv, qweight, w_scale_inv, token = ctx.saved_tensors
         g2d = grad_y.reshape(-1, grad_y.shape[-1])
         grad_bias = g2d.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        column = plan.bwd_offset + BWD_ROLES * ctx.gemm_index + GRAD_OUTPUT
-        g_scale, g_scale_inv = protocol.backward_scale(plan, column)  # waits for earlier steps first
-        protocol.record_backward(plan, column, amax(g2d))
-        qg = operand(quantize(g2d, g_scale, plan.backward.bwd.encoding))
+        g_scales = ops.backward_scales(ctx.handle, ctx.gemm_index, amax(g2d), token)
+        g_dtype = _FP8_GRAD_DTYPES[ctx.bwd_encoding] if qx.dtype.itemsize == 1 else qx.dtype
+        qg = cast_operand(g2d, g_scales[0], ctx.bwd_encoding, g_dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = gemm(qg, g_scale_inv, qweight, weight_scale_inv, ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = gemm(qg, g_scales[1], qweight, w_scale_inv, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = gemm(qg.t(), g_scale_inv, qx, x_scale_inv, ctx.w_dtype)
-        return grad_x, grad_w, grad_bias, None, None, None, None
+            grad_w = gemm(qg.t(), g_scales[1], qx, x_scale_inv, ctx.w_dtype)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
+
+
+_OPERAND_DTYPES = {"scaled_mm": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+_FP8_GRAD_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _operand_dtype(tokens: int, weight: torch.Tensor) -> torch.dtype:
+    """FP8 for torch._scaled_mm when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values.
+
+    The backward GEMMs have the same three dimensions, so they take the same path."""
+    out_features, in_features = weight.shape
+    return _OPERAND_DTYPES[choose_path(weight.device, tokens, in_features, out_features)]
 
 
 def fp8_linear(
-    module: FP8Module,
+    module,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    plan: Optional[Plan],
     gemm_index: int = 0,
     is_first_microbatch: Optional[bool] = None,
 ) -> torch.Tensor:
-    """y = x @ weight.T + bias, in FP8 when `plan` says so, else in high precision."""
-    if plan is None or not plan.fp8:
-        if plan is not None and plan.records_into is not None:  # calibrating: amaxes only
-            base = plan.fwd_offset + FWD_ROLES * gemm_index
-            plan.records_into.record(base + INPUT, amax(x.detach()))
-            plan.records_into.record(base + WEIGHT, amax(weight.detach()))
+    """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so."""
+    precision = protocol.call_precision(module, gemm_index)
+    if not precision.fp8:
+        if precision.record:  # calibrating: amaxes only
+            ops.forward_scales(module, gemm_index, amax(x), amax(weight), weight.detach())
         return F.linear(x, weight, bias)
-    qweight, weight_scale_inv = _cast_weight(module, weight, plan, gemm_index, is_first_microbatch)
-    return _FP8LinearFn.apply(x, weight, bias, qweight, weight_scale_inv, plan, gemm_index)
+    cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
+    x_amax = amax(x) if precision.record else None
+    w_amax = amax(weight) if precision.record and cached is None else None
+    scales, token = ops.forward_scales(module, gemm_index, x_amax, w_amax, weight.detach())
+    dtype = _operand_dtype(x.numel() // x.shape[-1], weight)
+    if cached is None:
+        qweight, w_scale_inv = cast_operand(weight.detach(), scales[0, 1], "e4m3", dtype), scales[1, 1]
+        if is_first_microbatch is not None:
+            module._weight_cache[gemm_index] = (qweight, w_scale_inv)
+    else:
+        qweight, w_scale_inv = cached[0].to(dtype), cached[1]  # FP8 values convert exactly
+    return _FP8LinearFn.apply(
+        x, weight, bias, qweight, w_scale_inv, scales[0, 0], scales[1, 0], token,
+        module._fp8_handle, gemm_index, precision.bwd_encoding,
+    )  # fmt: skip

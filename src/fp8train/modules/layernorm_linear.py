@@ -38,7 +38,7 @@ class LayerNormLinear(FP8Module):
         init_linear_params(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        return fp8_linear(self, self.norm(x), self.weight, self.bias, self._plan(), 0, is_first_microbatch)
+        return fp8_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch)
 
 
 class LayerNormMLP(FP8Module):
@@ -78,6 +78,5 @@ class LayerNormMLP(FP8Module):
         return F.gelu(h, approximate="tanh")
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        plan = self._plan()
-        h = fp8_linear(self, self.norm(x), self.fc1_weight, self.fc1_bias, plan, 0, is_first_microbatch)
-        return fp8_linear(self, self._act(h), self.fc2_weight, self.fc2_bias, plan, 1, is_first_microbatch)
+        h = fp8_linear(self, self.norm(x), self.fc1_weight, self.fc1_bias, 0, is_first_microbatch)
+        return fp8_linear(self, self._act(h), self.fc2_weight, self.fc2_bias, 1, is_first_microbatch)

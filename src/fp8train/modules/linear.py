@@ -38,7 +38,7 @@ class Linear(FP8Module):
         init_linear_params(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        return fp8_linear(self, x, self.weight, self.bias, self._plan(), 0, is_first_microbatch)
+        return fp8_linear(self, x, self.weight, self.bias, 0, is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (
