@@ -236,6 +236,8 @@ def _nonfinite_worker(rank: int, world_size: int, run_dir: str) -> list[dict]:
                 "weights_finite": all(bool(p.isfinite().all()) for p in model.parameters()),
             }
         )
+    if telemetry is not None:
+        telemetry.close()  # writes the last step's record (records are completed one step late)
     return records
 
 

@@ -1,4 +1,7 @@
-"""Telemetry values against the modules' own fp8_meta, forced overflow, NaN, files and ranks."""
+"""Telemetry values against the modules' own fp8_meta, forced overflow, NaN, files and ranks.
+
+`log_step` reads device values through a non-blocking copy and so returns the previous logged
+step's record (`flush` completes the last one); it makes no host read of a device value."""
 
 from __future__ import annotations
 
@@ -30,12 +33,12 @@ def _train_step(model, tokens, opt=None):
 
 
 def _expected(model) -> dict:
-    """{role name: (meta, column)} built independently of the telemetry's own map."""
+    """{role name: (meta, column)} from the modules' GEMM names, independently of telemetry's map."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, fp8train.FP8Module):
-            gemms = ["fc1/", "fc2/"] if isinstance(module, fp8train.LayerNormMLP) else [""]
-            for g, gemm in enumerate(gemms):
+            for g in range(module.num_gemms):
+                gemm = f"{module.gemm_names[g]}/" if module.num_gemms > 1 else ""
                 out[f"{name}/{gemm}input"] = (module.fp8_meta["scaling_fwd"], 3 * g)
                 out[f"{name}/{gemm}weight"] = (module.fp8_meta["scaling_fwd"], 3 * g + 1)
                 out[f"{name}/{gemm}grad_output"] = (module.fp8_meta["scaling_bwd"], 2 * g)
@@ -46,11 +49,45 @@ def _scales(model) -> dict:
     return {n: float(meta.scale[c]) for n, (meta, c) in _expected(model).items()}
 
 
+def _logged(tel: Telemetry, step: int, **kwargs) -> dict:
+    """Log `step` and return its own record (waiting for it: tests only)."""
+    tel.log_step(step, **kwargs)
+    return tel.flush()
+
+
 def test_role_names_of_the_small_gpt():
     names = {n for n, *_ in role_names(GPT(CFG))}
     assert len(names) == 2 * 4 * 3  # layers x GEMMs x (input, weight, grad_output)
     assert names == set(_expected(GPT(CFG)))
     assert {"blocks.0.mlp/fc1/input", "blocks.1.attn.qkv/grad_output", "blocks.0.attn.proj/weight"} <= names
+
+
+class TwoGemms(fp8train.FP8Module):
+    """A module of this test's own with two GEMMs: its roles get names of their own."""
+
+    num_gemms = 2
+    gemm_names = ("up", "down")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Parameter(torch.randn(32, 16) * 0.1)
+        self.down = torch.nn.Parameter(torch.randn(16, 32) * 0.1)
+
+    def forward(self, x):
+        from fp8train.modules.fp8_linear import fp8_linear
+
+        return fp8_linear(self, fp8_linear(self, x, self.up, None, 0), self.down, None, 1)
+
+
+def test_every_gemm_of_a_module_gets_its_own_role_names():
+    model = torch.nn.Sequential(TwoGemms(), fp8train.Linear(16, 16))
+    names = [n for n, *_ in role_names(model)]
+    assert len(names) == len(set(names)) == 2 * 3 + 3
+    assert {"0/up/input", "0/down/weight", "0/down/grad_output", "1/grad_output"} <= set(names)
+    with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+        model(torch.randn(8, 16)).sum().backward()
+    rec = _logged(Telemetry(model), 0)
+    assert rec["roles"]["0/up/input"]["amax"] != rec["roles"]["0/down/input"]["amax"]
 
 
 def test_values_match_fp8_meta(tmp_path):
@@ -60,31 +97,61 @@ def test_values_match_fp8_meta(tmp_path):
     tokens = torch.randint(CFG.vocab_size, (4, CFG.seq_len + 1))
     expected = _expected(model)
     scale_before = {n: 1.0 for n in expected}  # modules start with scale 1
+    records, truth = [], []
     with Telemetry(model, str(tmp_path)) as tel:
         for step in range(4):
             loss = _train_step(model, tokens[:, torch.randperm(CFG.seq_len + 1)], opt)
-            rec = tel.log_step(step, loss=loss)
-            assert set(rec["roles"]) == set(expected)
-            for name, (meta, col) in expected.items():
-                got = rec["roles"][name]
-                amax = float(meta.amax_history[0, col])
-                assert got["amax"] == amax and amax > 0, name
-                assert got["scale"] == float(meta.scale[col]), name
-                assert got["scale_used"] == scale_before[name], name
-                product = torch.tensor(amax) * torch.tensor(scale_before[name])
-                fp8_max = 448.0 if name.endswith(("input", "weight")) else 57344.0
-                assert got["util"] == pytest.approx(float(product) / fp8_max, rel=1e-6), name
-                assert got["overflow"] == bool(product > fp8_max), name
-                assert got["nonfinite"] is False
-            assert rec["events"]["overflow"] == sum(v["overflow"] for v in rec["roles"].values())
-            assert rec["loss"] == loss
-            assert rec["reduction"] == fp8train.reduction_stats()
+            returned = tel.log_step(step, loss=torch.tensor(loss))  # a tensor loss travels in the copy
+            assert (returned is None) == (step == 0)  # one step late
+            records += [returned] if returned else []
+            # what the modules hold now (reading fp8_meta completes what the telemetry completed)
+            now = {n: (float(m.amax_history[0, c]), float(m.scale[c])) for n, (m, c) in expected.items()}
+            truth.append((now, dict(scale_before), loss, fp8train.reduction_stats(complete=False)))
             scale_before = _scales(model)
-            if step > 0:  # the scales moved: the test really distinguishes scale from scale_used
-                assert any(v["scale"] != v["scale_used"] for v in rec["roles"].values())
+        records.append(tel.flush())
+    for step, (rec, (now, used, loss, stats)) in enumerate(zip(records, truth)):
+        assert rec["step"] == step and set(rec["roles"]) == set(expected)
+        for name, (amax, scale) in now.items():
+            got = rec["roles"][name]
+            assert got["amax"] == amax and amax > 0, name
+            assert got["scale"] == scale, name
+            assert got["scale_used"] == used[name], name
+            product = torch.tensor(amax) * torch.tensor(used[name])
+            fp8_max = 448.0 if name.endswith(("input", "weight")) else 57344.0
+            assert got["util"] == pytest.approx(float(product) / fp8_max, rel=1e-6), name
+            assert got["overflow"] == bool(product > fp8_max), name
+            assert got["nonfinite"] is False
+        assert rec["events"]["overflow"] == sum(v["overflow"] for v in rec["roles"].values())
+        assert rec["loss"] == loss
+        assert (
+            rec["reduction"]["updates"] == stats["updates"]
+            and rec["reduction"]["launched"] == stats["launched"]
+        )
+        if step > 0:  # the scales moved: the test really distinguishes scale from scale_used
+            assert any(v["scale"] != v["scale_used"] for v in rec["roles"].values())
     lines = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in lines] == [0, 1, 2, 3]
-    assert lines[-1]["roles"] == rec["roles"]
+    assert lines[-1]["roles"] == records[-1]["roles"]
+
+
+def test_log_step_reads_nothing_from_the_device_in_steady_steps():
+    from host_reads import HostReadCounter
+
+    torch.manual_seed(4)
+    model = GPT(CFG)
+    tokens = torch.randint(CFG.vocab_size, (4, CFG.seq_len + 1))
+    tel = Telemetry(model)
+    for step in range(2):
+        _train_step(model, tokens)
+        tel.log_step(step)
+    with HostReadCounter() as reads:
+        for step in range(2, 5):
+            with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+                loss = model.loss(tokens)
+            loss.backward()
+            tel.log_step(step, loss=loss.detach())
+    assert reads.sites == []
+    assert tel.flush()["step"] == 4
 
 
 def test_scale_used_survives_an_earlier_reader():
@@ -95,12 +162,12 @@ def test_scale_used_survives_an_earlier_reader():
     tokens = torch.randint(CFG.vocab_size, (4, CFG.seq_len + 1))
     tel = Telemetry(model)
     _train_step(model, tokens, opt)
-    tel.log_step(0)
+    _logged(tel, 0)
     for step in range(1, 3):
         before = _scales(model)
         _train_step(model, tokens, opt)
         model.state_dict()  # completes the in-flight reductions before the telemetry does
-        rec = tel.log_step(step)
+        rec = _logged(tel, step)
         assert {n: v["scale_used"] for n, v in rec["roles"].items()} == before
         assert {n: v["scale"] for n, v in rec["roles"].items()} == _scales(model)
 
@@ -111,13 +178,13 @@ def test_forced_large_scale_counts_an_overflow():
     tokens = torch.randint(CFG.vocab_size, (4, CFG.seq_len + 1))
     tel = Telemetry(model)
     _train_step(model, tokens)
-    first = tel.log_step(0)
+    first = _logged(tel, 0)
     assert not first["roles"]["blocks.0.attn.qkv/input"]["overflow"]
     meta = model.blocks[0].attn.qkv.fp8_meta["scaling_fwd"]
     meta.scale[0] = 1e6  # the storage itself: the next step casts the qkv input with this scale
     before = _scales(model)
     _train_step(model, tokens)
-    rec = tel.log_step(1)
+    rec = _logged(tel, 1)
     role = rec["roles"]["blocks.0.attn.qkv/input"]
     assert role["scale_used"] == 1e6
     assert role["overflow"] is True and role["util"] > 100
@@ -143,7 +210,7 @@ def test_nan_input_counts_nonfinite_and_keeps_the_scale(tmp_path):
         with fp8train.fp8_autocast(fp8_recipe=RECIPE):
             y = model(inp)
         y.float().sum().backward()
-        rec = tel.log_step(step)
+        rec = _logged(tel, step)
     role = rec["roles"]["0/input"]
     assert role["nonfinite"] is True and role["amax"] == "inf"
     assert role["overflow"] is False  # a non-finite amax is its own event, not an overflow
@@ -164,7 +231,7 @@ def test_every_n_steps_and_extra_fields(tmp_path):
             with fp8train.fp8_autocast(fp8_recipe=RECIPE):
                 model(torch.randn(16, 16)).sum().backward()
             rec = tel.log_step(step, loss=float(step), lr=0.5)
-            assert (rec is None) == (step % 3 != 0)
+            assert rec is None if step % 3 or step == 0 else rec["step"] == step - 3  # one logged step late
     recs = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert [(r["step"], r["run"], r["lr"], r["loss"]) for r in recs] == [
         (s, "r", 0.5, float(s)) for s in (0, 3, 6)
@@ -208,7 +275,7 @@ def _ranks_fn(rank, world_size):
         g = torch.Generator().manual_seed(100 * rank + step)  # every rank its own data
         tokens = torch.randint(CFG.vocab_size, (2, CFG.seq_len + 1), generator=g)
         _train_step(model, tokens)
-        rec = tel.log_step(step)
+        rec = _logged(tel, step)
         meta = model.blocks[0].mlp.fp8_meta["scaling_fwd"]
         out.append((rec["roles"], float(meta.amax_history[0, 0]), float(meta.scale[0])))
     return out

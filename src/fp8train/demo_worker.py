@@ -152,6 +152,7 @@ def train_phase(
                 f"loss {global_loss:.3f}  {tokens_per_step / step_s:,.0f} tok/s  amax wait {wait_ms:.3f} ms"
             )
             bar.update(1)
+    tel.flush()  # the last step's record (records are completed one logged step late)
     fp8train.synchronize()
     wall = time.perf_counter() - start
     if bar is not None:

@@ -269,7 +269,7 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
         region.trained.setdefault(group, -1)  # only once the module is a member: it can launch
     if fwd_meta.direction is None:  # not trained yet (evaluation): its own scales, on its device
         device = next(module.parameters()).device
-        scale, scale_inv, offset = fwd_meta.own_scale.to(device), fwd_meta.own_scale_inv.to(device), 0
+        (scale, scale_inv), offset = fwd_meta.own_scales(device), 0
     else:
         scale, scale_inv = region.forward_scales(fwd_meta.direction)
         offset = fwd_meta.offset

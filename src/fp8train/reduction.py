@@ -22,7 +22,7 @@ import functools
 import hashlib
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -105,58 +105,112 @@ def recipe_key(recipe: DelayedScaling) -> str:
 
 
 @dataclass
+class Mark:
+    """A point in time where the work that waits runs: the host clock on the CPU, an event on the
+    current stream on CUDA (where `work.wait()` makes the stream wait and returns at once)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = None
+        self.host = time.perf_counter()
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+
+
 class ReductionStats:
-    """Per-process counters, readable through `fp8train.reduction_stats()`."""
+    """Per-process counters, readable through `fp8train.reduction_stats()` (docs/telemetry.md).
 
-    launched: int = 0
-    bytes_reduced: int = 0
-    exposed_wait_s: float = 0.0  # time blocked in wait()
-    hidden_s: float = 0.0  # time from launch to the start of wait(): overlapped with other work
-    updates: int = 0
-    nonfinite_amax_events: int = 0
+    `exposed_wait_s`: time the waiting side stood still for a collective (the host on the CPU; the
+    compute stream on CUDA, measured with events). `hidden_s`: time from a launch to the start of its
+    wait on the same clock, during which the collective overlapped other work."""
 
-    _nonfinite_on_device: dict = field(default_factory=dict)  # device -> count not yet read (no sync)
+    def __init__(self) -> None:
+        self.launched = 0
+        self.bytes_reduced = 0
+        self.exposed_wait_s = 0.0
+        self.hidden_s = 0.0
+        self.updates = 0
+        self.nonfinite_amax_events = 0
+        self._nonfinite: dict = {}  # device -> (count on the device, its HostMirror)
+        self._intervals: collections.deque = collections.deque()  # CUDA event pairs not read yet
+
+    def add_interval(self, name: str, start: Mark, end: Mark) -> None:
+        if start.event is None:
+            setattr(self, name, getattr(self, name) + end.host - start.host)
+        else:
+            self._intervals.append((name, start.event, end.event))
 
     def count_nonfinite(self, last: torch.Tensor, ok: Optional[torch.Tensor]) -> None:
         count = torch.isinf(last).sum()
         if ok is not None:
             count = count * ok
-        previous = self._nonfinite_on_device.get(last.device)
-        self._nonfinite_on_device[last.device] = count if previous is None else previous + count
+        if last.device not in self._nonfinite:
+            total = torch.zeros((), dtype=torch.int64, device=last.device)
+            self._nonfinite[last.device] = (total, HostMirror(total))
+        total, mirror = self._nonfinite[last.device]
+        total += count
+        mirror.publish(total)
 
-    def as_dict(self) -> dict:
-        for count in self._nonfinite_on_device.values():
-            self.nonfinite_amax_events += int(count)
-        self._nonfinite_on_device.clear()
+    def _read_intervals(self, block: bool) -> None:
+        while self._intervals:
+            name, start, end = self._intervals[0]
+            if not end.query():
+                if not block:
+                    return
+                end.synchronize()
+            setattr(self, name, getattr(self, name) + start.elapsed_time(end) / 1e3)
+            self._intervals.popleft()
+
+    def as_dict(self, wait: bool = True) -> dict:
+        """The counters. `wait=False` reads nothing that would wait for a device: CUDA timings and
+        non-finite counts not on the host yet are left for a later read."""
+        self._read_intervals(block=wait)
+        self.nonfinite_amax_events = sum(int(mirror.read(wait)) for _, mirror in self._nonfinite.values())
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
-class StickyFlag:
-    """A failure flag set on the device, and its host copy, which the host reads without waiting."""
+class HostMirror:
+    """A host copy of a small device tensor, refreshed without waiting for the device.
 
-    def __init__(self, device: torch.device) -> None:
-        self.value = torch.zeros((), dtype=torch.bool, device=device)
-        pinned = device.type == "cuda"
-        self.host = torch.zeros((), dtype=torch.bool, pin_memory=pinned)
+    `read()` gives the copy as it stands: for a scalar, the newest value that has arrived. A copy
+    still outstanding after a few reads (or at `read(block=True)`, for host points) is waited for,
+    so a value is never more than a few reads late. On the CPU every copy arrives at once."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        cuda = like.is_cuda
+        self.host = torch.zeros(like.shape, dtype=like.dtype, pin_memory=cuda)
         self.host._fp8train_host_mirror = True  # host memory: reading it never waits for the device
-        self.event = torch.cuda.Event() if pinned else None
-        self.unread_polls = 0
+        self.event = torch.cuda.Event() if cuda else None
+        self.unread = 0
 
-    def set_where(self, failed: torch.Tensor) -> None:
-        self.value |= failed
-        self.host.copy_(self.value, non_blocking=True)
+    def publish(self, value: torch.Tensor) -> None:
+        self.host.copy_(value, non_blocking=True)
         if self.event is not None:
             self.event.record()
 
-    def seen(self, block: bool = False) -> bool:
-        """What the last completed copy says; `block` (or a copy outstanding for too long) waits for it."""
+    def read(self, block: bool = False) -> torch.Tensor:
         if self.event is not None and not self.event.query():
-            self.unread_polls += 1
-            if not block and self.unread_polls < _MAX_UNREAD_POLLS:
-                return False
+            self.unread += 1
+            if not (block or self.unread >= _MAX_UNREAD_POLLS):
+                return self.host
             self.event.synchronize()
-        self.unread_polls = 0
-        return bool(self.host)
+        self.unread = 0
+        return self.host
+
+
+class StickyFlag:
+    """A failure flag set on the device, which the host reads through a `HostMirror`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.value = torch.zeros((), dtype=torch.bool, device=device)
+        self.mirror = HostMirror(self.value)
+
+    def set_where(self, failed: torch.Tensor) -> None:
+        self.value |= failed
+        self.mirror.publish(self.value)
+
+    def seen(self, block: bool = False) -> bool:
+        return bool(self.mirror.read(block))
 
 
 class Channel:
@@ -257,7 +311,7 @@ class PendingReduction:
     buffer: torch.Tensor  # [header | amaxes] reduced in place; only the amaxes when not reduced
     works: list  # torch.distributed Work handles still to wait on
     num_roles: int
-    launched_at: float
+    launched_at: Optional[Mark]  # after the collective was issued
     header: Optional[torch.Tensor] = None  # this rank's header; None when not reduced
     extra: Optional[torch.Tensor] = None  # amaxes beyond the agreed size (a growth step), reduced apart
 
@@ -361,7 +415,7 @@ class Direction:
             snapshot = storage.recording.clone()
             storage.recording.zero_()
             snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
-            self.pending.append(PendingReduction(snapshot, [], n, time.perf_counter()))
+            self.pending.append(PendingReduction(snapshot, [], n, Mark(snapshot.device)))
             return
         channel.check()  # a rank that saw a mismatch issues no further collective
         self.finish()  # the state digest must cover every earlier update (normally already applied)
@@ -374,9 +428,10 @@ class Direction:
         amaxes.masked_fill_(torch.isnan(amaxes), float("inf"))  # NCCL's MAX may drop NaN
         header = self._header(columns, region_index, wire)
         buffer[:HEADER_LEN].copy_(header)
-        pending = PendingReduction(buffer, [], n, time.perf_counter(), header)
+        pending = PendingReduction(buffer, [], n, None, header)
         if wire == agreed:
             pending.works.append(self._all_reduce(buffer, async_op))
+            pending.launched_at = Mark(buffer.device)
         else:
             # The layout grew: settle the header first (blocking, checked on the host), so that ranks
             # never issue collectives of different sizes, then reduce the new values.
@@ -387,6 +442,7 @@ class Direction:
                 channel.check(block=True)
             channel.agreed = wire
             pending.works.append(self._all_reduce(pending.extra, async_op))
+            pending.launched_at = Mark(buffer.device)
         self.pending.append(pending)
 
     def _header(self, columns: tuple, region_index: int, wire: int) -> torch.Tensor:
@@ -414,12 +470,12 @@ class Direction:
         """Start the collective; in blocking mode complete it here and count it all as exposed."""
         self.stats.launched += 1
         self.stats.bytes_reduced += buffer.numel() * buffer.element_size()
-        start = time.perf_counter()
+        start = Mark(buffer.device)
         work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.channel.process_group, async_op=True)
         if async_op:
             return work
         self._wait_work(work)
-        self.stats.exposed_wait_s += time.perf_counter() - start
+        self.stats.add_interval("exposed_wait_s", start, Mark(buffer.device))
         return None
 
     def _wait_work(self, work) -> None:
@@ -473,11 +529,11 @@ class Direction:
     def _wait(self, pending: PendingReduction) -> None:
         works = [w for w in pending.works if w is not None]
         if works:
-            start = time.perf_counter()
-            self.stats.hidden_s += start - pending.launched_at
+            start = Mark(pending.buffer.device)
+            self.stats.add_interval("hidden_s", pending.launched_at, start)
             for work in works:
                 self._wait_work(work)
-            self.stats.exposed_wait_s += time.perf_counter() - start
+            self.stats.add_interval("exposed_wait_s", start, Mark(pending.buffer.device))
 
 
 class AmaxGroup:

@@ -5,13 +5,14 @@ Usage (see docs/telemetry.md)::
     tel = fp8train.telemetry.Telemetry(model, run_dir="runs/x", tensorboard=False)
     for step in range(steps):
         ...forward in fp8_autocast, backward, optimizer step...
-        tel.log_step(step, loss=loss.item())
+        tel.log_step(step, loss=loss.detach())
     tel.close()
 
-What one logged step reads, per amax group (not per module): the scale in effect during the step,
-then (after completing the group's in-flight reductions, as every reader of FP8 state must) the
-newest history row and the new scale, stacked into ONE tensor and copied once. Everything else is
-arithmetic on a few hundred floats, so a logged step costs well under a millisecond on small models.
+Nothing here waits for the device. A logged step gathers, per amax group (not per module), the
+scale in effect during the step, the newest history row and the new scale into one device tensor
+and starts a non-blocking copy of it to host memory; the record is completed from that copy at the
+next logged step (or `flush`/`close`), when it has long arrived. So `log_step` returns the record
+of the previous logged step. A `loss` passed as a tensor travels in the same copy.
 
 Definitions, per role (e.g. "blocks.0.mlp/fc1/input"):
 - ``amax``: the most recent reduced amax, i.e. ``amax_history[0]`` after this step's update.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -35,8 +37,8 @@ from typing import Optional
 import torch
 
 from .modules.base import BWD_ROLES, FWD_ROLES, FP8Module
-from .modules.layernorm_linear import LayerNormMLP
-from .protocol import reduction_stats, settle
+from .protocol import REGISTRY, settle
+from .reduction import HostMirror
 
 __all__ = ["Telemetry", "role_names", "read_metrics", "METRICS_FILE"]
 
@@ -46,18 +48,17 @@ BWD_ROLE_NAMES = {0: "grad_output"}  # role 1 (grad_input) is never cast
 _DIRECTIONS = (("scaling_fwd", FWD_ROLES, FWD_ROLE_NAMES), ("scaling_bwd", BWD_ROLES, BWD_ROLE_NAMES))
 
 
-def _gemm_names(module: FP8Module) -> list[str]:
-    return ["fc1", "fc2"] if isinstance(module, LayerNormMLP) else [""] * module.num_gemms
-
-
 def role_names(model: torch.nn.Module) -> list[tuple[str, FP8Module, str, int]]:
-    """(role name, module, "scaling_fwd"|"scaling_bwd", column within the module) for every cast role."""
+    """(role name, module, "scaling_fwd"|"scaling_bwd", column within the module) for every cast role.
+
+    Names come from each module's own GEMM names (`FP8Module.gemm_names`), so modules with several
+    GEMMs get one name per GEMM."""
     out = []
     for mod_name, module in model.named_modules():
         if not isinstance(module, FP8Module):
             continue
         base = mod_name or type(module).__name__
-        for g, gemm in enumerate(_gemm_names(module)):
+        for g, gemm in enumerate(module.gemm_names):
             prefix = f"{base}/{gemm}" if gemm else base
             out += [
                 (f"{prefix}/{role_name}", module, key, per_gemm * g + role)
@@ -69,12 +70,27 @@ def role_names(model: torch.nn.Module) -> list[tuple[str, FP8Module, str, int]]:
 
 @dataclass
 class _GroupView:
-    """The roles of one amax group that belong to the model: storage columns and their names."""
+    """The roles of one amax group direction that belong to the model: storage columns and names."""
 
-    group: object  # fp8train.reduction.Direction
-    columns: torch.Tensor  # int64 indices into the group's storage, on its device (which never changes)
+    direction: object  # fp8train.reduction.Direction
+    columns: torch.Tensor  # int64 indices into the storage, on its device (which never changes)
     names: list[str]
     last_scale: Optional[torch.Tensor] = None  # scale of `columns` after the previous logged update
+
+
+@dataclass
+class _PendingRecord:
+    """A logged step whose device values are on their way to the host."""
+
+    record: dict  # everything known on the host at log time
+    copy: Optional[HostMirror]
+    views: list[_GroupView]  # whose values the copy holds, in order (3 per role)
+    loss_on_device: bool  # the copy's last value is the loss
+
+
+def _float32(x: float) -> float:
+    """`x` rounded to float32 (a product of two float32 values is exact in a Python float first)."""
+    return struct.unpack("f", struct.pack("f", x))[0] if math.isfinite(x) else x
 
 
 def _finite(x: float):
@@ -85,9 +101,10 @@ def _finite(x: float):
 class Telemetry:
     """Logs FP8 state and reduction statistics of `model` per step to JSON lines (and TensorBoard).
 
-    Call `log_step` after each step's backward (and optimizer step). `every=N` logs one step in N;
-    other calls only cost a counter check. With `run_dir=None` nothing is written (records are still
-    returned), which lets every rank run the same code while rank 0 writes.
+    Call `log_step` after each step's backward (and optimizer step); it returns the previous logged
+    step's record (see the module docstring), and `flush`/`close` complete the last one. `every=N`
+    logs one step in N; other calls only cost a counter check. With `run_dir=None` nothing is
+    written (records are still returned), which lets every rank run the same code while rank 0 writes.
     """
 
     def __init__(
@@ -107,8 +124,10 @@ class Telemetry:
         self.views: list[_GroupView] = []
         self._registered = -1  # number of registered roles the views were built for
         self._roles: Optional[list] = None
-        self._last_stats = reduction_stats()
+        self._last_stats = REGISTRY.stats.as_dict(wait=False)
         self._last_time = time.perf_counter()
+        self._pending: Optional[_PendingRecord] = None
+        self._spare: Optional[HostMirror] = None  # the host buffer of the last completed record
         self._file = None
         self._tb = None
         self.totals = {"overflow": 0, "nonfinite": 0}
@@ -128,85 +147,114 @@ class Telemetry:
         joined = [(n, m.fp8_meta[k], c) for n, m, k, c in self._roles if m.fp8_meta[k].direction is not None]
         if len(joined) == self._registered:
             return
-        by_group: dict[int, tuple[object, list[int], list[str]]] = {}
+        by_direction: dict[int, tuple[object, list[int], list[str]]] = {}
         for name, meta, col in joined:
-            entry = by_group.setdefault(id(meta.direction), (meta.direction, [], []))
+            entry = by_direction.setdefault(id(meta.direction), (meta.direction, [], []))
             entry[1].append(meta.offset + col)
             entry[2].append(name)
         self.views = [
-            _GroupView(group, torch.tensor(cols, dtype=torch.long, device=group.storage.device), names)
-            for group, cols, names in by_group.values()
+            _GroupView(
+                direction, torch.tensor(cols, dtype=torch.long, device=direction.storage.device), names
+            )
+            for direction, cols, names in by_direction.values()
         ]
         self._registered = len(joined)
 
     # ---- logging ----------------------------------------------------------------------------------
-    def log_step(self, step: int, loss: Optional[float] = None, **extra) -> Optional[dict]:
-        """Record step `step` (if it is one in `every`); return the record, or None when skipped."""
+    def log_step(self, step: int, loss=None, **extra) -> Optional[dict]:
+        """Start logging step `step` (if it is one in `every`); return the previous logged step's record."""
         if step % self.every:
             return None
         now = time.perf_counter()
         self._refresh_views()
-        roles: dict[str, dict] = {}
-        events = {"overflow": 0, "nonfinite": 0}
-        for view in self.views:
-            self._read_group(view, roles, events)
-        stats = reduction_stats()  # after the reads above: their waits count, as they should
-        delta = {k: stats[k] - self._last_stats[k] for k in stats}
-        self._last_stats = stats
+        values = [self._device_values(view) for view in self.views]
+        if isinstance(loss, torch.Tensor):
+            values.append(loss.detach().float().reshape(1).to(values[0].device if values else loss.device))
+        copy = None
+        if values:
+            payload = torch.cat(values)
+            copy = (
+                self._spare if self._spare is not None and self._spare.host.shape == payload.shape else None
+            )
+            copy = copy or HostMirror(payload)  # pinned memory: allocated once, then two alternate
+            copy.publish(payload)
+        stats = REGISTRY.stats.as_dict(wait=False)  # host counters only: nothing here waits
         record = {
             "kind": "step",
             "run": self.run,
             "step": step,
             "time_s": now - self._last_time,
-            "loss": None if loss is None else _finite(float(loss)),
+            "loss": loss if not isinstance(loss, torch.Tensor) else None,
             **extra,
-            "events": events,
             "reduction": stats,
-            "reduction_delta": delta,
-            "roles": roles,
+            "reduction_delta": {k: stats[k] - self._last_stats[k] for k in stats},
         }
-        self._last_time = now
+        self._last_stats, self._last_time = stats, now
+        previous = self._pending
+        self._pending = _PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor))
+        return self._complete(previous)
+
+    def flush(self) -> Optional[dict]:
+        """Complete (and return) the record of the last logged step."""
+        previous, self._pending = self._pending, None
+        return self._complete(previous)
+
+    def _device_values(self, view: _GroupView) -> torch.Tensor:
+        """[scale used, newest amax, new scale] of the view's roles, as one device tensor."""
+        direction = view.direction
+        storage = direction.storage
+        cols = view.columns
+        # While this step's reductions are pending, the storage still holds the scale the step used:
+        # only finish() writes it. If something already finished them, use the scale we saw last time.
+        if direction.pending:
+            used = storage.scale[cols]
+        elif view.last_scale is not None:
+            used = view.last_scale
+        else:  # finished by someone else before the first log: the scale used is not known any more
+            used = torch.full((len(view.names),), float("nan"), device=storage.device)
+        settle(direction)
+        view.last_scale = storage.scale[cols]
+        return torch.stack([used, storage.history[0, cols], view.last_scale]).flatten()
+
+    def _complete(self, pending: Optional[_PendingRecord]) -> Optional[dict]:
+        if pending is None:
+            return None
+        record = pending.record
+        # copied a logged step ago: long arrived, the read does not wait in practice
+        values = pending.copy.read(block=True).tolist() if pending.copy is not None else []
+        self._spare = pending.copy
+        if pending.loss_on_device:
+            record["loss"] = values.pop()
+        record["loss"] = None if record["loss"] is None else _finite(float(record["loss"]))
+        roles: dict[str, dict] = {}
+        events = {"overflow": 0, "nonfinite": 0}
+        at = 0
+        for view in pending.views:
+            n = len(view.names)
+            used_v, amax_v, scale_v = (values[at + i * n : at + (i + 1) * n] for i in range(3))
+            at += 3 * n
+            fp8_max = view.direction.fp8_max
+            for name, used, amax, scale in zip(view.names, used_v, amax_v, scale_v):
+                scaled = _float32(amax * used)  # in float32, as the cast computes x * scale
+                nonfinite = not math.isfinite(amax)
+                overflow = scaled > fp8_max and not nonfinite  # non-finite is its own event
+                roles[name] = {
+                    "amax": _finite(amax),
+                    "scale": _finite(scale),
+                    "scale_used": _finite(used),
+                    "util": _finite(scaled / fp8_max),
+                    "overflow": overflow,
+                    "nonfinite": nonfinite,
+                }
+                events["overflow"] += overflow
+                events["nonfinite"] += nonfinite
+        record["events"], record["roles"] = events, roles
         for key in events:
             self.totals[key] += events[key]
         self.write(record)
         if self._tb is not None:
             self._tb_write(record)
         return record
-
-    def _read_group(self, view: _GroupView, roles: dict, events: dict) -> None:
-        group = view.group
-        storage = group.storage
-        cols = view.columns
-        # While this step's reductions are pending, the storage still holds the scale the step used:
-        # only finish() writes it. If something already finished them, use the scale we saw last time.
-        if group.pending:
-            used = storage.scale[cols]
-        elif view.last_scale is not None:
-            used = view.last_scale.to(storage.device)
-        else:  # finished by someone else before the first log: the scale used is not known any more
-            used = torch.full((len(view.names),), float("nan"), device=storage.device)
-        settle(group)
-        snap = torch.stack([used, storage.history[0, cols], storage.scale[cols]]).cpu()  # one copy
-        view.last_scale = snap[2]
-        used_v, amax_v, scale_v = snap
-        fp8_max = group.fp8_max
-        scaled = amax_v * used_v  # in float32, as the cast computes x * scale
-        util_v = scaled / fp8_max
-        over_v = ((scaled > fp8_max) & torch.isfinite(amax_v)).tolist()  # non-finite is its own event
-        for name, used, amax, scale, util, overflow in zip(
-            view.names, used_v.tolist(), amax_v.tolist(), scale_v.tolist(), util_v.tolist(), over_v
-        ):
-            nonfinite = not math.isfinite(amax)
-            roles[name] = {
-                "amax": _finite(amax),
-                "scale": _finite(scale),
-                "scale_used": _finite(used),
-                "util": _finite(util),
-                "overflow": overflow,
-                "nonfinite": nonfinite,
-            }
-            events["overflow"] += overflow
-            events["nonfinite"] += nonfinite
 
     def write(self, record: dict) -> None:
         """Append any JSON-able record (e.g. run metadata) to the metrics file."""
@@ -228,6 +276,7 @@ class Telemetry:
                     self._tb.add_scalar(f"{key}/{name}", values[key], step)
 
     def close(self) -> None:
+        self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None

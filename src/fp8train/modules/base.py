@@ -29,6 +29,14 @@ class ScalingMeta:
         self.own_history: Optional[torch.Tensor] = None  # set by load_state_dict before joining
         self.own_scale = torch.ones(num_roles)
         self.own_scale_inv = torch.ones(num_roles)
+        self._own_on_device: dict = {}  # device -> (own_scale, own_scale_inv) there: copied once
+
+    def own_scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) of a module that has not trained yet, on `device` (cached: a copy from
+        host memory each call would wait for the GPU)."""
+        if device not in self._own_on_device:
+            self._own_on_device[device] = (self.own_scale.to(device), self.own_scale_inv.to(device))
+        return self._own_on_device[device]
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) owns its state: it must neither share nor drag along the group."""
@@ -40,6 +48,7 @@ class ScalingMeta:
                 own_history=self.amax_history.clone(),
                 own_scale=self.scale.clone(),
                 own_scale_inv=self.scale_inv.clone(),
+                _own_on_device={},
             )
         return state
 
@@ -99,6 +108,7 @@ class ScalingMeta:
             self.own_history = None if history is None else history.clone().float()
             self.own_scale = scale.clone().float()
             self.own_scale_inv = scale_inv.clone().float()
+            self._own_on_device.clear()
             return
         if history.shape[0] != self.direction.recipe.amax_history_len:
             raise ValueError(
@@ -164,6 +174,7 @@ class FP8Module(torch.nn.Module):
     """Base of modules with FP8 GEMMs. Subclasses set `num_gemms` and call `fp8_linear` in forward."""
 
     num_gemms = 1
+    gemm_names: tuple[str, ...] = ("",)  # one per GEMM: how telemetry names its roles
 
     def __init__(self) -> None:
         super().__init__()

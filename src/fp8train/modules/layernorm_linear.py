@@ -45,6 +45,7 @@ class LayerNormMLP(FP8Module):
     """fc2(act(fc1(norm(x)))) with two FP8 GEMMs; `swiglu` splits fc1's output in two halves."""
 
     num_gemms = 2
+    gemm_names = ("fc1", "fc2")
 
     def __init__(
         self,
