@@ -38,24 +38,26 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tenso
     return _scaled(x, scale, encoding).to(fp8_dtype(encoding))
 
 
-def fp8_round(y: torch.Tensor, encoding: str) -> torch.Tensor:
-    """float32 `y` (within ±fp8_max) rounded to the nearest FP8 value, ties to even, in float32.
+def fp8_round(magnitude: torch.Tensor, sign: torch.Tensor, encoding: str) -> torch.Tensor:
+    """`magnitude` (float32, in [0, fp8_max]; overwritten) rounded to the nearest FP8 value, ties to
+    even, with the sign of `sign`, in float32.
 
-    Equal bit for bit to `y.to(float8).float()` (tests/test_cast_gemm.py checks every tie and a wide
-    sample). Adding k = ±1.5 * 2**(e + 23 - mantissa_bits), where 2**e is y's binade (at least the
-    smallest normal), leaves y + k in a binade whose float32 spacing is the FP8 spacing at y, so the
-    addition rounds y exactly as the FP8 cast does; subtracting k is exact. NaN stays NaN.
+    Equal bit for bit to the FP8 cast (checked on every float32 bit pattern; the tests check every tie
+    and a wide sample). Adding k = 1.5 * 2**(e + 23 - mantissa_bits), where 2**e is the value's binade
+    (at least the smallest normal), leaves the sum in a binade whose float32 spacing is the FP8
+    spacing there, so the addition rounds exactly as the cast does; subtracting k is exact. NaN stays
+    NaN; copysign restores negative values and -0.0.
     """
     mantissa_bits, min_exponent = _FORMATS[encoding]
-    k = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**e, sign dropped
-    k.clamp_(min=2.0**min_exponent).mul_(1.5 * 2.0 ** (23 - mantissa_bits)).copysign_(y)
-    return (y + k).sub_(k).copysign_(y)  # copysign keeps -0.0
+    k = (magnitude.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**e
+    k.clamp_(min=2.0**min_exponent).mul_(1.5 * 2.0 ** (23 - mantissa_bits))
+    return magnitude.add_(k).sub_(k).copysign_(sign)
 
 
 def cast_operand(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dtype) -> torch.Tensor:
     """saturate(x * scale) rounded to FP8, as `dtype`: an FP8 dtype, or bfloat16/float32 holding FP8
-    values exactly (every FP8 value is a bf16 value)."""
-    scaled = _scaled(x, scale, encoding)
+    values exactly (every FP8 value is a bf16 value). Scales are positive: the sign is x's."""
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return scaled.to(dtype)
-    return fp8_round(scaled, encoding).to(dtype)
+        return quantize(x, scale, encoding)
+    magnitude = (x.to(torch.float32) * scale).abs_().clamp_(max=fp8_max(encoding))
+    return fp8_round(magnitude, x, encoding).to(dtype)

@@ -71,7 +71,9 @@ def gemm(
             out_dtype=out_dtype,
         )
         return y if bias is None else y + bias.to(out_dtype)
-    y = torch.mm(a, b.to(a.dtype)).to(torch.float32).mul_(a_scale_inv * b_scale_inv)
-    if bias is not None:
-        y = y.add_(bias)
+    y = torch.mm(a, b.to(a.dtype))
+    # The scale as a 1-element tensor takes part in type promotion (a 0-dim one would not): the
+    # product is computed in fp32 and written in one pass, with the bias added in the same one.
+    scale = (a_scale_inv * b_scale_inv).reshape(1)
+    y = torch.mul(y, scale) if bias is None else torch.addcmul(bias.to(torch.float32), y, scale)
     return y.to(out_dtype)
