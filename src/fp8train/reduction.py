@@ -58,7 +58,7 @@ HEADER_FIELDS = (
 )
 HEADER_LEN = 2 * len(HEADER_FIELDS)
 _STATE_FIELDS = {"state_hi", "state_lo"}
-_MAX_UNREAD_POLLS = 4  # a flag copy still in flight after this many polls is waited for
+_MAX_UNREAD_LAUNCHES = 8  # a failure flag copy still in flight after this many launches is waited for
 
 
 class LayoutMismatchError(RuntimeError):
@@ -165,41 +165,41 @@ class ReductionStats:
         """The counters. `wait=False` reads nothing that would wait for a device: CUDA timings and
         non-finite counts not on the host yet are left for a later read."""
         self._read_intervals(block=wait)
-        self.nonfinite_amax_events = sum(int(mirror.read(wait)) for _, mirror in self._nonfinite.values())
+        self.nonfinite_amax_events = sum(
+            int(mirror.wait() if wait else mirror.host) for _, mirror in self._nonfinite.values()
+        )
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 class HostMirror:
-    """A host copy of a small device tensor, refreshed without waiting for the device.
+    """A host copy of a small device tensor, refreshed by copies the host never waits for.
 
-    `read()` gives the copy as it stands: for a scalar, the newest value that has arrived. A copy
-    still outstanding after a few reads (or at `read(block=True)`, for host points) is waited for,
-    so a value is never more than a few reads late. On the CPU every copy arrives at once."""
+    `host` holds the copy as it stands: for a scalar, the newest value whose copy has arrived, which
+    is all a sticky flag or a growing count needs. `ready()` says whether the latest copy arrived;
+    `wait()` (for host points) waits for it. On the CPU every copy arrives at once."""
 
     def __init__(self, like: torch.Tensor) -> None:
         cuda = like.is_cuda
         self.host = torch.zeros(like.shape, dtype=like.dtype, pin_memory=cuda)
         self.host._fp8train_host_mirror = True  # host memory: reading it never waits for the device
         self.event = torch.cuda.Event() if cuda else None
-        self.unread = 0
 
     def publish(self, value: torch.Tensor) -> None:
         self.host.copy_(value, non_blocking=True)
         if self.event is not None:
             self.event.record()
 
-    def read(self, block: bool = False) -> torch.Tensor:
-        if self.event is not None and not self.event.query():
-            self.unread += 1
-            if not (block or self.unread >= _MAX_UNREAD_POLLS):
-                return self.host
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
             self.event.synchronize()
-        self.unread = 0
         return self.host
 
 
 class StickyFlag:
-    """A failure flag set on the device, which the host reads through a `HostMirror`."""
+    """A failure flag set on the device; the host reads it through a `HostMirror`."""
 
     def __init__(self, device: torch.device) -> None:
         self.value = torch.zeros((), dtype=torch.bool, device=device)
@@ -208,9 +208,6 @@ class StickyFlag:
     def set_where(self, failed: torch.Tensor) -> None:
         self.value |= failed
         self.mirror.publish(self.value)
-
-    def seen(self, block: bool = False) -> bool:
-        return bool(self.mirror.read(block))
 
 
 class Channel:
@@ -227,6 +224,7 @@ class Channel:
         self.flag: Optional[StickyFlag] = None
         self.failure: Optional[torch.Tensor] = None  # [direction, reduced header, local header]
         self.error: Optional[LayoutMismatchError] = None
+        self.launches_unread = 0  # launches since the flag's copy last arrived
 
     def attach(self, direction: Direction, device: torch.device) -> None:
         if self.flag is None:
@@ -254,7 +252,7 @@ class Channel:
     @property
     def failed(self) -> bool:
         """Whether a mismatch has been seen here (waits for the device: for host points only)."""
-        return self.error is not None or (self.flag is not None and self.flag.seen(block=True))
+        return self.error is not None or (self.flag is not None and bool(self.flag.mirror.wait()))
 
     def failure_message(self) -> str:
         try:
@@ -263,10 +261,22 @@ class Channel:
             return str(exc)
         return ""
 
-    def check(self, block: bool = False) -> None:
-        """Raise the mismatch seen on this channel (sticky: again at every call)."""
-        if self.error is None and self.flag is not None and self.flag.seen(block):
-            self.error = self._mismatch_error()
+    def check(self, block: bool = False, launch: bool = False) -> None:
+        """Raise the mismatch seen on this channel (sticky: again at every call).
+
+        Reads the flag's host copy as it stands, without waiting; the copy is waited for only at a
+        host point (`block`) or when it has not arrived for _MAX_UNREAD_LAUNCHES launches, so a
+        mismatch is raised within a few steps however far the GPU runs behind."""
+        if self.error is None and self.flag is not None:
+            mirror = self.flag.mirror
+            self.launches_unread += launch
+            if mirror.ready():
+                self.launches_unread = 0
+            elif block or self.launches_unread >= _MAX_UNREAD_LAUNCHES:
+                mirror.wait()
+                self.launches_unread = 0
+            if bool(mirror.host):
+                self.error = self._mismatch_error()
         if self.error is not None:
             raise type(self.error)(str(self.error))
 
@@ -417,7 +427,7 @@ class Direction:
             snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
             self.pending.append(PendingReduction(snapshot, [], n, Mark(snapshot.device)))
             return
-        channel.check()  # a rank that saw a mismatch issues no further collective
+        channel.check(launch=True)  # a rank that saw a mismatch issues no further collective
         self.finish()  # the state digest must cover every earlier update (normally already applied)
         agreed = channel.agreed
         wire = max(n, agreed)

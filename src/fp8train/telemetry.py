@@ -10,9 +10,10 @@ Usage (see docs/telemetry.md)::
 
 Nothing here waits for the device. A logged step gathers, per amax group (not per module), the
 scale in effect during the step, the newest history row and the new scale into one device tensor
-and starts a non-blocking copy of it to host memory; the record is completed from that copy at the
-next logged step (or `flush`/`close`), when it has long arrived. So `log_step` returns the record
-of the previous logged step. A `loss` passed as a tensor travels in the same copy.
+and starts a non-blocking copy of it to host memory; the record is completed from that copy at a
+later logged step, once the copy has arrived (or at `flush`/`close`, which wait for it). So
+`log_step` returns an earlier logged step's record: the previous one on a CPU, where copies arrive
+at once. A `loss` passed as a tensor travels in the same copy.
 
 Definitions, per role (e.g. "blocks.0.mlp/fc1/input"):
 - ``amax``: the most recent reduced amax, i.e. ``amax_history[0]`` after this step's update.
@@ -25,6 +26,7 @@ Definitions, per role (e.g. "blocks.0.mlp/fc1/input"):
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -101,8 +103,8 @@ def _finite(x: float):
 class Telemetry:
     """Logs FP8 state and reduction statistics of `model` per step to JSON lines (and TensorBoard).
 
-    Call `log_step` after each step's backward (and optimizer step); it returns the previous logged
-    step's record (see the module docstring), and `flush`/`close` complete the last one. `every=N`
+    Call `log_step` after each step's backward (and optimizer step); it returns an earlier logged
+    step's record (see the module docstring), and `flush`/`close` complete the rest. `every=N`
     logs one step in N; other calls only cost a counter check. With `run_dir=None` nothing is
     written (records are still returned), which lets every rank run the same code while rank 0 writes.
     """
@@ -126,8 +128,8 @@ class Telemetry:
         self._roles: Optional[list] = None
         self._last_stats = REGISTRY.stats.as_dict(wait=False)
         self._last_time = time.perf_counter()
-        self._pending: Optional[_PendingRecord] = None
-        self._spare: Optional[HostMirror] = None  # the host buffer of the last completed record
+        self._pending: collections.deque[_PendingRecord] = collections.deque()  # in step order
+        self._spares: list[HostMirror] = []  # host buffers of completed records, for reuse
         self._file = None
         self._tb = None
         self.totals = {"overflow": 0, "nonfinite": 0}
@@ -162,7 +164,8 @@ class Telemetry:
 
     # ---- logging ----------------------------------------------------------------------------------
     def log_step(self, step: int, loss=None, **extra) -> Optional[dict]:
-        """Start logging step `step` (if it is one in `every`); return the previous logged step's record."""
+        """Start logging step `step` (if it is one in `every`); complete the earlier logged steps whose
+        values have reached the host, and return the latest of them (on a CPU, the previous one)."""
         if step % self.every:
             return None
         now = time.perf_counter()
@@ -173,10 +176,10 @@ class Telemetry:
         copy = None
         if values:
             payload = torch.cat(values)
-            copy = (
-                self._spare if self._spare is not None and self._spare.host.shape == payload.shape else None
-            )
-            copy = copy or HostMirror(payload)  # pinned memory: allocated once, then two alternate
+            spares = [m for m in self._spares if m.host.shape == payload.shape]
+            copy = spares[0] if spares else HostMirror(payload)  # pinned memory: allocated a few times
+            if spares:
+                self._spares.remove(copy)
             copy.publish(payload)
         stats = REGISTRY.stats.as_dict(wait=False)  # host counters only: nothing here waits
         record = {
@@ -190,14 +193,20 @@ class Telemetry:
             "reduction_delta": {k: stats[k] - self._last_stats[k] for k in stats},
         }
         self._last_stats, self._last_time = stats, now
-        previous = self._pending
-        self._pending = _PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor))
-        return self._complete(previous)
+        arrived = self._complete_arrived(wait=False)
+        self._pending.append(_PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor)))
+        return arrived
 
     def flush(self) -> Optional[dict]:
-        """Complete (and return) the record of the last logged step."""
-        previous, self._pending = self._pending, None
-        return self._complete(previous)
+        """Complete every logged step (waiting for their copies); return the last record."""
+        return self._complete_arrived(wait=True)
+
+    def _complete_arrived(self, wait: bool) -> Optional[dict]:
+        """Complete pending records in order, as far as their copies have arrived (all, with `wait`)."""
+        record = None
+        while self._pending and (wait or self._pending[0].copy is None or self._pending[0].copy.ready()):
+            record = self._complete(self._pending.popleft())
+        return record
 
     def _device_values(self, view: _GroupView) -> torch.Tensor:
         """[scale used, newest amax, new scale] of the view's roles, as one device tensor."""
@@ -216,13 +225,11 @@ class Telemetry:
         view.last_scale = storage.scale[cols]
         return torch.stack([used, storage.history[0, cols], view.last_scale]).flatten()
 
-    def _complete(self, pending: Optional[_PendingRecord]) -> Optional[dict]:
-        if pending is None:
-            return None
+    def _complete(self, pending: _PendingRecord) -> dict:
         record = pending.record
-        # copied a logged step ago: long arrived, the read does not wait in practice
-        values = pending.copy.read(block=True).tolist() if pending.copy is not None else []
-        self._spare = pending.copy
+        values = pending.copy.wait().tolist() if pending.copy is not None else []  # arrived, or a flush
+        if pending.copy is not None:
+            self._spares.append(pending.copy)
         if pending.loss_on_device:
             record["loss"] = values.pop()
         record["loss"] = None if record["loss"] is None else _finite(float(record["loss"]))

@@ -54,8 +54,11 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         from . import step_time
 
         if args.quick:
-            return step_time.run(64, 128, 64, repeats=2)
-        return step_time.run(device="cuda" if torch.cuda.is_available() else "cpu")
+            return step_time.run(64, 128, 64, repeats=2, threads=1, compiled=False)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        runs = [step_time.run(device=device, threads=t) for t in (2, 1)]  # 1 thread: stabler timings
+        rows = [{"threads": r["threads"], **row} for r in runs for row in r["rows"]]
+        return {**runs[0], "threads": [2, 1], "rows": rows}
     if suite == "reduction":
         from . import reduction
 

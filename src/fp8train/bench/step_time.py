@@ -1,4 +1,5 @@
-"""Step time (forward + backward) of an MLP block: FP8 vs fp32 and bf16 torch.nn, and torchao.float8."""
+"""Step time (forward + backward) of an MLP block: FP8 (eager and torch.compile) vs fp32 and bf16
+torch.nn, and torchao.float8 where installed. All run round-robin in one process."""
 
 from __future__ import annotations
 
@@ -24,8 +25,15 @@ def _torchao(reference: torch.nn.Module):
 
 
 def run(
-    hidden: int = 1024, ffn: int = 4096, tokens: int = 1024, repeats: int = 8, device: str = "cpu"
+    hidden: int = 1024,
+    ffn: int = 4096,
+    tokens: int = 1024,
+    repeats: int = 12,
+    device: str = "cpu",
+    threads: int = 2,
+    compiled: bool = True,
 ) -> dict:
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     fp32 = _mlp(torch.nn.Linear, hidden, ffn).to(device)
     fp8 = _mlp(ft.Linear, hidden, ffn).to(device)
@@ -43,10 +51,19 @@ def run(
         "bf16 torch.nn": step(bf16, x_bf16),
         "fp8 fp8train": step(fp8, x, fp8_region=True),
     }
+    if compiled:
+        fns["fp8 fp8train, torch.compile(fullgraph=True)"] = step(
+            torch.compile(copy.deepcopy(fp8), fullgraph=True), x, fp8_region=True
+        )
+        fns["bf16 torch.nn, torch.compile"] = step(torch.compile(copy.deepcopy(bf16)), x_bf16)
     peer = _torchao(fp32)
     if peer is not None:
         fns["fp8 torchao.float8 (dynamic)"] = step(peer, x)
     times = interleaved_medians(fns, repeats)
-    base = times["fp32 torch.nn"]
-    rows = [{"config": name, "ms": 1e3 * t, "vs_fp32": t / base} for name, t in times.items()]
-    return {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "device": device, "rows": rows}
+    bf16_time, eager = times["bf16 torch.nn"], times["fp8 fp8train"]
+    rows = [
+        {"config": name, "ms": 1e3 * t, "vs_bf16": t / bf16_time, "vs_fp8_eager": t / eager}
+        for name, t in times.items()
+    ]
+    shape = {"hidden": hidden, "ffn": ffn, "tokens": tokens}
+    return {"shape": shape, "device": device, "threads": threads, "rows": rows}
