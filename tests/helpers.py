@@ -36,7 +36,7 @@ def digest(obj: Any) -> str:
                 feed(item)
         elif isinstance(o, torch.Tensor):
             h.update(f"{o.dtype}{tuple(o.shape)}".encode())
-            h.update(o.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(o.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             h.update(repr(o).encode())
 

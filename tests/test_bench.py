@@ -45,3 +45,14 @@ def test_reduction_benchmark_counts_collectives_and_exposes_blocking_latency(tmp
     assert by[(5.0, "blocking")]["collectives_per_step"] == 2
     # blocking waits out the whole injected latency of both collectives, every step
     assert by[(5.0, "blocking")]["exposed_ms_per_step"] >= 2 * 5.0 * 0.99
+
+
+@pytest.mark.multirank
+def test_fsdp_benchmark_counts_fp8_gather_bytes_and_amax_collectives(tmp_path) -> None:
+    by = {(r["params"], r["fp8_all_gather"]): r for r in _rows(tmp_path, "fsdp")}
+    for params, ceiling in (("fp32", 0.30), ("bf16", 0.55)):
+        off, on = by[(params, False)], by[(params, True)]
+        assert on["gathers_per_step"] == off["gathers_per_step"] == 4  # forward and backward, 2 units
+        # the tiny units are half norm and bias parameters, which travel in the parameter dtype
+        assert on["max_gather_ratio"] <= ceiling + 0.02 and on["vs_option_off"] < 1
+        assert on["amax_collectives_per_step"] == off["amax_collectives_per_step"] == 2

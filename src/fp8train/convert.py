@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .fsdp import wrap_for_fsdp
 from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
 from .modules.linear import Linear
@@ -55,7 +56,7 @@ def _is_hf_conv1d(module: torch.nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
 
 
-def _swap(module: torch.nn.Module) -> Optional[FP8Module]:
+def _swap(module: torch.nn.Module, fsdp_fp8_all_gather: bool) -> Optional[FP8Module]:
     """The FP8 replacement of `module`, or None if it is not a layer this function converts."""
     if type(module) is torch.nn.Linear:
         if not fp8_compatible(module.in_features, module.out_features):
@@ -68,6 +69,8 @@ def _swap(module: torch.nn.Module) -> Optional[FP8Module]:
         new = Conv1D(module.weight, module.bias)
     else:
         return None
+    if fsdp_fp8_all_gather:
+        wrap_for_fsdp(new.weight, 0)
     new.train(module.training)
     return new
 
@@ -76,6 +79,7 @@ def convert_to_fp8(
     model: torch.nn.Module,
     module_filter_fn: Optional[FilterFn] = None,
     recipe: Optional[DelayedScaling] = None,
+    fsdp_fp8_all_gather: bool = False,
 ) -> torch.nn.Module:
     """Replace `torch.nn.Linear` (and transformers' `Conv1D`) layers of `model` by FP8 modules, in place.
 
@@ -85,6 +89,8 @@ def convert_to_fp8(
     `recipe` is only checked here: FP8 state is created under the recipe of the first training
     `fp8_autocast` region, so pass that same recipe there. Returns `model` (converted in place;
     a `model` that is itself a Linear cannot be replaced in place and is returned converted).
+    `fsdp_fp8_all_gather=True` makes FSDP2 (`fully_shard`) gather the converted weights in FP8
+    (docs/guide.md, "FSDP2 with FP8 all-gather"); the Parameter objects stay the same.
     """
     if recipe is not None and not isinstance(recipe, DelayedScaling):
         raise ValueError(f"recipe must be a fp8train.DelayedScaling, got {type(recipe).__name__}")
@@ -94,7 +100,7 @@ def convert_to_fp8(
     def keep(module: torch.nn.Module, fqn: str) -> bool:
         return module_filter_fn is None or bool(module_filter_fn(module, fqn))
 
-    root = _swap(model)
+    root = _swap(model, fsdp_fp8_all_gather)
     if root is not None:
         return root if keep(model, "") else model
     swapped: dict[int, torch.nn.Module] = {}  # a layer shared by several parents stays one module
@@ -105,7 +111,7 @@ def convert_to_fp8(
             if child is None:
                 continue
             if id(child) not in swapped:
-                new = _swap(child)
+                new = _swap(child, fsdp_fp8_all_gather)
                 keep_it = new is not None and keep(child, f"{fqn}.{name}" if fqn else name)
                 swapped[id(child)] = new if keep_it else child
             setattr(parent, name, swapped[id(child)])

@@ -457,7 +457,59 @@ def backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch.
         REGISTRY.backward_pass = (task, backward_pass)
         torch.autograd.Variable._execution_engine.queue_callback(backward_pass.end)
     REGISTRY.backward_pass[1].note(direction.group, REGISTRY.regions.get(int(token)))
+    gather = module.__dict__.get("_fsdp_gathers", {}).get(gemm_index)
+    if gather is not None:  # its forward's backward has run (FSDP2 re-gathered before it)
+        gather.forward = None
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
+
+
+@dataclass
+class WeightGather:
+    """How FSDP2 last gathered a module's weight (fsdp.py), kept for the backward re-gather."""
+
+    scales: Optional[tuple[torch.Tensor, torch.Tensor]]  # (scale, scale_inv); None: parameter dtype
+    region: Optional[Region]
+    forward: Optional[weakref.ref] = None  # a training forward's autograd node, until its backward ran
+
+    def awaits_backward(self) -> bool:
+        return self.forward is not None and self.forward() is not None
+
+
+def weight_gather_scales(module, gemm_index: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(scale, scale_inv) with which FSDP2 casts `module`'s weight of GEMM `gemm_index` to FP8 before
+    all-gathering it (fsdp.py), or None to gather it in its parameter dtype: the weight role's scale
+    of the current FP8 region, the one its forward will use. A re-gather for backward takes what its
+    forward's gather took (it must reproduce the FP8 weight that forward saved), and records nothing."""
+    gathers = module.__dict__.setdefault("_fsdp_gathers", {})
+    last = gathers.get(gemm_index)
+    if in_backward():
+        return None if last is None else last.scales
+    settings = REGISTRY.stack[-1] if REGISTRY.stack else None
+    region = REGISTRY.region if settings is not None and settings.enabled else None
+    if last is not None and last.region is not region and last.awaits_backward():
+        raise RuntimeError(
+            f"{module._signature()} (fsdp_fp8_all_gather) ran forward in another FP8 region or precision "
+            "before the backward of its previous training forward: FSDP2's backward re-gather could not "
+            "reproduce the FP8 weight that forward used. Run that backward first (schedules with several "
+            "microbatches in flight are not supported with the option), or build the module without it"
+        )
+    scales = None
+    if region is not None:
+        meta = module.fp8_meta["scaling_fwd"]
+        column = meta.offset + FWD_ROLES * gemm_index + WEIGHT
+        if meta.direction is None:  # not trained yet: its own scale, which joining will keep
+            scale, scale_inv = meta.own_scales(next(module.parameters()).device)
+        else:
+            scale, scale_inv = region.forward_scales(meta.direction)
+        scales = (scale[column], scale_inv[column])
+    gathers[gemm_index] = WeightGather(scales, region)
+    return scales
+
+
+def note_gathered_forward(module, gemm_index: int, output: torch.Tensor) -> None:
+    """A training forward used the FP8 weight FSDP2 gathered: its backward re-gather must match."""
+    if output.grad_fn is not None:
+        module._fsdp_gathers[gemm_index].forward = weakref.ref(output.grad_fn)
 
 
 # ---- readers of FP8 state ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "gpu")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -66,6 +66,12 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return reduction.run(latencies=[0.0, 0.005], steps=args.steps or 4, model_size="tiny")
         return reduction.run(latencies=latencies, steps=args.steps or 30)
+    if suite == "fsdp":
+        from . import fsdp_gather
+
+        if args.quick:
+            return fsdp_gather.run(hidden=32, ffn=64, blocks=1, tokens=16, steps=2)
+        return fsdp_gather.run()
     if suite == "gpu":
         from . import gpu
 

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .. import protocol
+from ..fsdp import plain_weight
 from ..protocol import BWD_ROLES, FWD_ROLES
 from ..reduction import Direction
 
@@ -208,6 +209,12 @@ class FP8Module(torch.nn.Module):
         buffer = io.BytesIO()
         torch.save(state, buffer)
         return buffer.getvalue()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:  # weights wrapped for FSDP2 FP8 all-gather are saved as plain tensors
+            for name, _ in self.named_parameters(recurse=False):
+                destination[prefix + name] = plain_weight(destination[prefix + name])
 
     def set_extra_state(self, state) -> None:
         where = self._signature()

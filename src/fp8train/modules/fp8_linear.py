@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .. import ops, protocol
 from ..cast import amax, cast_operand
+from ..fsdp import GatheredWeight
 from ..gemm import choose_path, gemm
 
 __all__ = ["fp8_linear"]
@@ -25,7 +26,8 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(qx, x_scale_inv, qweight, w_scale_inv, token)
         ctx.handle, ctx.gemm_index, ctx.bwd_encoding = handle, gemm_index, bwd
         ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        # not a view of y: FSDP2 warns on (and in-place ops would bypass hooks of) a view output
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -41,6 +43,18 @@ class _FP8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = gemm(qg.t(), g_scales[1], qx, x_scale_inv, ctx.w_dtype)
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
+
+
+class _HighPrecision(torch.autograd.Function):
+    """A weight FSDP2 gathered in FP8, gathered again in its parameter dtype; gradients pass through."""
+
+    @staticmethod
+    def forward(ctx, weight: GatheredWeight) -> torch.Tensor:
+        return weight.high_precision()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 _OPERAND_DTYPES = {"scaled_mm": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -65,22 +79,35 @@ def fp8_linear(
 ) -> torch.Tensor:
     """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so."""
     precision = protocol.call_precision(module, gemm_index)
+    if isinstance(weight, GatheredWeight) and weight.fp8 and not precision.fp8:
+        weight = _HighPrecision.apply(weight)  # gathered in FP8, needed in high precision: gather again
     if not precision.fp8:
         if precision.record:  # calibrating: amaxes only
             ops.forward_scales(module, gemm_index, amax(x), amax(weight), weight.detach())
         return F.linear(x, weight, bias)
+    gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
     cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
     x_amax = amax(x) if precision.record else None
-    w_amax = amax(weight) if precision.record and cached is None else None
+    w_amax = None
+    if precision.record and cached is None:  # a gathered weight's amax is its shard's: MAX over ranks
+        w_amax = weight.shard_amax() if gathered else amax(weight)
     scales, token = ops.forward_scales(module, gemm_index, x_amax, w_amax, weight.detach())
     dtype = _operand_dtype(x.numel() // x.shape[-1], weight)
     if cached is None:
-        qweight, w_scale_inv = cast_operand(weight.detach(), scales[0, 1], "e4m3", dtype), scales[1, 1]
-        if is_first_microbatch is not None:
-            module._weight_cache[gemm_index] = (qweight, w_scale_inv)
+        if gathered:  # cast on the shard before the gather, with this region's weight scale
+            fp8_weight, w_scale_inv = weight.fp8_values()
+            qweight = fp8_weight.to(dtype)  # FP8 values convert exactly
+        else:
+            qweight, w_scale_inv = cast_operand(weight.detach(), scales[0, 1], "e4m3", dtype), scales[1, 1]
+        if is_first_microbatch is not None:  # kept across microbatches: not FSDP2's gather buffer
+            kept = qweight.clone() if gathered and qweight.dtype == fp8_weight.dtype else qweight
+            module._weight_cache[gemm_index] = (kept, w_scale_inv)
     else:
         qweight, w_scale_inv = cached[0].to(dtype), cached[1]  # FP8 values convert exactly
-    return _FP8LinearFn.apply(
+    y = _FP8LinearFn.apply(
         x, weight, bias, qweight, w_scale_inv, scales[0, 0], scales[1, 0], token,
         module._fp8_handle, gemm_index, precision.bwd_encoding,
     )  # fmt: skip
+    if gathered:
+        protocol.note_gathered_forward(module, gemm_index, y)
+    return y

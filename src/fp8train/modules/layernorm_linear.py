@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..fsdp import wrap_for_fsdp
 from .base import FP8Module
 from .fp8_linear import fp8_linear
 from .linear import init_linear_params
@@ -29,6 +30,7 @@ class LayerNormLinear(FP8Module):
         normalization: str = "LayerNorm",
         params_dtype: Optional[torch.dtype] = None,
         device=None,
+        fsdp_fp8_all_gather: bool = False,
     ) -> None:
         super().__init__()
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
@@ -36,6 +38,8 @@ class LayerNormLinear(FP8Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         init_linear_params(self.weight, self.bias)
+        if fsdp_fp8_all_gather:
+            wrap_for_fsdp(self.weight, 0)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return fp8_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch)
@@ -57,6 +61,7 @@ class LayerNormMLP(FP8Module):
         activation: str = "gelu",
         params_dtype: Optional[torch.dtype] = None,
         device=None,
+        fsdp_fp8_all_gather: bool = False,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -71,6 +76,9 @@ class LayerNormMLP(FP8Module):
         self.fc2_bias = torch.nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
         init_linear_params(self.fc1_weight, self.fc1_bias)
         init_linear_params(self.fc2_weight, self.fc2_bias)
+        if fsdp_fp8_all_gather:
+            wrap_for_fsdp(self.fc1_weight, 0)
+            wrap_for_fsdp(self.fc2_weight, 1)
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from ..fsdp import wrap_for_fsdp
 from .base import FP8Module
 from .fp8_linear import fp8_linear
 
@@ -29,6 +30,7 @@ class Linear(FP8Module):
         bias: bool = True,
         params_dtype: Optional[torch.dtype] = None,
         device=None,
+        fsdp_fp8_all_gather: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -36,6 +38,8 @@ class Linear(FP8Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         init_linear_params(self.weight, self.bias)
+        if fsdp_fp8_all_gather:
+            wrap_for_fsdp(self.weight, 0)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return fp8_linear(self, x, self.weight, self.bias, 0, is_first_microbatch)
