@@ -9,6 +9,7 @@ from .protocol import reduction_stats, reset_reduction_stats, synchronize
 from .recipe import DelayedScaling, Format
 from .recompute import checkpoint
 from .reduction import AmaxReductionError, LayoutMismatchError, StateMismatchError
+from .tensor_parallel import reduce_sequence_parallel_grads
 
 __version__ = "0.1.0"
 
@@ -35,4 +36,5 @@ __all__ = [
     "checkpoint",
     "convert_to_fp8",
     "broadcast_fp8_state",
+    "reduce_sequence_parallel_grads",
 ]

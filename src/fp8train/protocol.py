@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .recipe import DelayedScaling
 from .reduction import AmaxGroup, Channel, Direction, ReductionStats
+from .tensor_parallel import check_amax_group
 
 __all__ = [
     "ENV_ASYNC",
@@ -257,6 +258,7 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
             if group.fwd.channel is not None:
                 _refuse_ddp_join()
         if fwd_meta.direction is None:
+            check_amax_group(module, group.process_group, group.fwd.channel is not None)
             device = next(module.parameters()).device
             fwd_meta.join(group.fwd, module._signature(), device)
             bwd_meta.join(group.bwd, module._signature(), device)

@@ -5,29 +5,37 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import ops, protocol
 from ..cast import amax, cast_operand
 from ..fsdp import GatheredWeight
 from ..gemm import choose_path, gemm
+from ..tensor_parallel import GatherTokens, TensorParallel, gather_fp8_tokens, reduce_scatter_tokens
 
-__all__ = ["fp8_linear"]
+__all__ = ["fp8_linear", "parallel_linear"]
 
 
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, weight, bias, qweight, w_scale_inv, x_scale, x_scale_inv, token, handle, gemm_index, bwd
-    ):
+        ctx, x, weight, bias, qweight, w_scale_inv, x_scale, x_scale_inv, token, handle, gemm_index, bwd,
+        gather_group,
+    ):  # fmt: skip
         x2d = x.reshape(-1, x.shape[-1])
         qx = cast_operand(x2d, x_scale, "e4m3", qweight.dtype)
+        shape = x.shape
+        if gather_group is not None:  # sequence parallel: tokens gathered in FP8, after the cast
+            qx = gather_fp8_tokens(qx, gather_group)
+            shape = (qx.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
         y = gemm(qx, x_scale_inv, qweight.t(), w_scale_inv, x.dtype, bias)
         ctx.save_for_backward(qx, x_scale_inv, qweight, w_scale_inv, token)
         ctx.handle, ctx.gemm_index, ctx.bwd_encoding = handle, gemm_index, bwd
         ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
+        ctx.gather_group = gather_group
         # not a view of y: FSDP2 warns on (and in-place ops would bypass hooks of) a view output
-        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
+        return torch.ops.aten._unsafe_view(y, (*shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -39,10 +47,13 @@ class _FP8LinearFn(torch.autograd.Function):
         qg = cast_operand(g2d, g_scales[0], ctx.bwd_encoding, g_dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = gemm(qg, g_scales[1], qweight, w_scale_inv, ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = gemm(qg, g_scales[1], qweight, w_scale_inv, ctx.x_dtype)
+            if ctx.gather_group is not None:  # each rank's tokens: summed over the group
+                grad_x = reduce_scatter_tokens(grad_x, ctx.gather_group)
+            grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = gemm(qg.t(), g_scales[1], qx, x_scale_inv, ctx.w_dtype)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None, None
 
 
 class _HighPrecision(torch.autograd.Function):
@@ -76,14 +87,18 @@ def fp8_linear(
     bias: Optional[torch.Tensor],
     gemm_index: int = 0,
     is_first_microbatch: Optional[bool] = None,
+    gather_group=None,
 ) -> torch.Tensor:
-    """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so."""
+    """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so. With
+    `gather_group` (sequence parallelism) x is this rank's block of tokens, all-gathered first."""
     precision = protocol.call_precision(module, gemm_index)
     if isinstance(weight, GatheredWeight) and weight.fp8 and not precision.fp8:
         weight = _HighPrecision.apply(weight)  # gathered in FP8, needed in high precision: gather again
     if not precision.fp8:
         if precision.record:  # calibrating: amaxes only
             ops.forward_scales(module, gemm_index, amax(x), amax(weight), weight.detach())
+        if gather_group is not None:
+            x = GatherTokens.apply(x, gather_group)
         return F.linear(x, weight, bias)
     gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
     cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
@@ -92,7 +107,8 @@ def fp8_linear(
     if precision.record and cached is None:  # a gathered weight's amax is its shard's: MAX over ranks
         w_amax = weight.shard_amax() if gathered else amax(weight)
     scales, token = ops.forward_scales(module, gemm_index, x_amax, w_amax, weight.detach())
-    dtype = _operand_dtype(x.numel() // x.shape[-1], weight)
+    tokens = x.numel() // x.shape[-1] * (1 if gather_group is None else dist.get_world_size(gather_group))
+    dtype = _operand_dtype(tokens, weight)
     if cached is None:
         if gathered:  # cast on the shard before the gather, with this region's weight scale
             fp8_weight, w_scale_inv = weight.fp8_values()
@@ -106,8 +122,25 @@ def fp8_linear(
         qweight, w_scale_inv = cached[0].to(dtype), cached[1]  # FP8 values convert exactly
     y = _FP8LinearFn.apply(
         x, weight, bias, qweight, w_scale_inv, scales[0, 0], scales[1, 0], token,
-        module._fp8_handle, gemm_index, precision.bwd_encoding,
+        module._fp8_handle, gemm_index, precision.bwd_encoding, gather_group,
     )  # fmt: skip
     if gathered:
         protocol.note_gathered_forward(module, gemm_index, y)
     return y
+
+
+def parallel_linear(
+    module,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gemm_index: int,
+    is_first_microbatch: Optional[bool],
+    tp: TensorParallel,
+) -> torch.Tensor:
+    """`fp8_linear` with the tensor-parallel collectives around it; a row GEMM adds its (whole) bias
+    once, after the sum over the group."""
+    if tp.mode == "row":
+        y = tp.exit(fp8_linear(module, x, weight, None, gemm_index, is_first_microbatch))
+        return y if bias is None else y + bias
+    return fp8_linear(module, tp.enter(x), weight, bias, gemm_index, is_first_microbatch, tp.gather_group())

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..fsdp import wrap_for_fsdp
+from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
-from .fp8_linear import fp8_linear
-from .linear import init_linear_params
+from .fp8_linear import parallel_linear
+from .linear import linear_params
 from .norms import make_norm
 
 __all__ = ["LayerNormLinear", "LayerNormMLP"]
@@ -19,7 +21,8 @@ ACTIVATIONS = ("gelu", "swiglu")
 
 
 class LayerNormLinear(FP8Module):
-    """norm(x) @ weight.T + bias; parameters named as in TransformerEngine."""
+    """norm(x) @ weight.T + bias; parameters named as in TransformerEngine. Tensor parallel only as
+    a column GEMM: a row-parallel one would normalise a sharded hidden dimension."""
 
     def __init__(
         self,
@@ -31,22 +34,36 @@ class LayerNormLinear(FP8Module):
         params_dtype: Optional[torch.dtype] = None,
         device=None,
         fsdp_fp8_all_gather: bool = False,
+        tp_group=None,
+        tp_size: Optional[int] = None,
+        parallel_mode: Optional[str] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
+        if parallel_mode == "row":
+            raise ValueError(
+                "LayerNormLinear: parallel_mode='row' would normalise a sharded hidden dimension; use "
+                "parallel_mode='column', or a norm followed by a row-parallel fp8train.Linear"
+            )
+        mode = parallel_mode or ("column" if tp_group is not None else None)
+        self.tp = TensorParallel.make(tp_group, tp_size, mode, sequence_parallel, "LayerNormLinear")
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         self.norm = make_norm(normalization, in_features, eps, params_dtype, device)
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        init_linear_params(self.weight, self.bias)
+        where = "LayerNormLinear"
+        self.weight, self.bias = linear_params(in_features, out_features, bias, kw, self.tp, where)
+        if self.tp.sequence_parallel:  # the norm runs on this rank's tokens
+            mark_sequence_parallel(*self.norm.parameters())
         if fsdp_fp8_all_gather:
             wrap_for_fsdp(self.weight, 0)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        return fp8_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch)
+        return parallel_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch, self.tp)
 
 
 class LayerNormMLP(FP8Module):
-    """fc2(act(fc1(norm(x)))) with two FP8 GEMMs; `swiglu` splits fc1's output in two halves."""
+    """fc2(act(fc1(norm(x)))) with two FP8 GEMMs; `swiglu` splits fc1's output in two halves. With
+    `tp_group` fc1 is column-parallel and fc2 row-parallel (swiglu: each rank holds matching shards
+    of the gate and up halves)."""
 
     num_gemms = 2
     gemm_names = ("fc1", "fc2")
@@ -62,20 +79,26 @@ class LayerNormMLP(FP8Module):
         params_dtype: Optional[torch.dtype] = None,
         device=None,
         fsdp_fp8_all_gather: bool = False,
+        tp_group=None,
+        tp_size: Optional[int] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
+        mode = "column" if tp_group is not None else None
+        self.tp = TensorParallel.make(tp_group, tp_size, mode, sequence_parallel, "LayerNormMLP")
+        self.tp_fc2 = dataclasses.replace(self.tp, mode="row" if self.tp.active else None)
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        halves = 2 if activation == "swiglu" else 1
+        self.tp.local(ffn_hidden_size, "ffn_hidden_size", "LayerNormMLP")  # fc1's rows, fc2's columns
         self.norm = make_norm(normalization, hidden_size, eps, params_dtype, device)
-        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **kw))
-        self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **kw)) if bias else None
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kw))
-        self.fc2_bias = torch.nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        init_linear_params(self.fc1_weight, self.fc1_bias)
-        init_linear_params(self.fc2_weight, self.fc2_bias)
+        hidden, ffn, where = hidden_size, ffn_hidden_size, "LayerNormMLP"
+        self.fc1_weight, self.fc1_bias = linear_params(hidden, halves * ffn, bias, kw, self.tp, where, halves)
+        self.fc2_weight, self.fc2_bias = linear_params(ffn, hidden, bias, kw, self.tp_fc2, where)
+        if self.tp.sequence_parallel:  # the norm and fc2's bias apply to this rank's tokens
+            mark_sequence_parallel(*self.norm.parameters(), self.fc2_bias)
         if fsdp_fp8_all_gather:
             wrap_for_fsdp(self.fc1_weight, 0)
             wrap_for_fsdp(self.fc2_weight, 1)
@@ -87,5 +110,6 @@ class LayerNormMLP(FP8Module):
         return F.gelu(h, approximate="tanh")
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        h = fp8_linear(self, self.norm(x), self.fc1_weight, self.fc1_bias, 0, is_first_microbatch)
-        return fp8_linear(self, self._act(h), self.fc2_weight, self.fc2_bias, 1, is_first_microbatch)
+        first = is_first_microbatch
+        h = parallel_linear(self, self.norm(x), self.fc1_weight, self.fc1_bias, 0, first, self.tp)
+        return parallel_linear(self, self._act(h), self.fc2_weight, self.fc2_bias, 1, first, self.tp_fc2)

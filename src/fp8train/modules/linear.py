@@ -8,10 +8,11 @@ from typing import Optional
 import torch
 
 from ..fsdp import wrap_for_fsdp
+from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
-from .fp8_linear import fp8_linear
+from .fp8_linear import parallel_linear
 
-__all__ = ["Linear", "init_linear_params"]
+__all__ = ["Linear", "init_linear_params", "linear_params"]
 
 
 def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -22,7 +23,29 @@ def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> No
         torch.nn.init.uniform_(bias, -bound, bound)
 
 
+def linear_params(
+    in_features: int, out_features: int, bias: bool, kw: dict, tp: TensorParallel, where: str, halves: int = 1
+) -> tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
+    """A GEMM's weight (out x in) and bias, initialised as torch.nn.Linear does. Tensor-parallel ranks
+    initialise the whole weight alike (same seed, same values) and keep their shard: rows for a column
+    GEMM (of each of `halves` parts), columns for a row GEMM, whose bias stays whole."""
+    weight = torch.empty(out_features, in_features, **kw)
+    b = torch.empty(out_features, **kw) if bias else None
+    init_linear_params(weight, b)
+    if tp.mode == "column":
+        tp.local(out_features // halves, "out_features", where)
+        weight, b = tp.shard(weight, 0, halves), None if b is None else tp.shard(b, 0, halves)
+    elif tp.mode == "row":
+        tp.local(in_features, "in_features", where)
+        weight = tp.shard(weight, 1)
+    return torch.nn.Parameter(weight), None if b is None else torch.nn.Parameter(b)
+
+
 class Linear(FP8Module):
+    """y = x @ weight.T + bias with FP8 GEMMs inside an FP8 region; tensor parallel with `tp_group`
+    and `parallel_mode` (column: this rank's output features; row: its input features, the output
+    summed over the group), sequence parallel with `sequence_parallel=True` (docs/design.md, section 8)."""
+
     def __init__(
         self,
         in_features: int,
@@ -31,20 +54,25 @@ class Linear(FP8Module):
         params_dtype: Optional[torch.dtype] = None,
         device=None,
         fsdp_fp8_all_gather: bool = False,
+        tp_group=None,
+        tp_size: Optional[int] = None,
+        parallel_mode: Optional[str] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.tp = TensorParallel.make(tp_group, tp_size, parallel_mode, sequence_parallel, "Linear")
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        init_linear_params(self.weight, self.bias)
+        self.weight, self.bias = linear_params(in_features, out_features, bias, kw, self.tp, "Linear")
+        if self.tp.mode == "row" and self.tp.sequence_parallel:
+            mark_sequence_parallel(self.bias)
         if fsdp_fp8_all_gather:
             wrap_for_fsdp(self.weight, 0)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        return fp8_linear(self, x, self.weight, self.bias, 0, is_first_microbatch)
+        return parallel_linear(self, x, self.weight, self.bias, 0, is_first_microbatch, self.tp)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-        )
+        tp = f", parallel_mode={self.tp.mode}, tp_size={self.tp.size}" if self.tp.active else ""
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, bias={self.bias is not None}{tp}"
