@@ -346,3 +346,28 @@ def test_recomputation_is_bitwise_and_accumulation_keeps_ranks_identical() -> No
     cached, recast = results[0]["cached"]["losses"], results[0]["recast"]["losses"]
     assert torch.equal(cached[0], recast[0])
     assert all(abs(a - b) <= 0.05 * b for a, b in zip(cached, recast)), (cached, recast)
+
+
+def _example(rank: int, world: int, sp: bool) -> dict:
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "tp_dp_gpt.py")
+    spec = importlib.util.spec_from_file_location("tp_dp_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.train(steps=12, sp=sp, log_every=4)
+
+
+def test_the_tp_dp_gpt_example_trains_with_identical_scales() -> None:
+    """examples/tp_dp_gpt.py (TP=2 x DP=2, sequence parallel) on stdlib text: its loss falls, every
+    rank holds the same scales, and one step makes the expected collectives."""
+    result = run_ranks(_example, 4, True, timeout_s=300)[0]
+    assert all(result["identical"]) and len(result["identical"]) == 4
+    assert result["losses"][-1] < 0.7 * result["losses"][0], result["losses"]
+    # 2 layers x (qkv, fc1) gather their inputs and (proj, fc2) reduce-scatter, both ways; 2 amax
+    # all-reduces and one for the sequence-parallel gradients
+    assert result["collectives"] == {
+        "tp all_gather": 8,
+        "tp reduce_scatter": 8,
+        "all_reduce (TP sums, amax, SP grads)": 3,
+    }
