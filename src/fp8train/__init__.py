@@ -6,7 +6,7 @@ from .convert import convert_to_fp8
 from .distributed import broadcast_fp8_state
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .protocol import reduction_stats, reset_reduction_stats, synchronize
-from .recipe import DelayedScaling, Format
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from .recompute import checkpoint
 from .reduction import AmaxReductionError, LayoutMismatchError, StateMismatchError
 from .tensor_parallel import reduce_sequence_parallel_grads
@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
     "Format",
     "fp8_autocast",
     "autocast",

@@ -10,7 +10,7 @@ import contextlib
 from typing import Iterator, Optional
 
 from .protocol import RegionSettings, enter_region, exit_region
-from .recipe import DelayedScaling
+from .recipe import DelayedScaling, Recipe, check_recipe
 
 __all__ = ["fp8_autocast", "autocast"]
 
@@ -19,15 +19,15 @@ __all__ = ["fp8_autocast", "autocast"]
 def fp8_autocast(
     enabled: bool = True,
     calibrating: bool = False,
-    fp8_recipe: Optional[DelayedScaling] = None,
+    fp8_recipe: Optional[Recipe] = None,
     fp8_group=None,
 ) -> Iterator[None]:
     """Run FP8 modules inside in FP8 (or record amaxes only, with `calibrating`).
 
-    `fp8_group` is the amax group: the ranks that share scales (default: the world)."""
-    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
-        raise ValueError(f"fp8_recipe must be a fp8train.DelayedScaling, got {type(fp8_recipe).__name__}")
-    settings = RegionSettings(bool(enabled), bool(calibrating), fp8_recipe or DelayedScaling(), fp8_group)
+    `fp8_recipe`: `DelayedScaling` (the default), `Float8CurrentScaling` or `Float8BlockScaling`.
+    `fp8_group` is the amax group of delayed scaling: the ranks that share scales (default: the world)."""
+    recipe = DelayedScaling() if fp8_recipe is None else check_recipe(fp8_recipe, "fp8_recipe")
+    settings = RegionSettings(bool(enabled), bool(calibrating), recipe, fp8_group)
     region = enter_region(settings)
     failed = False
     try:
@@ -42,7 +42,7 @@ def fp8_autocast(
 def autocast(
     enabled: bool = True,
     calibrating: bool = False,
-    recipe: Optional[DelayedScaling] = None,
+    recipe: Optional[Recipe] = None,
     amax_reduction_group=None,
 ):
     """`fp8_autocast` under TransformerEngine's newer argument names."""

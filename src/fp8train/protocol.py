@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .recipe import DelayedScaling
+from .recipe import DelayedScaling, Recipe, recipe_kind
 from .reduction import AmaxGroup, Channel, Direction, ReductionStats
 from .tensor_parallel import check_amax_group
 
@@ -70,7 +70,7 @@ def in_backward() -> bool:
 class RegionSettings:
     enabled: bool
     calibrating: bool
-    recipe: DelayedScaling
+    recipe: Recipe
     group: object  # torch.distributed ProcessGroup or None for the world
 
 
@@ -86,6 +86,7 @@ class Plan:
     records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
     region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
     bwd_encoding: str = "e5m2"  # the FP8 encoding of its gradients
+    recipe: Optional[Recipe] = None  # a recipe that scales from the tensors themselves (no protocol)
 
 
 class Region:
@@ -204,7 +205,8 @@ def enter_region(settings: RegionSettings) -> Optional[Region]:
     region = None
     if not REGISTRY.stack and not replaying:
         region = Region(REGISTRY.regions_entered + 1, async_amax_reduction())
-    if (settings.enabled or settings.calibrating) and not replaying:
+    delayed = isinstance(settings.recipe, DelayedScaling)  # the other recipes have no amax group
+    if (settings.enabled or settings.calibrating) and delayed and not replaying:
         REGISTRY.amax_group(settings.recipe, settings.group)  # a group this rank is not in: raise now
     # nothing above may have left state behind: it can raise (a bad env value, a foreign group)
     REGISTRY.stack.append(settings)
@@ -248,6 +250,19 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
     if settings is None or not (settings.enabled or settings.calibrating):
         return None
     region = REGISTRY.region
+    if settings.enabled and training:
+        _check_recipe_kind(module, settings.recipe)
+    if not isinstance(settings.recipe, DelayedScaling):  # current or block scaling: no protocol
+        if not settings.enabled:
+            return None  # calibrating records amaxes for delayed scaling only
+        plan = Plan(
+            True, None, None, 0, 0, bwd_encoding=settings.recipe.fp8_format.bwd, recipe=settings.recipe
+        )
+        if training:
+            region.calls.setdefault(id(module), collections.deque()).append(plan)
+            for call in REGISTRY.checkpoints:
+                call.add(id(module), plan)
+        return plan
     group = REGISTRY.amax_group(settings.recipe, settings.group)
     record = settings.calibrating or training
     if settings.enabled and not training and region.grad_at_entry:
@@ -292,6 +307,19 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
         for call in REGISTRY.checkpoints:
             call.add(id(module), replay)
     return plan
+
+
+def _check_recipe_kind(module, recipe: Recipe) -> None:
+    """A module trains under one kind of recipe: its FP8 state (and a checkpoint of it) belongs to it."""
+    kind = recipe_kind(recipe)
+    if module._fp8_recipe_kind is None:
+        module._fp8_recipe_kind = kind
+    elif module._fp8_recipe_kind != kind:
+        raise RuntimeError(
+            f"{module._signature()} was trained with {module._fp8_recipe_kind} scaling (by this run, or "
+            f"in the checkpoint it was loaded from) and is now trained with {kind} scaling. Keep the "
+            "recipe of the run (or of the checkpoint), or start from a model that has not trained"
+        )
 
 
 def _recompute_plan(module) -> Optional[Plan]:
@@ -391,6 +419,7 @@ class CallPrecision(NamedTuple):
     fp8: bool  # the GEMM runs in FP8
     record: bool  # its amaxes are recorded (training, or calibrating)
     bwd_encoding: str = "e5m2"  # the FP8 encoding of its gradients
+    recipe: Optional[Recipe] = None  # current or block scaling: scales from the tensors, no protocol
 
 
 def call_precision(module, gemm_index: int) -> CallPrecision:
@@ -404,6 +433,8 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
         settings = REGISTRY.stack[-1] if REGISTRY.stack else None
         if settings is None or not (settings.enabled or settings.calibrating):
             return CallPrecision(False, False)
+        if not isinstance(settings.recipe, DelayedScaling):
+            return CallPrecision(settings.enabled, False, settings.recipe.fp8_format.bwd, settings.recipe)
         record = settings.calibrating or torch.is_grad_enabled()
         return CallPrecision(settings.enabled, record, settings.recipe.fp8_format.bwd)
     REGISTRY.modules[module._fp8_handle] = module  # (again: the registry may have been reset)
@@ -412,7 +443,7 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
     plan = module._fp8_plan
     if plan is None:
         return CallPrecision(False, False)
-    return CallPrecision(plan.fp8, plan.records_into is not None, plan.bwd_encoding)
+    return CallPrecision(plan.fp8, plan.records_into is not None, plan.bwd_encoding, plan.recipe)
 
 
 def forward_scales(
@@ -487,7 +518,8 @@ def weight_gather_scales(module, gemm_index: int) -> Optional[tuple[torch.Tensor
     if in_backward():
         return None if last is None else last.scales
     settings = REGISTRY.stack[-1] if REGISTRY.stack else None
-    region = REGISTRY.region if settings is not None and settings.enabled else None
+    delayed = settings is not None and settings.enabled and isinstance(settings.recipe, DelayedScaling)
+    region = REGISTRY.region if delayed else None  # other recipes cast the whole weight: gathered as is
     if last is not None and last.region is not region and last.awaits_backward():
         raise RuntimeError(
             f"{module._signature()} (fsdp_fp8_all_gather) ran forward in another FP8 region or precision "

@@ -8,7 +8,16 @@ from typing import Callable, Optional, Union
 
 import torch
 
-__all__ = ["Format", "DelayedScaling", "fp8_dtype", "fp8_max"]
+__all__ = [
+    "Format",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "Recipe",
+    "recipe_kind",
+    "fp8_dtype",
+    "fp8_max",
+]
 
 
 class Format(enum.Enum):
@@ -84,3 +93,55 @@ class DelayedScaling:
             )
         if not isinstance(self.reduce_amax, bool):
             raise ValueError(f"DelayedScaling.reduce_amax must be True or False, got {self.reduce_amax!r}")
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling:
+    """Per-tensor current scaling: each tensor's scale from its own amax just before its cast
+    (`scale_from_amax`), no history. No amax reduction: every tensor is cast where it is whole, so
+    sequence-parallel inputs and FSDP2 weights are gathered in high precision first."""
+
+    fp8_format: Format = Format.HYBRID
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8_format, Format) or self.fp8_format is Format.E5M2:
+            raise ValueError(
+                "Float8CurrentScaling.fp8_format must be Format.E4M3 or Format.HYBRID, "
+                f"got {self.fp8_format!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """Block scaling (DeepSeek-V3's): E4M3 everywhere, one scale per 1x128 tile (128 consecutive
+    elements along the GEMM's reduction dimension) of inputs and gradients and per 128x128 block of
+    weights, each from its own amax; `power_2_scale` rounds scales down to a power of 2."""
+
+    power_2_scale: bool = True
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self) -> None:
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(f"Float8BlockScaling uses Format.E4M3 everywhere, got {self.fp8_format!r}")
+        if not isinstance(self.power_2_scale, bool):
+            raise ValueError(
+                f"Float8BlockScaling.power_2_scale must be True or False, got {self.power_2_scale!r}"
+            )
+
+
+Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling]
+RECIPE_KINDS = {DelayedScaling: "delayed", Float8CurrentScaling: "current", Float8BlockScaling: "block"}
+
+
+def recipe_kind(recipe: Recipe) -> str:
+    """'delayed', 'current' or 'block': what a checkpoint records of the recipe a module trained with."""
+    return RECIPE_KINDS[type(recipe)]
+
+
+def check_recipe(recipe, where: str) -> Recipe:
+    if type(recipe) not in RECIPE_KINDS:
+        raise ValueError(
+            f"{where} must be a fp8train.DelayedScaling, Float8CurrentScaling or Float8BlockScaling, "
+            f"got {type(recipe).__name__}"
+        )
+    return recipe

@@ -185,6 +185,7 @@ class FP8Module(torch.nn.Module):
         }
         self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fp8_plan: Optional[protocol.Plan] = None  # the plan of the current forward call
+        self._fp8_recipe_kind: Optional[str] = None  # "delayed", "current" or "block", once trained
         self._fp8_handle = protocol.register_module(self)  # how compiled graphs name this module
 
     def __setstate__(self, state: dict) -> None:
@@ -203,7 +204,7 @@ class FP8Module(torch.nn.Module):
         length: torch.distributed.checkpoint loads tensors in place, so a fresh module (no history
         yet) could not receive a trained module's (H x N) history if it were a tensor.
         """
-        state = {"version": 2}
+        state = {"version": 2, "recipe": self._fp8_recipe_kind}
         for key in ("scaling_fwd", "scaling_bwd"):
             state[key] = self.fp8_meta[key].state()
         buffer = io.BytesIO()
@@ -221,4 +222,6 @@ class FP8Module(torch.nn.Module):
         state = decode_extra_state(state, where)
         for key in ("scaling_fwd", "scaling_bwd"):
             self.fp8_meta[key].load(state[key], f"{where} {key}")
+        if state.get("recipe") is not None:  # checked against the run's recipe at its first training call
+            self._fp8_recipe_kind = state["recipe"]
         self._weight_cache.clear()

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from .. import ops, protocol
 from ..cast import amax, cast_operand
+from ..current_scaling import block_linear, current_scales
 from ..fsdp import GatheredWeight
 from ..gemm import choose_path, gemm
+from ..recipe import Float8BlockScaling
 from ..tensor_parallel import GatherTokens, TensorParallel, gather_fp8_tokens, reduce_scatter_tokens
 
 __all__ = ["fp8_linear", "parallel_linear"]
@@ -42,7 +44,10 @@ class _FP8LinearFn(torch.autograd.Function):
         qx, x_scale_inv, qweight, w_scale_inv, token = ctx.saved_tensors
         g2d = grad_y.reshape(-1, grad_y.shape[-1])
         grad_bias = g2d.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        g_scales = ops.backward_scales(ctx.handle, ctx.gemm_index, amax(g2d), token)
+        if ctx.handle is None:  # current scaling: the gradient's own scale
+            g_scales = torch.stack(current_scales(g2d, ctx.bwd_encoding))
+        else:
+            g_scales = ops.backward_scales(ctx.handle, ctx.gemm_index, amax(g2d), token)
         g_dtype = _FP8_GRAD_DTYPES[ctx.bwd_encoding] if qx.dtype.itemsize == 1 else qx.dtype
         qg = cast_operand(g2d, g_scales[0], ctx.bwd_encoding, g_dtype)
         grad_x = grad_w = None
@@ -100,6 +105,10 @@ def fp8_linear(
         if gather_group is not None:
             x = GatherTokens.apply(x, gather_group)
         return F.linear(x, weight, bias)
+    if precision.recipe is not None:
+        return _scaled_from_tensors(
+            module, x, weight, bias, gemm_index, is_first_microbatch, gather_group, precision
+        )
     gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
     cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
     x_amax = amax(x) if precision.record else None
@@ -144,3 +153,27 @@ def parallel_linear(
         y = tp.exit(fp8_linear(module, x, weight, None, gemm_index, is_first_microbatch))
         return y if bias is None else y + bias
     return fp8_linear(module, tp.enter(x), weight, bias, gemm_index, is_first_microbatch, tp.gather_group())
+
+
+def _scaled_from_tensors(module, x, weight, bias, gemm_index, is_first_microbatch, gather_group, precision):
+    """Current and block scaling: each cast's scale from the tensor it casts, whole, so a
+    sequence-parallel input is gathered in high precision first (and FSDP2 gathered the weight so)."""
+    if gather_group is not None:
+        x = GatherTokens.apply(x, gather_group)
+    if isinstance(precision.recipe, Float8BlockScaling):
+        return block_linear(x, weight, bias, precision.recipe.power_2_scale)
+    dtype = _operand_dtype(x.numel() // x.shape[-1], weight)
+    cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
+    if cached is None:
+        w_scale, w_scale_inv = current_scales(weight.detach(), "e4m3")
+        qweight = cast_operand(weight.detach(), w_scale, "e4m3", dtype)
+        if is_first_microbatch is not None:
+            module._weight_cache[gemm_index] = (qweight, w_scale_inv)
+    else:
+        qweight, w_scale_inv = cached[0].to(dtype), cached[1]
+    x_scale, x_scale_inv = current_scales(x.detach(), "e4m3")
+    no_token = torch.full((), -1, dtype=torch.int64)
+    return _FP8LinearFn.apply(
+        x, weight, bias, qweight, w_scale_inv, x_scale, x_scale_inv, no_token, None, gemm_index,
+        precision.bwd_encoding, None,
+    )  # fmt: skip

@@ -1,0 +1,103 @@
+"""Scales taken from the tensor being cast, just before the cast: per tensor (`Float8CurrentScaling`)
+or per 1x128 tile and 128x128 block (`Float8BlockScaling`). docs/design.md, section 9.
+
+No history and no reduction: every rank computes the scale of what it casts. Block scaling's GEMM is
+emulated: operands are dequantized tile by tile (exact with power-of-2 scales) and multiplied in
+fp32; the same code runs on GPUs (torch's block-scaled `_scaled_mm` is not used yet).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .cast import amax, cast_operand
+from .recipe import fp8_max
+
+__all__ = ["TILE", "scale_from_amax", "current_scales", "quantize_tiles", "dequantize_tiles", "block_linear"]
+
+TILE = 128
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max_value: float, power_2: bool = False) -> torch.Tensor:
+    """TransformerEngine's rule: fp8_max / amax, capped at the float32 maximum, and 1 where amax is
+    0, inf or NaN; with `power_2`, rounded down to a power of 2 (exactly, through the exponent)."""
+    ok = torch.isfinite(amax) & (amax > 0)
+    # a true division (python_number / tensor would multiply by a rounded reciprocal)
+    quotient = torch.full_like(amax, fp8_max_value).div_(torch.where(ok, amax, 1.0))
+    scale = torch.where(ok, quotient, 1.0).clamp(max=FLOAT32_MAX)
+    if power_2:
+        _, exponent = torch.frexp(scale)  # scale = m * 2**exponent, m in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    return scale
+
+
+def current_scales(x: torch.Tensor, encoding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) of `x` as a whole, float32 scalars."""
+    scale = scale_from_amax(amax(x), fp8_max(encoding))
+    return scale, scale.reciprocal()
+
+
+def quantize_tiles(
+    x: torch.Tensor, rows: int, power_2: bool, encoding: str = "e4m3"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` [R, C] cast to FP8 values (float32) with one scale per `rows` x 128 tile along C (rows=1:
+    1x128 tiles; rows=128: 128x128 blocks), and the scale_inv per tile [ceil(R/rows), ceil(C/128)].
+    The last tiles may be smaller: their scales come from their own elements (zero padding does not
+    change an amax)."""
+    r, c = x.shape
+    padded = F.pad(x.float(), (0, -c % TILE, 0, -r % rows))
+    tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // TILE, TILE)
+    scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), fp8_max(encoding), power_2)
+    q = cast_operand(tiles, scale[:, None, :, None], encoding, torch.float32)
+    return q.view(padded.shape)[:r, :c], scale.reciprocal()
+
+
+def dequantize_tiles(q: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
+    r, c = q.shape
+    per_element = scale_inv.repeat_interleave(rows, 0)[:r].repeat_interleave(TILE, 1)[:, :c]
+    return q * per_element
+
+
+class _BlockLinear(torch.autograd.Function):
+    """y = x @ w.T + b with block-scaled FP8 operands in every GEMM, forward and backward: each GEMM
+    quantizes its operands along its own reduction dimension."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, power_2):
+        x2d = x.reshape(-1, x.shape[-1])
+        qw, w_inv = quantize_tiles(weight, TILE, power_2)
+        w = dequantize_tiles(qw, w_inv, TILE)  # 128x128 blocks: the same blocks serve w and w.T
+        qx, x_inv = quantize_tiles(x2d, 1, power_2)  # 1x128 tiles along in_features
+        y = dequantize_tiles(qx, x_inv, 1) @ w.t()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x2d, w)
+        ctx.power_2, ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = (
+            power_2, bias is not None, x.shape, x.dtype, weight.dtype
+        )  # fmt: skip
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2d, w = ctx.saved_tensors
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # reduction over out_features: 1x128 tiles along g's rows
+            qg, g_inv = quantize_tiles(g, 1, ctx.power_2)
+            grad_x = (dequantize_tiles(qg, g_inv, 1) @ w).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # reduction over tokens: tiles along the token dimension
+            qgt, gt_inv = quantize_tiles(g.t(), 1, ctx.power_2)
+            qxt, xt_inv = quantize_tiles(x2d.t(), 1, ctx.power_2)
+            grad_w = (dequantize_tiles(qgt, gt_inv, 1) @ dequantize_tiles(qxt, xt_inv, 1).t()).to(ctx.w_dtype)
+        grad_b = g.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def block_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], power_2: bool
+) -> torch.Tensor:
+    return _BlockLinear.apply(x, weight, bias, power_2)
