@@ -108,14 +108,21 @@ def _snapshot(model: torch.nn.Module) -> dict:
 
 
 def _train(
-    rank, model, steps, *, start=0, opt=None, eval_every=0, enabled=True, accumulate=1, recompute=False
-):
+    rank, model, steps, *, start=0, opt=None, eval_every=0, enabled=True, accumulate=1, recompute=False,
+    rows=8, fsdp_accumulation=False,
+):  # fmt: skip
+    """`fsdp_accumulation`: FSDP2's own way (no gradient sync, weights kept gathered between
+    microbatches), without is_first_microbatch: later microbatches meet weights gathered in FP8 for an
+    earlier region."""
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     out = {"loss": [], "state": [], "opt": opt}
     for step in range(start, start + steps):
         for micro in range(accumulate):
-            x = _data(rank, step * accumulate + micro)
-            first = None if accumulate == 1 else micro == 0
+            x = _data(rank, step * accumulate + micro, rows)
+            first = None if accumulate == 1 or fsdp_accumulation else micro == 0
+            if fsdp_accumulation:
+                model.set_requires_gradient_sync(micro == accumulate - 1)
+                model.set_reshard_after_backward(micro == accumulate - 1)
             with fp8train.fp8_autocast(enabled=enabled, fp8_recipe=RECIPE):
                 if recompute:
                     y = fp8train.checkpoint(model, x, use_reentrant=False)
@@ -200,9 +207,10 @@ def test_fp8_all_gather_with_bf16_mixed_precision() -> None:
         {"eval_every": 1},  # gathers switch FP8 -> FP8 without grad -> parameter dtype -> FP8
         {"enabled": False},
         {"accumulate": 2},
+        {"accumulate": 3, "fsdp_accumulation": True},
         {"recompute": True},
     ],
-    ids=["eval-between-steps", "fp8-disabled", "grad-accumulation", "recompute"],
+    ids=["eval-between-steps", "fp8-disabled", "grad-accumulation", "fsdp-accumulation", "recompute"],
 )
 def test_fp8_all_gather_is_bitwise_equal_in_training_patterns(scenario: dict) -> None:
     results = run_ranks(_both, 2, None, scenario)
@@ -212,6 +220,10 @@ def test_fp8_all_gather_is_bitwise_equal_in_training_patterns(scenario: dict) ->
         assert not any(uint8), "gathered in FP8 outside FP8 regions"
     elif "eval_every" in scenario:
         assert any(uint8) and not all(uint8), "evaluation outside the region must gather the parameter dtype"
+    elif scenario.get("fsdp_accumulation"):
+        # Later microbatches meet weights gathered in FP8 for an earlier region: re-gathered in the
+        # parameter dtype (never used with the earlier region's scale).
+        assert uint8[0] and not all(uint8)
     else:
         assert all(uint8)
 
@@ -303,7 +315,7 @@ def test_misuses_of_fp8_gathered_weights_are_refused_on_every_rank() -> None:
     for messages in run_ranks(_misuses, 2):
         assert len(messages) == 2, messages
         assert "before the backward of its previous training forward" in messages[0]
-        assert "gathered in FP8: only its FP8 module uses it" in messages[1]
+        assert "holds gathered in FP8 (fsdp_fp8_all_gather): only its FP8 module can use it" in messages[1]
 
 
 @pytest.mark.multirank
@@ -313,3 +325,79 @@ def test_fp8_all_gather_without_reshard_after_forward() -> None:
     _check_equal(results)
     gathers = results[0][True]["gathers"]
     assert len(gathers) == 4 * 4 and all(dtype == torch.uint8 for _, dtype in gathers)
+
+
+def _model16(option: bool) -> torch.nn.Module:
+    """Every GEMM dimension a multiple of 16 (torch._scaled_mm takes it); 48 rows shard unevenly on 3
+    ranks... and 32 over 2: dim 0 sizes 48, 64, 32, 16."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        fp8train.Linear(32, 48, fsdp_fp8_all_gather=option),
+        fp8train.LayerNormMLP(48, 64, fsdp_fp8_all_gather=option),
+        fp8train.LayerNormLinear(48, 32, fsdp_fp8_all_gather=option),
+        fp8train.Linear(32, 16, fsdp_fp8_all_gather=option),
+    )
+
+
+@pytest.mark.multirank
+def test_real_fp8_operands_alias_the_gather_buffer_and_stay_bitwise_equal() -> None:
+    """FP8TRAIN_GEMM=scaled_mm: the forward saves FSDP2's gathered FP8 buffer itself for backward,
+    which the backward re-gather must refill with the same values."""
+    results = run_ranks(
+        _both, 2, None, {"rows": 16, "eval_every": 1}, _model16, env={"FP8TRAIN_GEMM": "scaled_mm"}
+    )
+    _check_equal(results)
+
+
+def _out_of_order(rank: int, world: int, pattern: str) -> str:
+    model = _shard(_model16(True))
+    x = _data(rank, 0, 16)
+    try:
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            first = model(x).sum()
+            if pattern == "eval-in-region":
+                with torch.no_grad():
+                    model(x)
+            else:
+                second = model(x).sum()
+        if pattern == "two-in-region":
+            first.backward()
+            first = second  # still owed
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            model(x)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pattern", ["eval-in-region", "two-in-region"])
+def test_owed_backward_is_tracked_per_forward(pattern: str) -> None:
+    """Another gather in the same region, or the backward of another forward, does not settle the
+    debt of a forward whose backward has not run."""
+    for message in run_ranks(_out_of_order, 2, pattern, env={"FP8TRAIN_GEMM": "scaled_mm"}):
+        assert "before the backward of its previous training forward" in message, message
+
+
+def _unreduced(rank: int, world: int, which: str) -> str:
+    model = _shard(_model(True))
+    recipe = fp8train.DelayedScaling(amax_history_len=4, reduce_amax=which != "no-reduction")
+    group = None
+    if which == "own-group":  # every rank creates both groups (a collective), each uses its own
+        groups = [dist.new_group([0]), dist.new_group([1])]
+        group = groups[rank]
+        dist.barrier()  # rank 0 hosts the store: both groups are connected before either rank goes on
+    try:
+        with fp8train.fp8_autocast(fp8_recipe=recipe, fp8_group=group):
+            model(_data(rank, 0))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("which", ["no-reduction", "own-group"])
+def test_amax_group_must_contain_the_sharding_group(which: str) -> None:
+    """Else each rank would cast its shard with its own scale: refused on every rank."""
+    for message in run_ranks(_unreduced, 2, which):
+        assert "the amax group reduces over" in message, message

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from . import protocol
+from . import protocol, tensor_parallel
 from .cast import amax, quantize
 
 __all__ = ["FSDPFP8Weight", "GatheredWeight", "plain_weight", "wrap_for_fsdp"]
@@ -88,31 +88,31 @@ class FSDPFP8Weight(torch.Tensor):
         weight's current scale inside an FP8 region; else the shard in the parameter dtype."""
         dtype = mp_policy.param_dtype or self.dtype
         shard = self._data.to(dtype)
-        rows = -(-outer_size[0] // mesh.size())  # FSDP2 gathers shards padded to the first one's size
-        if shard.shape[0] < rows:
-            shard = torch.cat([shard, shard.new_zeros((rows - shard.shape[0], *shard.shape[1:]))])
-        scales = protocol.weight_gather_scales(module, self.gemm_index)
-        fsdp_param = _fsdp_param_of_caller()
-        precision = "hp" if scales is None else "fp8"
-        if getattr(self, "_last_precision", precision) != precision and fsdp_param is not None:
-            fsdp_param.all_gather_outputs = []  # sized and typed for the other precision: FSDP2 remakes them
+        ranks = dist.get_process_group_ranks(mesh.get_group())
+        gather = protocol.weight_gather(module, self.gemm_index, ranks)
+        precision = "hp" if gather.scales is None else "fp8"
+        if getattr(self, "_last_precision", precision) != precision:
+            # sized and typed for the other precision: FSDP2 remakes them
+            _fsdp_param_of_caller().all_gather_outputs = []
         self._last_precision = precision
-        context = (self, mesh, tuple(outer_size), dtype)
-        if scales is None:
-            return (shard,), ("hp", None, context)
-        scale, scale_inv = scales
-        return (quantize(shard, scale, "e4m3").view(torch.uint8),), ("fp8", scale_inv, context)
+        shard_amax = None
+        if precision == "fp8":
+            shard_amax = amax(shard)  # of what is cast: the weight role's amax, recorded in forward
+            shard = quantize(shard, gather.scales[0], "e4m3").view(torch.uint8)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2 gathers shards padded to the first one's size
+        if shard.shape[0] < rows:  # FP8 zero is the zero byte
+            shard = torch.cat([shard, shard.new_zeros((rows - shard.shape[0], *shard.shape[1:]))])
+        return (shard,), (gather, shard_amax, (self, mesh, tuple(outer_size), dtype))
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out: Optional[GatheredWeight] = None):
         (data,) = outputs
-        precision, scale_inv, context = metadata
-        values = data.view(torch.float8_e4m3fn) if precision == "fp8" else data
-        state = _Gathered(precision, values, scale_inv, context)
+        gather, shard_amax, context = metadata
+        values = data if gather.scales is None else data.view(torch.float8_e4m3fn)
+        state = _Gathered(gather, values, shard_amax, context)
         if out is not None:  # later gathers refill the weight FSDP2 already handed to the module
             out._state.__dict__.update(state.__dict__)
-            fsdp_param = _fsdp_param_of_caller()
-            if fsdp_param is not None:  # buffers remade for a new precision: FSDP2 frees these
-                fsdp_param._unsharded_inner_tensors = [data]
+            # its buffers may have been remade for a new precision: FSDP2 frees what it is given here
+            _fsdp_param_of_caller()._unsharded_inner_tensors = [data]
             return None
         return GatheredWeight(state, data.shape, param_dtype), (data,)
 
@@ -124,10 +124,10 @@ def _flat(tree) -> list:
 class _Gathered:
     """What a gathered weight holds; shared by every alias FSDP2 makes of it."""
 
-    def __init__(self, precision: str, data: torch.Tensor, scale_inv, context) -> None:
-        self.precision = precision  # "fp8" or "hp"
+    def __init__(self, gather: protocol.WeightGather, data: torch.Tensor, shard_amax, context) -> None:
+        self.gather = gather  # FP8 (with its scales and region) or the parameter dtype
         self.data = data  # FP8 values (padded rows included) or the weight in its parameter dtype
-        self.scale_inv = scale_inv
+        self.shard_amax = shard_amax  # of this rank's shard, as cast (FP8 only)
         self.shard, self.mesh, self.size, self.dtype = context
 
 
@@ -145,37 +145,40 @@ class GatheredWeight(torch.Tensor):
 
     @property
     def fp8(self) -> bool:
-        return self._state.precision == "fp8"
+        return self._state.gather.scales is not None
+
+    @property
+    def gather(self) -> protocol.WeightGather:
+        return self._state.gather
 
     def fp8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The FP8 weight (unpadded) and its scale_inv."""
         state = self._state
-        return self._oriented(state.data[: state.size[0]]), state.scale_inv
+        return self._oriented(state.data[: state.size[0]]), state.gather.scales[1]
 
     def shard_amax(self) -> torch.Tensor:
-        """The amax of this rank's shard of the weight, in the parameter dtype's rounding (rounding
-        is monotonic: the amax of the rounded shard is the rounded amax)."""
-        state = self._state
-        return amax(state.shard._data).to(state.dtype).float()
+        """The amax of this rank's shard of the weight as it was cast (in the parameter dtype): the
+        MAX over the amax group, which contains the sharding group, is the whole weight's."""
+        return self._state.shard_amax
 
     def high_precision(self) -> torch.Tensor:
         """The weight in its parameter dtype: itself, or gathered again from the shards (all ranks)."""
         state = self._state
-        if state.precision == "hp":
+        if not self.fp8:
             return self._oriented(state.data[: state.size[0]])
         shard = state.shard._data.to(state.dtype)
         world = state.mesh.size()
         rows = -(-state.size[0] // world)
         padded = torch.cat([shard, shard.new_zeros((rows - shard.shape[0], *shard.shape[1:]))])
         full = padded.new_empty((rows * world, *padded.shape[1:]))
-        dist.all_gather_into_tensor(full, padded.contiguous(), group=state.mesh.get_group())
+        tensor_parallel._all_gather(full, padded.contiguous(), state.mesh.get_group())
         return self._oriented(full[: state.size[0]])
 
     def _oriented(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.t() if self.transposed else weight
 
     def __repr__(self) -> str:
-        return f"GatheredWeight({self._state.precision}, shape={tuple(self.shape)})"
+        return f"GatheredWeight({'fp8' if self.fp8 else 'hp'}, shape={tuple(self.shape)})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -191,22 +194,27 @@ class GatheredWeight(torch.Tensor):
             return GatheredWeight(first._state, first.shape[::-1], first.dtype, not first.transposed)
         if first.fp8:
             raise RuntimeError(
-                f"{func} on a weight that FSDP2 gathered in FP8: only its FP8 module uses it (inside the FP8 "
-                "region it was gathered in). Use the module, or run this outside the FP8 region"
+                f"{func} on a weight that FSDP2 holds gathered in FP8 (fsdp_fp8_all_gather): only its FP8 "
+                "module can use it. Read weights where FSDP2 has resharded them (after backward, or after "
+                "calling reshard() on the FSDP module; not inside an FP8 forward, and not between an FP8 "
+                "forward and its backward when reshard_after_forward=False)"
             )
         args, kwargs = tree_map_only(GatheredWeight, lambda w: w.high_precision(), (args, kwargs or {}))
         return func(*args, **kwargs)
 
 
 def _fsdp_param_of_caller() -> Any:
-    """The FSDP2 `FSDPParam` whose `all_gather_inputs` called `fsdp_pre_all_gather` (FSDP2 internals)."""
+    """The FSDP2 `FSDPParam` that called an extension point (FSDP2 internals: torch 2.6 to 2.13)."""
     frame = sys._getframe(2)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if type(candidate).__name__ == "FSDPParam" and hasattr(candidate, "all_gather_outputs"):
             return candidate
         frame = frame.f_back
-    return None
+    raise RuntimeError(
+        "fsdp_fp8_all_gather: FSDP2's extension points were called from outside an FSDPParam; this torch "
+        f"({torch.__version__}) changed FSDP2's internals. Build the modules without fsdp_fp8_all_gather"
+    )
 
 
 def wrap_for_fsdp(parameter: torch.nn.Parameter, gemm_index: int) -> None:

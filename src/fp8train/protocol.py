@@ -490,37 +490,47 @@ def backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch.
         REGISTRY.backward_pass = (task, backward_pass)
         torch.autograd.Variable._execution_engine.queue_callback(backward_pass.end)
     REGISTRY.backward_pass[1].note(direction.group, REGISTRY.regions.get(int(token)))
-    gather = module.__dict__.get("_fsdp_gathers", {}).get(gemm_index)
-    if gather is not None:  # its forward's backward has run (FSDP2 re-gathered before it)
-        gather.forward = None
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 
-@dataclass
+@dataclass(frozen=True)
 class WeightGather:
-    """How FSDP2 last gathered a module's weight (fsdp.py), kept for the backward re-gather."""
+    """How FSDP2 gathers a module's weight for a forward (fsdp.py)."""
 
-    scales: Optional[tuple[torch.Tensor, torch.Tensor]]  # (scale, scale_inv); None: parameter dtype
-    region: Optional[Region]
-    forward: Optional[weakref.ref] = None  # a training forward's autograd node, until its backward ran
-
-    def awaits_backward(self) -> bool:
-        return self.forward is not None and self.forward() is not None
+    scales: Optional[tuple[torch.Tensor, torch.Tensor]]  # (scale, scale_inv) in FP8; None: parameter dtype
+    region: Optional[Region]  # the FP8 region it was gathered for
 
 
-def weight_gather_scales(module, gemm_index: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(scale, scale_inv) with which FSDP2 casts `module`'s weight of GEMM `gemm_index` to FP8 before
-    all-gathering it (fsdp.py), or None to gather it in its parameter dtype: the weight role's scale
-    of the current FP8 region, the one its forward will use. A re-gather for backward takes what its
-    forward's gather took (it must reproduce the FP8 weight that forward saved), and records nothing."""
-    gathers = module.__dict__.setdefault("_fsdp_gathers", {})
-    last = gathers.get(gemm_index)
+class GatherBook:
+    """A weight's latest gather, and the training forwards that saved its FP8 values for backward
+    (their autograd nodes, weakly: a dropped graph owes nothing) until their backward runs."""
+
+    def __init__(self) -> None:
+        self.latest = WeightGather(None, None)
+        self.owed: list[tuple[weakref.ref, WeightGather]] = []
+
+    def pending(self) -> list[WeightGather]:
+        self.owed = [(node, gather) for node, gather in self.owed if node() is not None]
+        return [gather for _, gather in self.owed]
+
+
+def _gather_book(module, gemm_index: int) -> GatherBook:
+    return module.__dict__.setdefault("_fsdp_gathers", {}).setdefault(gemm_index, GatherBook())
+
+
+def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGather:
+    """How FSDP2 gathers `module`'s weight of GEMM `gemm_index` now: in FP8 with the weight role's
+    scale of the current region (the one its forward will cast with), or in the parameter dtype
+    outside an FP8 region of delayed scaling. A backward re-gather reproduces the gather whose FP8
+    values a forward saved, and records nothing."""
+    book = _gather_book(module, gemm_index)
+    pending = book.pending()
     if in_backward():
-        return None if last is None else last.scales
+        return pending[-1] if pending else book.latest
     settings = REGISTRY.stack[-1] if REGISTRY.stack else None
     delayed = settings is not None and settings.enabled and isinstance(settings.recipe, DelayedScaling)
     region = REGISTRY.region if delayed else None  # other recipes cast the whole weight: gathered as is
-    if last is not None and last.region is not region and last.awaits_backward():
+    if any(gather.region is not region for gather in pending):
         raise RuntimeError(
             f"{module._signature()} (fsdp_fp8_all_gather) ran forward in another FP8 region or precision "
             "before the backward of its previous training forward: FSDP2's backward re-gather could not "
@@ -529,6 +539,15 @@ def weight_gather_scales(module, gemm_index: int) -> Optional[tuple[torch.Tensor
         )
     scales = None
     if region is not None:
+        group = REGISTRY.amax_group(settings.recipe, settings.group)
+        amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
+        if not set(shard_ranks) <= set(amax_ranks):
+            raise ValueError(
+                f"{module._signature()} (fsdp_fp8_all_gather): FSDP2 shards its weight over ranks "
+                f"{shard_ranks} but the amax group reduces over {amax_ranks or 'no ranks'}: each shard would "
+                "be cast with its own scale. Use an fp8_group that contains the sharding group (the default, "
+                "all ranks, does) with reduce_amax=True, or build the module without fsdp_fp8_all_gather"
+            )
         meta = module.fp8_meta["scaling_fwd"]
         column = meta.offset + FWD_ROLES * gemm_index + WEIGHT
         if meta.direction is None:  # not trained yet: its own scale, which joining will keep
@@ -536,14 +555,27 @@ def weight_gather_scales(module, gemm_index: int) -> Optional[tuple[torch.Tensor
         else:
             scale, scale_inv = region.forward_scales(meta.direction)
         scales = (scale[column], scale_inv[column])
-    gathers[gemm_index] = WeightGather(scales, region)
-    return scales
+    book.latest = WeightGather(scales, region)
+    return book.latest
 
 
-def note_gathered_forward(module, gemm_index: int, output: torch.Tensor) -> None:
-    """A training forward used the FP8 weight FSDP2 gathered: its backward re-gather must match."""
+def is_current_gather(gather: WeightGather) -> bool:
+    """Whether a weight gathered in FP8 for `gather` may serve this call: gathered for this region,
+    or a recomputation in backward (whose re-gather reproduced the original forward's)."""
+    return gather.region is REGISTRY.region or in_backward() or REGISTRY.recompute is not None
+
+
+def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output: torch.Tensor) -> None:
+    """A training forward saved the FP8 weight gathered for `gather`: its backward re-gather must match."""
     if output.grad_fn is not None:
-        module._fsdp_gathers[gemm_index].forward = weakref.ref(output.grad_fn)
+        _gather_book(module, gemm_index).owed.append((weakref.ref(output.grad_fn), gather))
+
+
+def gathered_backward_ran(handle: int, gemm_index: int, node) -> None:
+    """The backward of the forward whose autograd node is `node` ran: it owes nothing any more."""
+    book = REGISTRY.modules[handle].__dict__.get("_fsdp_gathers", {}).get(gemm_index)
+    if book is not None:
+        book.owed = [(ref, gather) for ref, gather in book.owed if ref() is not node]
 
 
 # ---- readers of FP8 state ----------------------------------------------------------------------------

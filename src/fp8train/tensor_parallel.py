@@ -21,9 +21,14 @@ __all__ = ["TensorParallel", "reduce_sequence_parallel_grads", "check_amax_group
 
 MODES = (None, "column", "row")
 
-# torch 2.13 renamed the tensor collectives; the old names remain (deprecated) in earlier versions
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    """all_gather_single (torch 2.13's name; all_gather_into_tensor before), looked up per call."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, tensor, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, tensor, group=group)
 
 
 @dataclass(frozen=True)

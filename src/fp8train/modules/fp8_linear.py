@@ -48,6 +48,8 @@ class _FP8LinearFn(torch.autograd.Function):
             g_scales = torch.stack(current_scales(g2d, ctx.bwd_encoding))
         else:
             g_scales = ops.backward_scales(ctx.handle, ctx.gemm_index, amax(g2d), token)
+            if not torch.compiler.is_compiling():  # an FSDP2 gather this forward saved is owed nothing
+                protocol.gathered_backward_ran(ctx.handle, ctx.gemm_index, ctx)
         g_dtype = _FP8_GRAD_DTYPES[ctx.bwd_encoding] if qx.dtype.itemsize == 1 else qx.dtype
         qg = cast_operand(g2d, g_scales[0], ctx.bwd_encoding, g_dtype)
         grad_x = grad_w = None
@@ -96,12 +98,19 @@ def fp8_linear(
 ) -> torch.Tensor:
     """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so. With
     `gather_group` (sequence parallelism) x is this rank's block of tokens, all-gathered first."""
+    if isinstance(weight, GatheredWeight) and torch.compiler.is_compiling():
+        raise RuntimeError(
+            "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
+            "FP8 weight's bookkeeping runs outside the graph. Compile without the option, or run eagerly"
+        )
     precision = protocol.call_precision(module, gemm_index)
-    if isinstance(weight, GatheredWeight) and weight.fp8 and not precision.fp8:
-        weight = _HighPrecision.apply(weight)  # gathered in FP8, needed in high precision: gather again
+    if isinstance(weight, GatheredWeight) and weight.fp8:
+        if not precision.fp8 or precision.recipe is not None or not protocol.is_current_gather(weight.gather):
+            # gathered in FP8 for another region (FSDP2 kept it gathered), or needed in high precision
+            weight = _HighPrecision.apply(weight)  # gathered again, in the parameter dtype
     if not precision.fp8:
         if precision.record:  # calibrating: amaxes only
-            ops.forward_scales(module, gemm_index, amax(x), amax(weight), weight.detach())
+            ops.forward_scales(module, gemm_index, amax(x), amax(weight), x.detach())
         if gather_group is not None:
             x = GatherTokens.apply(x, gather_group)
         return F.linear(x, weight, bias)
@@ -115,7 +124,7 @@ def fp8_linear(
     w_amax = None
     if precision.record and cached is None:  # a gathered weight's amax is its shard's: MAX over ranks
         w_amax = weight.shard_amax() if gathered else amax(weight)
-    scales, token = ops.forward_scales(module, gemm_index, x_amax, w_amax, weight.detach())
+    scales, token = ops.forward_scales(module, gemm_index, x_amax, w_amax, x.detach())
     tokens = x.numel() // x.shape[-1] * (1 if gather_group is None else dist.get_world_size(gather_group))
     dtype = _operand_dtype(tokens, weight)
     if cached is None:
@@ -125,8 +134,8 @@ def fp8_linear(
         else:
             qweight, w_scale_inv = cast_operand(weight.detach(), scales[0, 1], "e4m3", dtype), scales[1, 1]
         if is_first_microbatch is not None:  # kept across microbatches: not FSDP2's gather buffer
-            kept = qweight.clone() if gathered and qweight.dtype == fp8_weight.dtype else qweight
-            module._weight_cache[gemm_index] = (kept, w_scale_inv)
+            aliases_buffer = gathered and qweight.dtype.itemsize == 1
+            module._weight_cache[gemm_index] = (qweight.clone() if aliases_buffer else qweight, w_scale_inv)
     else:
         qweight, w_scale_inv = cached[0].to(dtype), cached[1]  # FP8 values convert exactly
     y = _FP8LinearFn.apply(
@@ -134,7 +143,7 @@ def fp8_linear(
         module._fp8_handle, gemm_index, precision.bwd_encoding, gather_group,
     )  # fmt: skip
     if gathered:
-        protocol.note_gathered_forward(module, gemm_index, y)
+        protocol.note_gathered_forward(module, gemm_index, weight.gather, y)
     return y
 
 
