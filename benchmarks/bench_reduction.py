@@ -2,7 +2,7 @@
 
 import sys
 
-from fp8train.bench import main
+from fp8train.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(["reduction", *sys.argv[1:]]))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import sysconfig
 
 import torch
 import torch.distributed as dist
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 
 import fp8train as ft
 from fp8train import tensor_parallel
+from fp8train.tools.data import stdlib_text
 
 HIDDEN, HEADS, FFN, LAYERS, SEQ, BATCH, VOCAB = 64, 4, 256, 2, 64, 8, 256
 
@@ -69,17 +68,6 @@ class GPT(torch.nn.Module):
             x = x + attn(x)
             x = x + mlp(x)
         return self.head(self.ln_f(x))  # [seq (or this rank's part), batch, vocab]
-
-
-def stdlib_text(max_bytes: int = 2_000_000) -> torch.Tensor:
-    """Bytes of the standard library's .py files, in sorted order: the same on every machine with
-    this Python, and heavy-tailed like real text."""
-    root, data = sysconfig.get_paths()["stdlib"], bytearray()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py") and len(data) < max_bytes:
-            with open(os.path.join(root, name), "rb") as f:
-                data += f.read()
-    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
 def batch(text: torch.Tensor, dp_rank: int, step: int) -> torch.Tensor:

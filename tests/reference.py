@@ -28,18 +28,29 @@ def f32_div(a: float, b: float) -> float:
 
 
 class RefScaling:
-    """Delayed-scaling state of N roles: history[c][0] is the most recent completed step of column c."""
+    """Delayed-scaling state of N roles: history[c][0] is the most recent completed step of column c.
+    Starts from zero histories and unit scales, or from a given state (`history` H x N, `scale` N)."""
 
-    def __init__(self, num_roles: int, history_len: int) -> None:
+    def __init__(
+        self,
+        num_roles: int,
+        history_len: int,
+        history: Optional[Sequence[Sequence[float]]] = None,
+        scale: Optional[Sequence[float]] = None,
+    ) -> None:
         self.history = [[0.0] * history_len for _ in range(num_roles)]
-        self.scale = [1.0] * num_roles
-        self.scale_inv = [1.0] * num_roles
+        if history is not None:
+            self.history = [[f32(row[c]) for row in history] for c in range(num_roles)]
+        self.scale = [1.0] * num_roles if scale is None else [f32(v) for v in scale]
+        self.scale_inv = [f32_div(1.0, v) for v in self.scale]
 
-    def update(self, last: Sequence[float], recipe: DelayedScaling, fp8_max: float) -> None:
-        """Apply one step whose (reduced) amaxes are `last`, column by column."""
+    def update(self, last: Sequence[float], recipe: DelayedScaling, fp8_max: float) -> list[Optional[float]]:
+        """Apply one step whose (reduced) amaxes are `last`, column by column; returns, per column,
+        the amax its new scale came from (None where the scale was kept)."""
         assert len(last) == len(self.scale)
+        used: list[Optional[float]] = [None] * len(last)
         for c, value in enumerate(last):
-            value = f32(value)
+            value = math.inf if math.isnan(value) else f32(value)  # the reduction delivers NaN as inf
             if value == 0.0:  # the role did not run (or used a cached weight): no roll, no new scale
                 continue
             self.history[c] = [value] + self.history[c][:-1]
@@ -47,8 +58,9 @@ class RefScaling:
             if math.isfinite(amax) and amax > 0.0:
                 new = self._scale(amax, self.scale[c], fp8_max, recipe)
                 if new is not None:
-                    self.scale[c] = new
+                    self.scale[c], used[c] = new, amax
             self.scale_inv[c] = f32_div(1.0, self.scale[c])
+        return used
 
     @staticmethod
     def _amax(column: list[float], recipe: DelayedScaling) -> float:

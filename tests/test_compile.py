@@ -19,9 +19,8 @@ import pytest
 import torch
 
 import fp8train
-from collectives import AllReduceSpy
-from dist_utils import run_ranks
 from fp8train.protocol import REGISTRY
+from fp8train.tools.ranks import AllReduceSpy, run_ranks
 from helpers import fp8_state
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from dist_utils import run_ranks
+from fp8train.tools.ranks import run_ranks
 from helpers import digest, fp8_state
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)

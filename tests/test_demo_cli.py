@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -12,10 +13,10 @@ import types
 import pytest
 import torch
 
-from fp8train import cli
 from fp8train.gemm import choose_path
-from fp8train.report import load_run
 from fp8train.telemetry import read_metrics
+from fp8train.tools import cli
+from fp8train.tools.report import load_run
 
 STEPS = 5
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,7 +33,7 @@ def _png_size(path: str) -> tuple[int, int]:
 def demo_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("demo") / "run")
     argv = ["demo", "--world-size", "2", "--steps", str(STEPS), "--model-size", "tiny", "--batch-size", "2",
-            "--run-dir", run_dir, "--timeout", "240"]  # fmt: skip
+            "--recipe", "all", "--run-dir", run_dir, "--timeout", "240"]  # fmt: skip
     import io
     from contextlib import redirect_stdout
 
@@ -48,7 +49,7 @@ def test_demo_end_to_end(demo_run):
     assert rc == 0, printed
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     runs = load_run(run_dir)
-    assert list(runs) == ["fp8-async", "fp8-blocking", "reference"]
+    assert list(runs) == ["fp8-async", "fp8-blocking", "fp8-current", "fp8-block", "reference"]
     for run in runs.values():
         assert run.meta["world_size"] == 2 and run.meta["steps"] == STEPS
         assert [r["step"] for r in run.steps] == list(range(STEPS))
@@ -68,7 +69,13 @@ def test_demo_end_to_end(demo_run):
         assert {n: v["scale_used"] for n, v in cur["roles"].items()} == {
             n: v["scale"] for n, v in prev["roles"].items()
         }
-    assert runs["reference"].steps[-1]["roles"] == {}
+    for name in ("fp8-current", "fp8-block", "reference"):  # no delayed state, no amax reduction
+        assert runs[name].steps[-1]["roles"] == {}
+        assert [s["launched"] for s in runs[name].end["reduction_per_rank"]] == [0, 0]
+    for name in ("fp8-current", "fp8-block"):  # a different recipe: different losses, close to fp32
+        assert runs[name].meta["recipe_kind"] == name.removeprefix("fp8-")
+        assert runs[name].losses() != fp8.losses()
+        assert abs(runs[name].final_loss() / runs["reference"].final_loss() - 1) < 0.02
     # async and blocking: the same losses and the same FP8 telemetry, bit for bit
     blocking = runs["fp8-blocking"]
     assert fp8.losses() == blocking.losses()
@@ -83,16 +90,19 @@ def test_demo_end_to_end(demo_run):
     assert all(s["hidden_s"] > 0 for s in fp8.end["reduction_per_rank"])
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["world_size"] == 2 and 0 < summary["loss_floor"] < math.log(64)
-    assert len(records) == 3 * (STEPS + 2)  # meta + steps + end record per run
+    assert summary["world_size"] == 2 and summary["loss_floor"] is None  # real text: unknown floor
+    assert "standard library" in summary["data"] and fp8.meta["data"] == "text"
+    assert len(records) == 5 * (STEPS + 2)  # meta + steps + end record per run
     width, height = _png_size(os.path.join(run_dir, "report.png"))
     assert width > 800 and height > 1000
     with open(os.path.join(run_dir, "report.md")) as f:
         md = f.read()
-    assert "| fp8-async | 5 |" in md and "| reference | 5 |" in md and "bit-identical" in md
-    assert "**yes**" in md
+    assert "| fp8-async | delayed | 5 |" in md and "| reference | fp32 | 5 |" in md and "bit-identical" in md
+    assert "| fp8-block | block | 5 |" in md and "none (own amax)" in md
+    assert "**yes**" in md and "Data: the Python standard library" in md
     assert "async and blocking bit-identical (every loss, scales, amax histories): yes" in printed
     assert os.path.join(run_dir, "report.png") in printed and "final loss" in printed
+    assert "fp8-block" in printed and "saturated: none by construction" in printed
 
 
 @pytest.mark.multirank
@@ -179,8 +189,18 @@ def test_cuda_device_without_cuda_is_a_usage_error(capsys):
 
 def test_bench_forwards_its_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("fp8train.bench")
+    fake = types.ModuleType("fp8train.tools.bench")
     fake.main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "fp8train.bench", fake)
+    monkeypatch.setitem(sys.modules, "fp8train.tools.bench", fake)
     assert cli.main(["bench", "--quick", "--only", "fused", "--help"]) == 7
     assert seen == [["--quick", "--only", "fused", "--help"]]
+
+
+@pytest.mark.parametrize("command", ["demo", "report"])
+def test_a_missing_extra_is_named(monkeypatch, capsys, tmp_path, command):
+    real = importlib.util.find_spec
+    hidden = {"matplotlib"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in hidden else real(name))
+    assert cli.main([command] + ([str(tmp_path)] if command == "report" else [])) == 1
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and 'pip install "fp8train[demo]"' in err

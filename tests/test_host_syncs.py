@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import fp8train
-from dist_utils import run_ranks
 from fp8train.protocol import ENV_ASYNC, REGISTRY
 from fp8train.reduction import HEADER_LEN
 from fp8train.telemetry import Telemetry
+from fp8train.tools.ranks import run_ranks
 from host_reads import HostReadCounter
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fp8train
-from dist_utils import run_ranks
 from fp8train import LayoutMismatchError, fp8_autocast
+from fp8train.tools.ranks import run_ranks
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 

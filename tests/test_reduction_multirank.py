@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import traceback
 from typing import Optional
 
 import pytest
@@ -26,11 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp8train
-from collectives import AllReduceSpy
-from dist_utils import run_ranks
 from fp8train import DelayedScaling, LayoutMismatchError
 from fp8train.protocol import ENV_ASYNC, REGISTRY
 from fp8train.reduction import HEADER_LEN, Direction
+from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
 from reference import E4M3_MAX, E5M2_MAX, RefScaling, amax_of
 
 WIDTH, BATCH, HISTORY = 16, 8, 4
@@ -454,24 +452,16 @@ SCENARIOS = {
 
 def _worker(rank: int, world: int, names: list[str]) -> dict:
     """Run the named scenarios in order; each starts from a fresh registry and default env."""
-    out = {}
-    for name in names:
+
+    def run_one(name: str):
         REGISTRY.__init__()
         os.environ.pop(ENV_ASYNC, None)
-        try:
-            out[name] = ("ok", SCENARIOS[name](rank, world))
-        except Exception:
-            out[name] = ("error", traceback.format_exc())
-    return out
+        return SCENARIOS[name](rank, world)
+
+    return run_scenarios(names, run_one)
 
 
-def outcome(runs: list[dict], name: str) -> list:
-    """Each rank's result of scenario `name`, failing the test with a rank's traceback if it raised."""
-    for rank, run in enumerate(runs):
-        status, value = run[name]
-        if status != "ok":
-            pytest.fail(f"rank {rank} failed in scenario {name!r}:\n{value}")
-    return [run[name][1] for run in runs]
+outcome = scenario_outcome
 
 
 # One process group per world size for the whole module: spawning ranks costs seconds on 2 cores.

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from dist_utils import assert_ok, run_ranks_outcomes
 from fp8train import DelayedScaling, Format, fp8_autocast
 from fp8train.checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from fp8train.modules import FP8Module
 from fp8train.modules.base import decode_extra_state
 from fp8train.protocol import ENV_ASYNC, REGISTRY
 from fp8train.reduction import AmaxReductionError
+from fp8train.tools.ranks import assert_ok, run_ranks_outcomes
 from helpers import digest, fp8_state
 
 try:  # written alongside these tests; used where present

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import fp8train
-from dist_utils import run_ranks
 from fp8train import DelayedScaling, fp8_autocast
 from fp8train.modules import FP8Module
 from fp8train.protocol import ENV_ASYNC, REGISTRY
+from fp8train.tools.ranks import run_ranks
 
 STEPS = int(os.environ.get("FP8TRAIN_SOAK_STEPS", "2000"))
 CHECK_EVERY = 50

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import fp8train
-from dist_utils import run_ranks
-from fp8train.models import GPT, GPTConfig
 from fp8train.telemetry import Telemetry, read_metrics, role_names
+from fp8train.tools.models import GPT, GPTConfig
+from fp8train.tools.ranks import run_ranks
 
 CFG = GPTConfig(vocab_size=32, seq_len=16, hidden=32, heads=2, layers=2, ffn=64)
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import os
-import traceback
 
 import pytest
 import torch
@@ -37,10 +36,9 @@ import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp8train
-from collectives import AllReduceSpy
-from dist_utils import run_ranks
 from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, fp8_autocast
 from fp8train.protocol import REGISTRY
+from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
 from helpers import digest, fp8_state
 
 RECIPE = DelayedScaling(amax_history_len=4)
@@ -346,23 +344,14 @@ SCENARIOS = {
 
 
 def _worker(rank: int, world: int, names: list[str], directory: str) -> dict:
-    out = {}
-    for name in names:
+    def run_one(name: str):
         REGISTRY.__init__()
-        args = (directory,) if name == "rank0_load" else ()
-        try:
-            out[name] = ("ok", SCENARIOS[name](rank, world, *args))
-        except Exception:
-            out[name] = ("error", traceback.format_exc())
-    return out
+        return SCENARIOS[name](rank, world, *((directory,) if name == "rank0_load" else ()))
+
+    return run_scenarios(names, run_one)
 
 
-def outcome(runs: list[dict], name: str) -> list:
-    for rank, run in enumerate(runs):
-        status, value = run[name]
-        if status != "ok":
-            pytest.fail(f"rank {rank} failed in scenario {name!r}:\n{value}")
-    return [run[name][1] for run in runs]
+outcome = scenario_outcome
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""`python -m fp8train`: the same as the `fp8train` command."""
+"""`python -m fp8train`: the `fp8train` command, which lives in the toolbox (fp8train.tools)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -1,4 +1,5 @@
-"""Checkpoint files that survive a dying job and fail loudly when damaged.
+"""Checkpoint *files* that survive a dying job and fail loudly when damaged. (Not to be confused
+with `fp8train.checkpoint`, which is activation recomputation, TransformerEngine's name.)
 
 `torch.save` writes in place, so a rank killed while saving leaves a truncated file where its last
 good checkpoint was; and `torch.load` reports a damaged file as whatever its zip reader or unpickler
@@ -25,7 +26,8 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(obj: Any, path: PathLike) -> None:
-    """torch.save `obj` to `path` atomically: readers see the old file or the complete new one."""
+    """torch.save `obj` to the file `path` atomically: readers see the old file or the complete new
+    one. (A file; `fp8train.checkpoint` is activation recomputation.)"""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)

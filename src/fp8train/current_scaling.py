@@ -8,6 +8,7 @@ fp32; the same code runs on GPUs (torch's block-scaled `_scaled_mm` is not used 
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -100,4 +101,11 @@ class _BlockLinear(torch.autograd.Function):
 def block_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], power_2: bool
 ) -> torch.Tensor:
+    if x.is_cuda:  # shown once per process by Python's default warning filter
+        warnings.warn(
+            "fp8train.Float8BlockScaling on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
+            "matmul): the numerics of block scaling without its speed. Use DelayedScaling or "
+            "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
+            stacklevel=2,
+        )
     return _BlockLinear.apply(x, weight, bias, power_2)

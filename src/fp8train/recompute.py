@@ -1,4 +1,9 @@
-"""Activation recomputation that replays FP8 forwards with their original scales."""
+"""Activation recomputation that replays FP8 forwards with their original scales.
+
+`fp8train.checkpoint` is *activation checkpointing* (TransformerEngine's name, after
+`torch.utils.checkpoint`): it saves no file. Checkpoint files are `fp8train.save_checkpoint` /
+`load_checkpoint` (checkpoint_io.py).
+"""
 
 from __future__ import annotations
 
@@ -64,7 +69,8 @@ class _Replaying:
 
 
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
-    """`torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`, FP8-aware.
+    """Activation recomputation (not a file: see `save_checkpoint`):
+    `torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`, FP8-aware.
 
     The recomputed forward uses exactly the scales of the original one, records no amax and
     registers nothing, so gradients equal those of the run without recomputation bit for bit. It

@@ -8,11 +8,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..fsdp import wrap_for_fsdp
 from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
 from .fp8_linear import parallel_linear
-from .linear import linear_params
+from .linear import gemm_params
 from .norms import make_norm
 
 __all__ = ["LayerNormLinear", "LayerNormMLP"]
@@ -47,14 +46,13 @@ class LayerNormLinear(FP8Module):
             )
         mode = parallel_mode or ("column" if tp_group is not None else None)
         self.tp = TensorParallel.make(tp_group, tp_size, mode, sequence_parallel, "LayerNormLinear")
-        kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         self.norm = make_norm(normalization, in_features, eps, params_dtype, device)
-        where = "LayerNormLinear"
-        self.weight, self.bias = linear_params(in_features, out_features, bias, kw, self.tp, where)
+        self.weight, self.bias = gemm_params(
+            in_features, out_features, bias, params_dtype, device, self.tp, "LayerNormLinear",
+            fsdp_gemm=0 if fsdp_fp8_all_gather else None,
+        )  # fmt: skip
         if self.tp.sequence_parallel:  # the norm runs on this rank's tokens
             mark_sequence_parallel(*self.norm.parameters())
-        if fsdp_fp8_all_gather:
-            wrap_for_fsdp(self.weight, 0)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return parallel_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch, self.tp)
@@ -90,18 +88,19 @@ class LayerNormMLP(FP8Module):
         mode = "column" if tp_group is not None else None
         self.tp = TensorParallel.make(tp_group, tp_size, mode, sequence_parallel, "LayerNormMLP")
         self.tp_fc2 = dataclasses.replace(self.tp, mode="row" if self.tp.active else None)
-        kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         halves = 2 if activation == "swiglu" else 1
         self.tp.local(ffn_hidden_size, "ffn_hidden_size", "LayerNormMLP")  # fc1's rows, fc2's columns
         self.norm = make_norm(normalization, hidden_size, eps, params_dtype, device)
         hidden, ffn, where = hidden_size, ffn_hidden_size, "LayerNormMLP"
-        self.fc1_weight, self.fc1_bias = linear_params(hidden, halves * ffn, bias, kw, self.tp, where, halves)
-        self.fc2_weight, self.fc2_bias = linear_params(ffn, hidden, bias, kw, self.tp_fc2, where)
-        if self.tp.sequence_parallel:  # the norm and fc2's bias apply to this rank's tokens
-            mark_sequence_parallel(*self.norm.parameters(), self.fc2_bias)
-        if fsdp_fp8_all_gather:
-            wrap_for_fsdp(self.fc1_weight, 0)
-            wrap_for_fsdp(self.fc2_weight, 1)
+        gather = fsdp_fp8_all_gather
+        self.fc1_weight, self.fc1_bias = gemm_params(
+            hidden, halves * ffn, bias, params_dtype, device, self.tp, where, 0 if gather else None, halves
+        )
+        self.fc2_weight, self.fc2_bias = gemm_params(
+            ffn, hidden, bias, params_dtype, device, self.tp_fc2, where, 1 if gather else None
+        )
+        if self.tp.sequence_parallel:  # the norm applies to this rank's tokens
+            mark_sequence_parallel(*self.norm.parameters())
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":

@@ -12,7 +12,7 @@ from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
 from .fp8_linear import parallel_linear
 
-__all__ = ["Linear", "init_linear_params", "linear_params"]
+__all__ = ["Linear", "init_linear_params", "gemm_params"]
 
 
 def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -23,12 +23,23 @@ def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> No
         torch.nn.init.uniform_(bias, -bound, bound)
 
 
-def linear_params(
-    in_features: int, out_features: int, bias: bool, kw: dict, tp: TensorParallel, where: str, halves: int = 1
+def gemm_params(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    params_dtype: Optional[torch.dtype],
+    device,
+    tp: TensorParallel,
+    where: str,
+    fsdp_gemm: Optional[int] = None,
+    halves: int = 1,
 ) -> tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
     """A GEMM's weight (out x in) and bias, initialised as torch.nn.Linear does. Tensor-parallel ranks
     initialise the whole weight alike (same seed, same values) and keep their shard: rows for a column
-    GEMM (of each of `halves` parts), columns for a row GEMM, whose bias stays whole."""
+    GEMM (of each of `halves` parts), columns for a row GEMM, whose bias stays whole (and, under
+    sequence parallelism, is marked: it applies to this rank's tokens). `fsdp_gemm`: the GEMM index
+    under which FSDP2 gathers the weight in FP8 (fsdp_fp8_all_gather), None for a plain gather."""
+    kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
     weight = torch.empty(out_features, in_features, **kw)
     b = torch.empty(out_features, **kw) if bias else None
     init_linear_params(weight, b)
@@ -38,7 +49,12 @@ def linear_params(
     elif tp.mode == "row":
         tp.local(in_features, "in_features", where)
         weight = tp.shard(weight, 1)
-    return torch.nn.Parameter(weight), None if b is None else torch.nn.Parameter(b)
+    weight, b = torch.nn.Parameter(weight), None if b is None else torch.nn.Parameter(b)
+    if tp.mode == "row" and tp.sequence_parallel:
+        mark_sequence_parallel(b)
+    if fsdp_gemm is not None:
+        wrap_for_fsdp(weight, fsdp_gemm)
+    return weight, b
 
 
 class Linear(FP8Module):
@@ -62,12 +78,10 @@ class Linear(FP8Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.tp = TensorParallel.make(tp_group, tp_size, parallel_mode, sequence_parallel, "Linear")
-        kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
-        self.weight, self.bias = linear_params(in_features, out_features, bias, kw, self.tp, "Linear")
-        if self.tp.mode == "row" and self.tp.sequence_parallel:
-            mark_sequence_parallel(self.bias)
-        if fsdp_fp8_all_gather:
-            wrap_for_fsdp(self.weight, 0)
+        self.weight, self.bias = gemm_params(
+            in_features, out_features, bias, params_dtype, device, self.tp, "Linear",
+            fsdp_gemm=0 if fsdp_fp8_all_gather else None,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return parallel_linear(self, x, self.weight, self.bias, 0, is_first_microbatch, self.tp)

@@ -10,28 +10,30 @@ import torch.nn.functional as F
 __all__ = ["LayerNorm", "RMSNorm", "make_norm"]
 
 
-class LayerNorm(torch.nn.Module):
-    def __init__(
-        self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None
-    ):
+class _Norm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float, params_dtype: Optional[torch.dtype], device, bias: bool):
         super().__init__()
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw)) if bias else None
+
+
+class LayerNorm(_Norm):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None
+    ):
+        super().__init__(hidden_size, eps, params_dtype, device, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(_Norm):
     def __init__(
         self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None
     ):
-        super().__init__()
-        kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
+        super().__init__(hidden_size, eps, params_dtype, device, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

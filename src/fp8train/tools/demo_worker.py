@@ -1,6 +1,7 @@
 """One rank of the demo (launched by `fp8train demo` through torchrun).
 
-Trains the small GPT on a synthetic Markov language in FP8 (and optionally again with the other
+Trains the small GPT on real text (the standard library's source, byte-level; or the synthetic
+Markov language) in FP8 with each chosen recipe (delayed scaling also again with the other
 amax-reduction mode), then the same model and data with FP8 disabled as the reference. Rank 0 writes
 run_dir/metrics.jsonl (telemetry) and run_dir/summary.json; every rank runs the same code so that
 the ranks stay in step.
@@ -9,6 +10,7 @@ the ranks stay in step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -23,53 +25,21 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from fp8train.models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
 from fp8train.modules import FP8Module
 from fp8train.protocol import ENV_ASYNC, async_amax_reduction
+from fp8train.recipe import Recipe, recipe_kind
 from fp8train.telemetry import Telemetry
 
-__all__ = ["MarkovTask", "train_phase", "main", "measure_telemetry_overhead", "DEMO_RECIPE"]
+from .data import TEXT_SOURCE, MarkovTask, stdlib_text, text_batches
+from .models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
 
-DEMO_RECIPE = fp8train.DelayedScaling(amax_history_len=16)  # short window: scales visibly follow amaxes
+__all__ = ["train_phase", "main", "measure_telemetry_overhead", "DEMO_RECIPES"]
 
-
-class MarkovTask:
-    """A fixed random first-order Markov language: each token has a few likely successors.
-
-    Deterministic from `seed`; nothing is downloaded. Its conditional entropy is the lowest loss any
-    model can reach, which the demo prints next to the trained losses.
-    """
-
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, successors: int = 4) -> None:
-        g = torch.Generator().manual_seed(seed)
-        probs = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
-        for token in range(vocab_size):
-            nxt = torch.randperm(vocab_size, generator=g)[:successors]
-            weights = torch.rand(successors, generator=g, dtype=torch.float64) + 0.1
-            probs[token, nxt] = weights / weights.sum()
-        self.probs = probs
-        self.seq_len = seq_len  # model input length; sequences have seq_len + 1 tokens
-
-    def sample(self, n: int, seed: int) -> torch.Tensor:
-        """n sequences of seq_len + 1 tokens (int64), the first token uniform."""
-        g = torch.Generator().manual_seed(seed)
-        vocab = self.probs.shape[0]
-        out = torch.empty(n, self.seq_len + 1, dtype=torch.long)
-        out[:, 0] = torch.randint(vocab, (n,), generator=g)
-        for t in range(1, self.seq_len + 1):
-            out[:, t] = torch.multinomial(self.probs[out[:, t - 1]], 1, generator=g).squeeze(1)
-        return out
-
-    def loss_floor(self) -> float:
-        """Expected cross entropy of the true model over the predicted positions (nats)."""
-        p = self.probs
-        row_entropy = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(1)
-        dist_t = torch.full((p.shape[0],), 1.0 / p.shape[0], dtype=torch.float64)
-        total = 0.0
-        for _ in range(self.seq_len):
-            total += float(dist_t @ row_entropy)
-            dist_t = dist_t @ p
-        return total / self.seq_len
+DEMO_RECIPES = {
+    "delayed": fp8train.DelayedScaling(amax_history_len=16),  # short window: scales visibly follow amaxes
+    "current": fp8train.Float8CurrentScaling(),
+    "block": fp8train.Float8BlockScaling(),
+}
 
 
 def _lr(step: int, steps: int, peak: float) -> float:
@@ -94,14 +64,16 @@ def fp8_state_digest(model: torch.nn.Module) -> str:
 
 def train_phase(
     name: str,
-    fp8: bool,
+    recipe: Optional[Recipe],
     cfg: GPTConfig,
     data: torch.Tensor,
     args: argparse.Namespace,
     device: torch.device,
     run_dir: Optional[str],
 ) -> dict:
-    """Train a fresh model (same seed, same data) for len(data) steps; return this rank's figures."""
+    """Train a fresh model (same seed, same data) for len(data) steps in FP8 with `recipe` (None: the
+    high-precision reference); return this rank's figures."""
+    fp8 = recipe is not None
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     group = dist.new_group() if dist.is_initialized() else None  # a fresh amax group per phase
     torch.manual_seed(args.seed)
@@ -112,13 +84,15 @@ def train_phase(
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     fp8train.synchronize()
     fp8train.reset_reduction_stats()  # before the telemetry takes its baseline
-    async_mode = async_amax_reduction() if fp8 else None
+    delayed = isinstance(recipe, fp8train.DelayedScaling)
+    async_mode = async_amax_reduction() if delayed else None
     tel = Telemetry(model, run_dir, every=args.log_every, tensorboard=args.tensorboard, run=name)
     tel.write({
         "kind": "meta", "run": name, "fp8": fp8, "async": async_mode,
         "world_size": world, "device": str(device), "model": cfg.as_dict(), "model_size": args.model_size,
         "steps": len(data), "batch_size": args.batch_size, "seed": args.seed,
-        "params": sum(p.numel() for p in model.parameters()), "recipe": repr(DEMO_RECIPE),
+        "params": sum(p.numel() for p in model.parameters()), "recipe": repr(recipe),
+        "recipe_kind": recipe_kind(recipe) if fp8 else None, "data": args.data,
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
     })  # fmt: skip
     tokens_per_step = world * data.shape[1] * (data.shape[2] - 1)
@@ -130,7 +104,7 @@ def train_phase(
         for pg in opt.param_groups:
             pg["lr"] = _lr(step, len(data), args.lr)
         tokens = data[step].to(device, non_blocking=True)
-        with fp8train.fp8_autocast(enabled=fp8, fp8_recipe=DEMO_RECIPE, fp8_group=group):
+        with fp8train.fp8_autocast(enabled=fp8, fp8_recipe=recipe, fp8_group=group):
             logits = net(tokens[:, :-1])
         loss = next_token_loss(logits, tokens)
         loss.backward()
@@ -168,6 +142,7 @@ def train_phase(
         "kind": "phase_end",
         "run": name,
         "fp8": fp8,
+        "recipe_kind": recipe_kind(recipe) if fp8 else None,
         "async": async_mode,
         "steps": len(losses),
         "final_loss": sum(losses[-tail:]) / tail,
@@ -179,7 +154,7 @@ def train_phase(
         "reduction_per_rank": all_stats,
         "events": tel.totals,
         "loss_digest": hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16],
-        "fp8_state_digest": fp8_state_digest(model) if fp8 else None,
+        "fp8_state_digest": fp8_state_digest(model) if delayed else None,
     }
     tel.write(result)
     tel.close()
@@ -199,7 +174,7 @@ def _progress(name: str, total: int, rank: int):
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="fp8train.demo_worker")
+    p = argparse.ArgumentParser(prog="fp8train.tools.demo_worker")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
     p.add_argument("--batch-size", type=int, default=8)
@@ -209,9 +184,43 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--compare-modes", action="store_true")
+    p.add_argument("--recipe", choices=(*DEMO_RECIPES, "all"), default="delayed")
+    p.add_argument("--data", choices=("text", "markov"), default="text")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--tensorboard", action="store_true")
     return p.parse_args(argv)
+
+
+def _dataset(args: argparse.Namespace, rank: int) -> tuple[GPTConfig, torch.Tensor, Optional[float], str]:
+    """(model config, this rank's [steps, batch, seq_len + 1] tokens, the loss floor if known, source)."""
+    cfg = MODEL_SIZES[args.model_size]
+    seed = args.seed * 7919 + 1 + rank
+    if args.data == "markov":
+        task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=args.seed)
+        data = task.sample(args.steps * args.batch_size, seed=seed)
+        data = data.view(args.steps, args.batch_size, cfg.seq_len + 1)
+        return cfg, data, task.loss_floor(), f"synthetic Markov language ({cfg.vocab_size} tokens)"
+    cfg = dataclasses.replace(cfg, vocab_size=256)
+    text = stdlib_text()
+    data = text_batches(text, args.steps, args.batch_size, cfg.seq_len, seed)
+    return cfg, data, None, f"{TEXT_SOURCE}: {len(text) / 1e6:.1f} MB"
+
+
+def _phases(args: argparse.Namespace) -> list[tuple[str, Optional[Recipe], Optional[bool]]]:
+    """(run name, recipe, async mode to set) for each training run, the reference last."""
+    phases = []
+    for kind in DEMO_RECIPES if args.recipe == "all" else (args.recipe,):
+        recipe = DEMO_RECIPES[kind]
+        if kind != "delayed":
+            phases.append((f"fp8-{kind}", recipe, None))
+            continue
+        primary = async_amax_reduction()
+        phases.append(("fp8-async" if primary else "fp8-blocking", recipe, primary))
+        if args.compare_modes:
+            phases.append(("fp8-blocking" if primary else "fp8-async", recipe, not primary))
+    if not args.no_reference:
+        phases.append(("reference", None, None))
+    return phases
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -226,24 +235,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = MODEL_SIZES[args.model_size]
-    task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=args.seed)
-    data = task.sample(args.steps * args.batch_size, seed=args.seed * 7919 + 1 + rank)
-    data = data.view(args.steps, args.batch_size, cfg.seq_len + 1)
+    cfg, data, floor, source = _dataset(args, rank)
     run_dir = args.run_dir if rank == 0 else None
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
-    primary_async = async_amax_reduction()
-    phases = [("fp8-async" if primary_async else "fp8-blocking", True, primary_async)]
-    if args.compare_modes:
-        phases.append(("fp8-blocking" if primary_async else "fp8-async", True, not primary_async))
-    if not args.no_reference:
-        phases.append(("reference", False, None))
     results = []
-    for name, fp8, async_mode in phases:
+    for name, recipe, async_mode in _phases(args):
         if async_mode is not None:
             os.environ[ENV_ASYNC] = "1" if async_mode else "0"
-        results.append(train_phase(name, fp8, cfg, data, args, device, run_dir))
+        results.append(train_phase(name, recipe, cfg, data, args, device, run_dir))
     if rank == 0:
         summary = {
             "world_size": world,
@@ -253,7 +253,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "params": sum(p.numel() for p in GPT(cfg).parameters()),
             "steps": args.steps,
             "batch_size": args.batch_size,
-            "loss_floor": task.loss_floor(),
+            "data": source,
+            "loss_floor": floor,
             "phases": {r["run"]: {k: v for k, v in r.items() if k != "losses"} for r in results},
         }
         with open(os.path.join(args.run_dir, "summary.json"), "w", encoding="utf-8") as f:
@@ -284,7 +285,7 @@ def measure_telemetry_overhead(
         for step in range(steps):
             on = (step // block) % 2 == 1
             t0 = time.perf_counter()
-            with fp8train.fp8_autocast(fp8_recipe=DEMO_RECIPE):
+            with fp8train.fp8_autocast(fp8_recipe=DEMO_RECIPES["delayed"]):
                 loss = model.loss(data[step])
             loss.backward()
             opt.step()

@@ -13,7 +13,7 @@ import re
 import statistics
 from typing import Optional
 
-from .telemetry import METRICS_FILE, read_metrics
+from fp8train.telemetry import METRICS_FILE, read_metrics
 
 __all__ = ["load_run", "render", "RunData"]
 
@@ -35,6 +35,17 @@ class RunData:
         if "fp8" in self.meta:
             return bool(self.meta["fp8"])
         return any(r["roles"] for r in self.steps)
+
+    @property
+    def recipe_kind(self) -> Optional[str]:
+        """ "delayed", "current" or "block" for FP8 runs (runs written before recipes: delayed)."""
+        return self.meta.get("recipe_kind") or ("delayed" if self.fp8 else None)
+
+    def median_step_ms(self) -> Optional[float]:
+        if self.end is not None and "median_step_s" in self.end:
+            return 1e3 * self.end["median_step_s"]
+        times = [r["step_s"] for r in self.steps if _is_finite(r.get("step_s"))]
+        return 1e3 * statistics.median(times) if times else None
 
     def losses(self) -> tuple[list[int], list[float]]:
         pts = [(r["step"], r["loss"]) for r in self.steps if isinstance(r.get("loss"), (int, float))]
@@ -164,12 +175,13 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
 
     runs = load_run(run_dir)
     fp8_runs = [r for r in runs.values() if r.fp8 and r.steps]
-    primary = fp8_runs[0] if fp8_runs else next(r for r in runs.values() if r.steps)
+    delayed = [r for r in fp8_runs if r.recipe_kind == "delayed"]
+    primary = (delayed or fp8_runs or [next(r for r in runs.values() if r.steps)])[0]
     floor = _loss_floor(run_dir)
 
-    fig = plt.figure(figsize=(13, 19), dpi=100)
-    grid = fig.add_gridspec(4, 2, height_ratios=[1, 1, 1, 1.7], hspace=0.3, wspace=0.2,
-                            top=0.95)  # fmt: skip
+    fig = plt.figure(figsize=(13, 23), dpi=100)
+    grid = fig.add_gridspec(5, 2, height_ratios=[1, 0.8, 1, 1, 1.7], hspace=0.35, wspace=0.2,
+                            top=0.955)  # fmt: skip
     title = f"fp8train report: {os.path.basename(os.path.normpath(run_dir))}"
     meta = primary.meta
     if meta:
@@ -178,20 +190,27 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
             f"{meta.get('world_size')} ranks on {meta.get('device')}, {meta.get('steps')} steps, "
             f"{_recipe_text(meta.get('recipe', ''))}"
         )
+        others = [r.recipe_kind for r in fp8_runs if r.recipe_kind != "delayed"]
+        if others:
+            title += " and " + ", ".join(others) + " scaling"
+        if meta.get("data"):
+            data = "real text (stdlib source, bytes)" if meta["data"] == "text" else meta["data"]
+            title += f"; data: {data}"
     fig.suptitle(title, fontsize=12, y=0.985)
 
     _plot_losses(fig.add_subplot(grid[0, 0]), runs, floor)
-    _plot_reduction(fig.add_subplot(grid[0, 1]), fp8_runs)
+    _plot_reduction(fig.add_subplot(grid[0, 1]), delayed)
+    _plot_side_by_side(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), runs)
 
     for row, (suffix, what) in enumerate(
-        (("input", "forward input"), ("grad_output", "gradient (grad_output)")), 1
+        (("input", "forward input"), ("grad_output", "gradient (grad_output)")), 2
     ):
         _plot_roles(fig.add_subplot(grid[row, 0]), primary.role_series("amax"), suffix, "amax (reduced)",
                     f"{primary.name}: amax history, {what} roles")  # fmt: skip
         _plot_roles(fig.add_subplot(grid[row, 1]), primary.role_series("scale"), suffix, "scale",
                     f"{primary.name}: scale history, {what} roles")  # fmt: skip
 
-    _plot_utilisation(fig.add_subplot(grid[3, :]), primary)
+    _plot_utilisation(fig.add_subplot(grid[4, :]), primary)
 
     png = os.path.join(run_dir, out_name)
     fig.savefig(png, bbox_inches="tight")
@@ -213,17 +232,53 @@ def _plot_losses(ax, runs: dict[str, RunData], floor: Optional[float]) -> None:
             ax.plot(xs, _finite_or_nan(ys), label=f"{run.name} (final {run.final_loss():.3f})", **style)
     if floor is not None:
         ax.axhline(floor, color="k", linestyle=":", linewidth=1, label=f"loss floor {floor:.3f}")
-    ax.set_title("Training loss: FP8 vs reference", fontsize=10)
+    ax.set_title("Training loss: FP8 runs vs the fp32 reference", fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
 
 
+def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData]) -> None:
+    """Per run: final loss relative to the reference, and median step time with saturated casts."""
+    shown = [r for r in runs.values() if r.steps]
+    ref = runs.get("reference")
+    ref_loss = ref.final_loss() if ref is not None else None
+    names = [r.name for r in shown]
+    colors = ["0.45" if r.name == "reference" else f"C{i}" for i, r in enumerate(shown)]
+    if ref_loss:
+        rel = [100 * (r.final_loss() - ref_loss) / ref_loss for r in shown]
+        bars = ax_loss.bar(names, rel, color=colors)
+        ax_loss.bar_label(bars, fmt="%+.2f%%", fontsize=8)
+        ax_loss.axhline(0, color="k", linewidth=0.8)
+        ax_loss.set_ylabel("final loss vs reference (%)")
+    else:
+        ax_loss.text(0.5, 0.5, "no reference run", ha="center", va="center", transform=ax_loss.transAxes)
+    ax_loss.set_title("Final loss relative to the fp32 reference", fontsize=10)
+    times = [r.median_step_ms() or 0.0 for r in shown]
+    bars = ax_time.bar(names, times, color=colors)
+    labels = [f"{t:.1f} ms\n{_saturation_text(r)}" for t, r in zip(times, shown)]
+    ax_time.bar_label(bars, labels, fontsize=7)
+    ax_time.set_ylabel("median step (ms)")
+    ax_time.set_title("Step time and saturated casts (role-steps)", fontsize=10)
+    for ax in (ax_loss, ax_time):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.margins(y=0.25)
+        ax.grid(True, axis="y", alpha=0.3)
+
+
+def _saturation_text(run: RunData) -> str:
+    if not run.fp8:
+        return "no FP8"
+    if run.recipe_kind != "delayed":
+        return "own amax: none"
+    return f"{run.events()['overflow']} saturated"
+
+
 def _plot_reduction(ax, fp8_runs: list[RunData]) -> None:
-    """Exposed vs hidden amax-reduction time per step, one pair of bars per FP8 run."""
+    """Exposed vs hidden amax-reduction time per step, one pair of bars per delayed-scaling run."""
     if not fp8_runs:
-        ax.text(0.5, 0.5, "no FP8 run", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no delayed-scaling run", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         return
     names, exposed, hidden = [], [], []
@@ -307,22 +362,30 @@ def _recipe_text(recipe: str) -> str:
     return text + (f" ({algo.group(1)})" if algo else "")
 
 
-def _loss_floor(run_dir: str) -> Optional[float]:
+def _summary(run_dir: str) -> dict:
+    """The demo's summary.json (absent for runs written by other training loops)."""
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
-        return None
+        return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f).get("loss_floor")
+        return json.load(f)
+
+
+def _loss_floor(run_dir: str) -> Optional[float]:
+    return _summary(run_dir).get("loss_floor")
 
 
 def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], png: str) -> str:
     ref = runs.get("reference")
     ref_loss = ref.final_loss() if ref is not None else None
     out = [f"# fp8train run report: `{os.path.normpath(run_dir)}`", "", f"![report]({png})", ""]
+    data = _summary(run_dir).get("data")
+    if data:
+        out += [f"Data: {data}.", ""]
     out += [
-        "| run | steps | final loss | vs reference | median step ms | amax reductions | exposed ms/step "
-        "| hidden ms/step | overflow | non-finite |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | recipe | steps | final loss | vs reference | median step ms | amax reductions "
+        "| exposed ms/step | hidden ms/step | saturated | non-finite |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs.values():
         if not run.steps:
@@ -331,10 +394,12 @@ def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], 
         rel = f"{100 * (loss - ref_loss) / ref_loss:+.2f}%" if ref_loss and run is not ref else ""
         exposed, hidden, launched, steps = _reduction_ms(run)
         ev = run.events()
-        step_ms = f"{1e3 * run.end['median_step_s']:.1f}" if run.end and "median_step_s" in run.end else ""
+        step_ms = run.median_step_ms()
+        saturated = {"delayed": ev["overflow"], None: ""}.get(run.recipe_kind, "none (own amax)")
         out.append(
-            f"| {run.name} | {steps} | {loss:.4f} | {rel} | {step_ms} | {launched} | {exposed:.4f} "
-            f"| {hidden:.4f} | {ev['overflow']} | {ev['nonfinite']} |"
+            f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss:.4f} | {rel} "
+            f"| {'' if step_ms is None else f'{step_ms:.1f}'} | {launched} | {exposed:.4f} | {hidden:.4f} "
+            f"| {saturated} | {ev['nonfinite']} |"
         )
     out.append("")
     out.append(
@@ -345,15 +410,22 @@ def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], 
     )
     if floor is not None:
         out.append(f"Loss floor (entropy of the synthetic language): {floor:.4f}.")
-    ends = [r.end for r in fp8_runs if r.end]
+    ends = [r.end for r in fp8_runs if r.end and r.recipe_kind == "delayed"]
     if len(ends) == 2:
         same = all(ends[0][k] == ends[1][k] for k in ("loss_digest", "fp8_state_digest"))
         out.append(
             f"Async and blocking FP8 runs bit-identical (every loss, final scales and amax histories): "
             f"**{'yes' if same else 'NO'}**."
         )
-    if fp8_runs:
-        run = fp8_runs[0]
+    if any(r.recipe_kind not in (None, "delayed") for r in fp8_runs):
+        out.append(
+            "Saturated: role-steps whose amax x scale used exceeded fp8_max. Current and block scaling "
+            "scale each tensor (or 1x128 tile, 128x128 block) by its own amax just before the cast, so "
+            "nothing saturates by construction; delayed scaling uses earlier steps' amaxes."
+        )
+    delayed = [r for r in fp8_runs if r.recipe_kind == "delayed"]
+    if delayed:
+        run = delayed[0]
         utils = {n: [v for v in ys if _is_finite(v)] for n, (_, ys) in run.role_series("util").items()}
         med = sorted((statistics.median(v), n) for n, v in utils.items() if v)
         if med:

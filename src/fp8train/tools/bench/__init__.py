@@ -60,12 +60,12 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         rows = [{"threads": r["threads"], **row} for r in runs for row in r["rows"]]
         return {**runs[0], "threads": [2, 1], "rows": rows}
     if suite == "reduction":
-        from . import reduction
+        from . import amax_reduction
 
         latencies = [float(v) / 1e3 for v in args.latencies_ms.split(",")]
         if args.quick:
-            return reduction.run(latencies=[0.0, 0.005], steps=args.steps or 4, model_size="tiny")
-        return reduction.run(latencies=latencies, steps=args.steps or 30)
+            return amax_reduction.run(latencies=[0.0, 0.005], steps=args.steps or 4, model_size="tiny")
+        return amax_reduction.run(latencies=latencies, steps=args.steps or 30)
     if suite == "fsdp":
         from . import fsdp_gather
 

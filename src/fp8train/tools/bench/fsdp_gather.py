@@ -8,17 +8,15 @@ all alike. Bytes are counted by wrapping the collective FSDP2 gathers with.
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8train as ft
 
-from ..demo import _free_port
+from ..ranks import run_ranks
 
 RUNS = [(dtype, option) for dtype in ("fp32", "bf16") for option in (False, True)]
 
@@ -38,14 +36,9 @@ def _model(hidden: int, ffn: int, blocks: int, option: bool) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _rank(rank: int, world: int, port: int, sizes: tuple, steps: int, queue) -> None:
+def _rank(rank: int, world: int, sizes: tuple, steps: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
     hidden, ffn, blocks, tokens = sizes
     gathered: list[int] = []
     name, real = _gather_name(), getattr(dist, _gather_name())
@@ -87,25 +80,12 @@ def _rank(rank: int, world: int, port: int, sizes: tuple, steps: int, queue) -> 
         for key, (_, _, t, b, n) in runs.items()
     }
     setattr(dist, name, real)
-    queue.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def run(hidden: int = 512, ffn: int = 2048, blocks: int = 2, tokens: int = 256, steps: int = 30) -> dict:
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     world = 2
-    procs = [
-        ctx.Process(target=_rank, args=(r, world, port, (hidden, ffn, blocks, tokens), steps, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    by_rank = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join(60)
-    res = by_rank[0]
+    res = run_ranks(_rank, world, (hidden, ffn, blocks, tokens), steps, timeout_s=3600)[0]
     rows = []
     for dtype, option in RUNS:
         r, base = res[(dtype, option)], res[(dtype, False)]

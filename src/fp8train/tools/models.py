@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear
+from fp8train.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear
 
 __all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "next_token_loss"]
 

@@ -1,6 +1,6 @@
 """`fp8train demo`: launch the demo workers through torchrun, then render the report and summarise.
 
-The workers (fp8train.demo_worker) do the training; this process only builds the torchrun command
+The workers (fp8train.tools.demo_worker) do the training; this process only builds the torchrun command
 line (a free port, one thread per rank, NVTE_ASYNC_AMAX_REDUCTION as asked), waits, and reads back
 what rank 0 wrote.
 """
@@ -11,10 +11,11 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Optional
+
+from .ranks import free_port
 
 __all__ = ["add_arguments", "run", "launch_command", "format_summary"]
 
@@ -46,6 +47,16 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
         help="also train in the other reduction mode and check that the results are bit-identical "
         "(default on; --no-compare-modes skips it)",
     )  # fmt: skip
+    p.add_argument(
+        "--recipe", choices=("delayed", "current", "block", "all"), default="delayed",
+        help="FP8 recipe: delayed scaling (the default, with the amax reduction), per-tensor current "
+        "scaling, 1x128/128x128 block scaling, or all three side by side on the same model and data",
+    )  # fmt: skip
+    p.add_argument(
+        "--data", choices=("text", "markov"), default="text",
+        help="text: the Python standard library's own source, byte-level (the default, real text, "
+        "offline); markov: a synthetic language whose entropy is a known loss floor",
+    )  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl)")
     p.add_argument("--run-dir", default=None, help="output directory (default runs/demo-<timestamp>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the language and the data")
@@ -59,22 +70,16 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     )  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_command(args: argparse.Namespace, run_dir: str) -> list[str]:
     """The torchrun command line that starts the workers."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc_per_node", str(args.world_size),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        "-m", "fp8train.demo_worker",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "-m", "fp8train.tools.demo_worker",
         "--steps", str(args.steps), "--model-size", args.model_size, "--batch-size", str(args.batch_size),
         "--seed", str(args.seed), "--device", args.device, "--run-dir", run_dir,
-        "--log-every", str(args.log_every),
+        "--log-every", str(args.log_every), "--recipe", args.recipe, "--data", args.data,
     ]  # fmt: skip
     if args.compare_modes:
         cmd.append("--compare-modes")
@@ -117,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or os.path.join(
         "runs", "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     )
+    from fp8train.telemetry import METRICS_FILE
+
     from .report import render
-    from .telemetry import METRICS_FILE
 
     os.makedirs(run_dir, exist_ok=True)
     metrics = os.path.join(run_dir, METRICS_FILE)
@@ -130,9 +136,11 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     mode = "asynchronous" if args.async_mode else "blocking"
     backend = "nccl" if args.device == "cuda" else "gloo"
+    recipes = "delayed, current and block scaling" if args.recipe == "all" else f"{args.recipe} scaling"
     print(
-        f"fp8train demo: {_ranks(args.world_size)} ({backend}, {args.device}), "
-        f"{args.model_size} GPT, {args.steps} steps, {mode} amax reduction -> {run_dir}",
+        f"fp8train demo: {_ranks(args.world_size)} ({backend}, {args.device}), {args.model_size} GPT on "
+        f"{'real text' if args.data == 'text' else 'a synthetic language'}, {args.steps} steps, {recipes}, "
+        f"{mode} amax reduction -> {run_dir}",
         flush=True,
     )
     returncode = _launch(launch_command(args, run_dir), env, args.timeout)
@@ -159,14 +167,15 @@ def format_summary(summary: dict, outputs: dict) -> str:
         "",
         f"Summary: {_ranks(summary['world_size'])} ({summary['backend']} on {summary['device']}), "
         f"{summary['model_size']} GPT ({summary['params']:,} params), {summary['steps']} steps",
-        "  final loss (mean of the last 10% of steps):",
+        f"  data: {summary['data']}",
+        "  final loss (mean of the last 10% of steps), median step time, saturated casts:",
     ]
     for p in fp8:
         line = f"    {p['run']:<13} {p['final_loss']:.4f}  median step {1e3 * p['median_step_s']:7.1f} ms"
         if ref:
             rel = 100 * (p["final_loss"] - ref["final_loss"]) / ref["final_loss"]
             line += f"  ({rel:+.2f}% vs the reference)"
-        lines.append(line)
+        lines.append(line + f"  {_saturation(p)}")
     if ref:
         lines.append(
             f"    {'reference':<13} {ref['final_loss']:.4f}  median step {1e3 * ref['median_step_s']:7.1f} ms"
@@ -176,28 +185,27 @@ def format_summary(summary: dict, outputs: dict) -> str:
         lines.append(
             f"    {'loss floor':<13} {summary['loss_floor']:.4f}  (entropy of the synthetic language)"
         )
-    if len(fp8) == 2:
-        same = all(fp8[0][k] == fp8[1][k] for k in ("loss_digest", "fp8_state_digest"))
+    delayed = [p for p in fp8 if p.get("recipe_kind", "delayed") == "delayed"]
+    if len(delayed) == 2:
+        same = all(delayed[0][k] == delayed[1][k] for k in ("loss_digest", "fp8_state_digest"))
         verdict = "yes" if same else "NO"
         lines.append(f"  async and blocking bit-identical (every loss, scales, amax histories): {verdict}")
-    if fp8:
-        first = fp8[0]["reduction_per_rank"][0]
+    if delayed:
+        first = delayed[0]["reduction_per_rank"][0]
         lines.append(
-            f"  amax reductions per rank and run: {first['launched']} launched "
+            f"  amax reductions per rank and delayed-scaling run: {first['launched']} launched "
             f"({first['bytes_reduced'] / 1024:.1f} KiB); time per step (worst rank):"
         )
-        for p in fp8:
+        for p in delayed:
             per_rank, steps = p["reduction_per_rank"], p["steps"]
             exposed = max(s["exposed_wait_s"] for s in per_rank) * 1e3 / steps
             hidden = min(s["hidden_s"] for s in per_rank) * 1e3 / steps
             lines.append(
                 f"    {p['run']:<13} exposed {exposed:.3f} ms, hidden {hidden:.3f} ms (launch to wait)"
             )
-        # FP8 runs compute the same values (or the bit-identical line says NO): one line is enough
-        ev = fp8[0]["events"]
         lines.append(
-            f"  {fp8[0]['run']}: saturated casts (amax x scale used > fp8_max) {ev['overflow']} role-steps, "
-            f"non-finite amaxes {ev['nonfinite']}"
+            "  saturated casts: role-steps whose amax x scale used > fp8_max (delayed scaling casts with "
+            "earlier steps' amaxes; current and block scaling scale each tensor or tile by its own amax)"
         )
     if summary["device"] == "cpu":
         lines.append(
@@ -207,6 +215,14 @@ def format_summary(summary: dict, outputs: dict) -> str:
         if key in outputs:
             lines.append(f"  {label:<8} {outputs[key]}")
     return "\n".join(lines)
+
+
+def _saturation(phase: dict) -> str:
+    if phase.get("recipe_kind", "delayed") != "delayed":
+        return "saturated: none by construction"
+    ev = phase["events"]
+    text = f"saturated: {ev['overflow']} role-steps"
+    return text + (f", non-finite amaxes {ev['nonfinite']}" if ev["nonfinite"] else "")
 
 
 def _ranks(n: int) -> str:

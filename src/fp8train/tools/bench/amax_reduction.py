@@ -8,47 +8,19 @@ hits all of them alike.
 
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8train as ft
 
-from ..demo import _free_port
+from ..ranks import AllReduceSpy, run_ranks
 
 MODES = ("none", "blocking", "async")
 SIZES = {"tiny": (64, 128, 2, 64), "small": (256, 1024, 6, 1024)}  # hidden, ffn, blocks, tokens
-
-
-class _Delayed:
-    """A Work whose result is usable only `latency` seconds after launch."""
-
-    def __init__(self, work, ready_at: float) -> None:
-        self.work, self.ready_at = work, ready_at
-
-    def wait(self, timeout=None):
-        remaining = self.ready_at - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        return self.work.wait()
-
-
-def add_latency(latency: float, real=dist.all_reduce) -> None:
-    """Make each torch.distributed.all_reduce here complete `latency` s after `real` launched it."""
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        work = _Delayed(real(tensor, op=op, group=group, async_op=True), time.perf_counter() + latency)
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    dist.all_reduce = all_reduce
 
 
 def build_model(size: str) -> torch.nn.Module:
@@ -59,21 +31,14 @@ def build_model(size: str) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, ft.LayerNorm(hidden))
 
 
-def _rank(rank: int, world: int, port: int, latencies, steps: int, rounds: int, size: str, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+def _rank(rank: int, world: int, latencies, steps: int, rounds: int, size: str) -> dict:
     hidden, _, _, tokens = SIZES[size]
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(tokens, hidden, generator=gen) * (1 + rank) for _ in range(8)]
     results = {}
     for latency in latencies:
-        add_latency(latency)
+        spy = AllReduceSpy(latency_s=latency)  # the same added latency in every mode
+        spy.install()
         runs = {}
         for mode in MODES:
             torch.manual_seed(0)
@@ -107,9 +72,9 @@ def _rank(rank: int, world: int, port: int, latencies, steps: int, rounds: int, 
             }
             for mode, (_, _, _, t, s) in runs.items()
         }
+        spy.uninstall()
         dist.barrier()
-    queue.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def run(
@@ -119,21 +84,8 @@ def run(
     model_size: str = "small",
     world: int = 2,
 ) -> dict:
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     per_round = max(1, steps // rounds)
-    procs = [
-        ctx.Process(
-            target=_rank, args=(r, world, port, list(latencies), per_round, rounds, model_size, queue)
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    by_rank = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join(60)
+    by_rank = run_ranks(_rank, world, list(latencies), per_round, rounds, model_size, timeout_s=3600)
     rows = []
     for latency in latencies:
         res = by_rank[0][latency]

@@ -7,6 +7,7 @@ exits with code 2, as argparse does.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from typing import Optional
@@ -34,10 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="train a small GPT in FP8 on CPU ranks (torchrun) and write a report",
-        description="Train a small GPT built from fp8train modules on a synthetic language, on "
-        "--world-size ranks launched through torchrun: in FP8, again with the other amax-reduction mode "
-        "(--compare-modes), then with FP8 off as the reference. Writes metrics.jsonl, summary.json, "
-        "report.png and report.md to --run-dir and prints a summary.",
+        description="Train a small GPT built from fp8train modules on real text (the Python standard "
+        "library's source, byte-level; --data markov: a synthetic language), on --world-size ranks "
+        "launched through torchrun: in FP8 with --recipe (delayed scaling also again with the other "
+        "amax-reduction mode, --compare-modes), then with FP8 off as the reference. Writes metrics.jsonl, "
+        "summary.json, report.png and report.md to --run-dir and prints a summary.",
     )
     demo.add_arguments(p, positive_int)
     p.add_argument(
@@ -53,12 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# what each command needs beyond torch, and the extra that installs it
+NEEDS = {"demo": ("matplotlib", "demo"), "report": ("matplotlib", "demo")}
+
+
+def missing_extra(command: str) -> Optional[str]:
+    """A message naming the extra to install if `command` needs a package that is missing, else None."""
+    if command not in NEEDS:
+        return None
+    package, extra = NEEDS[command]
+    if importlib.util.find_spec(package) is not None:
+        return None
+    return (
+        f"fp8train {command} needs {package}, which is not installed: "
+        f'pip install "fp8train[{extra}]" (the core library needs only torch)'
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = missing_extra(args.command)
+    if problem and not getattr(args, "overhead", False):
+        print(problem, file=sys.stderr)
+        return 1
     if args.command == "demo":
         return _demo(args, parser)
     if args.command == "report":
@@ -87,8 +110,9 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from fp8train.telemetry import METRICS_FILE
+
     from .report import render
-    from .telemetry import METRICS_FILE
 
     if not os.path.isdir(args.run_dir):
         parser.error(f"run directory {args.run_dir!r} does not exist")
@@ -114,9 +138,9 @@ def _bench(argv: list[str]) -> int:
 def _info() -> int:
     import torch
 
-    from . import __version__
-    from .gemm import ENV_PATH, choose_path
-    from .protocol import ENV_ASYNC, async_amax_reduction
+    from fp8train import __version__
+    from fp8train.gemm import ENV_PATH, choose_path
+    from fp8train.protocol import ENV_ASYNC, async_amax_reduction
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -170,6 +170,43 @@ def test_a_checkpoint_records_its_recipe_and_refuses_another() -> None:
         fresh(torch.randn(4, 32)).sum().backward()
 
 
+def _grads(recipe, recompute) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(fp8train.LayerNormMLP(64, 160), fp8train.Linear(64, 48))
+    x = _with_outliers(24, 64).div(100).requires_grad_()
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        y = recompute(model, x) if recompute else model(x)
+    y.square().mean().backward()
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe", [fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()])
+@pytest.mark.parametrize("how", ["fp8train.checkpoint", "torch.utils.checkpoint"])
+def test_recomputation_gives_the_same_gradients(recipe, how) -> None:
+    """The recomputed forward casts the same tensors, so it takes the same scales: bitwise."""
+    if how == "fp8train.checkpoint":
+        recompute = fp8train.checkpoint
+    else:
+        recompute = lambda fn, x: torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)  # noqa: E731
+    for plain, recomputed in zip(_grads(recipe, None), _grads(recipe, recompute)):
+        assert torch.equal(plain, recomputed)
+
+
+@pytest.mark.parametrize("recipe", [fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()])
+def test_fp8_meta_holds_delayed_state_that_other_recipes_leave_alone(recipe) -> None:
+    """fp8_meta is delayed scaling's state (histories, scales); current and block scaling keep no
+    state, so training with them leaves it at its initial values and launches no amax reduction."""
+    layer = fp8train.Linear(32, 32)
+    for _ in range(3):
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            layer(torch.randn(8, 32)).sum().backward()
+    for key, roles in (("scaling_fwd", 3), ("scaling_bwd", 2)):
+        meta = layer.fp8_meta[key]
+        assert torch.equal(meta.scale, torch.ones(roles)) and torch.equal(meta.scale_inv, torch.ones(roles))
+        assert not bool(meta.amax_history.any())
+    assert fp8train.reduction_stats()["launched"] == 0
+
+
 def test_bad_recipe_arguments_raise() -> None:
     with pytest.raises(ValueError, match="E4M3 or Format.HYBRID"):
         fp8train.Float8CurrentScaling(fp8_format=fp8train.Format.E5M2)
@@ -181,8 +218,8 @@ def test_bad_recipe_arguments_raise() -> None:
 
 
 def _train_gpt(recipe, steps: int = 120) -> list[float]:
-    from fp8train.demo_worker import MarkovTask
-    from fp8train.models import GPT, MODEL_SIZES, next_token_loss
+    from fp8train.tools.data import MarkovTask
+    from fp8train.tools.models import GPT, MODEL_SIZES, next_token_loss
 
     cfg = MODEL_SIZES["tiny"]
     data = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=0).sample(steps * 8, seed=1)

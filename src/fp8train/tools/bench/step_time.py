@@ -1,0 +1,83 @@
+"""Step time (forward + backward) of an MLP block: FP8 with each recipe (delayed scaling eager and
+under torch.compile, current and block scaling) vs fp32 and bf16 torch.nn, and torchao.float8
+where installed. All run round-robin in one process. Each configuration's output error against a
+float64 copy says what precision it really ran in."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fp8train as ft
+
+from .common import interleaved_medians, train_step
+
+
+def _mlp(linear, hidden: int, ffn: int) -> torch.nn.Module:
+    return torch.nn.Sequential(linear(hidden, ffn), torch.nn.GELU(approximate="tanh"), linear(ffn, hidden))
+
+
+def _torchao(reference: torch.nn.Module):
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None
+    return convert_to_float8_training(copy.deepcopy(reference))
+
+
+def run(
+    hidden: int = 1024,
+    ffn: int = 4096,
+    tokens: int = 1024,
+    repeats: int = 12,
+    device: str = "cpu",
+    threads: int = 2,
+    compiled: bool = True,
+) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    fp32 = _mlp(torch.nn.Linear, hidden, ffn).to(device)
+    fp8 = _mlp(ft.Linear, hidden, ffn).to(device)
+    fp8.load_state_dict(fp32.state_dict(), strict=False)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    x_bf16 = x.detach().to(torch.bfloat16).requires_grad_()
+    delayed = ft.DelayedScaling(amax_history_len=16)
+    # (model, input, recipe or None for no FP8 region); each recipe its own copy (a module keeps one)
+    configs = {
+        "fp32 torch.nn": (fp32, x, None),
+        "bf16 torch.nn": (bf16, x_bf16, None),
+        "fp8 fp8train": (fp8, x, delayed),
+        "fp8 fp8train, current scaling": (copy.deepcopy(fp8), x, ft.Float8CurrentScaling()),
+        "fp8 fp8train, block scaling": (copy.deepcopy(fp8), x, ft.Float8BlockScaling()),
+    }
+    if compiled:
+        compiled_fp8 = torch.compile(copy.deepcopy(fp8), fullgraph=True)
+        configs["fp8 fp8train, torch.compile(fullgraph=True)"] = (compiled_fp8, x, delayed)
+        configs["bf16 torch.nn, torch.compile"] = (torch.compile(copy.deepcopy(bf16)), x_bf16, None)
+    peer = _torchao(fp32)
+    if peer is not None:
+        configs["fp8 torchao.float8 (dynamic)"] = (peer, x, None)
+
+    def backward(y: torch.Tensor) -> None:
+        y.float().square().mean().backward()
+
+    fns = {
+        name: train_step(model, inp, recipe, recipe is not None, backward)
+        for name, (model, inp, recipe) in configs.items()
+    }
+    times = interleaved_medians(fns, repeats)
+    with torch.no_grad():
+        exact = copy.deepcopy(fp32).double()(x.detach().double())
+    bf16_time, eager = times["bf16 torch.nn"], times["fp8 fp8train"]
+    rows = []
+    for name, (model, inp, recipe) in configs.items():
+        with torch.no_grad(), ft.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            y = model(inp).double()
+        t = times[name]
+        error = float((y - exact).norm() / exact.norm())
+        rows.append({"config": name, "ms": 1e3 * t, "vs_bf16": t / bf16_time, "vs_fp8_eager": t / eager,
+                     "output_rel_error": error})  # fmt: skip
+    shape = {"hidden": hidden, "ffn": ffn, "tokens": tokens}
+    return {"shape": shape, "device": device, "threads": threads, "rows": rows}

@@ -1,0 +1,167 @@
+"""The core package imports nothing beyond torch and the standard library, and never the toolbox.
+
+Two checks: every import statement of the core's source (module level or inside a function), and a
+training step in a fresh interpreter where every package that torch itself does not require is
+hidden (as in an environment where `pip install fp8train` pulled only torch).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import subprocess
+import sys
+
+import fp8train
+
+PACKAGE = pathlib.Path(fp8train.__file__).parent
+TOOLS = PACKAGE / "tools"
+
+
+def _core_files() -> list[pathlib.Path]:
+    # __main__.py is the `python -m fp8train` entry of the command (the toolbox), never imported
+    return [p for p in PACKAGE.rglob("*.py") if TOOLS not in p.parents and p.name != "__main__.py"]
+
+
+def _imports(path: pathlib.Path, source: str = "") -> list[str]:
+    """Absolute module names imported by `path` (relative imports resolved against its package)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = []
+    for node in ast.walk(ast.parse(source or path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                parent = parent[: len(parent) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names += [f"{base}.{alias.name}" for alias in node.names] if not node.module else [base]
+    return names
+
+
+def test_core_imports_only_torch_and_the_standard_library() -> None:
+    files = _core_files()
+    assert len(files) > 20, files  # the walk found the core
+    offenders = []
+    for path in files:
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if name.startswith("fp8train.tools") or top not in {"fp8train", "torch", "__future__"} | set(
+                sys.stdlib_module_names
+            ):
+                offenders.append(f"{path.relative_to(PACKAGE)}: {name}")
+    assert not offenders, "the core imports beyond torch or into the toolbox:\n" + "\n".join(offenders)
+
+
+def test_the_import_check_resolves_relative_imports() -> None:
+    """So a core file importing the toolbox relatively would be caught."""
+    source = "from ..tools import demo\nfrom ..tools.report import render\nimport numpy\n"
+    assert _imports(PACKAGE / "modules" / "linear.py", source) == [
+        "fp8train.tools",
+        "fp8train.tools.report",
+        "numpy",
+    ]
+    assert _imports(PACKAGE / "autocast.py", "from . import tools\n") == ["fp8train.tools"]
+
+
+# Runs in a fresh interpreter without site-packages: sys.path holds the standard library, a folder
+# with links to torch and the distributions torch requires (nothing else), and fp8train's source.
+_ONLY_TORCH = r"""
+import sys
+sys.path[:0] = sys.argv[1:3]
+import torch
+import fp8train as ft
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(ft.LayerNormMLP(32, 64), ft.Linear(32, 16))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    with ft.fp8_autocast(fp8_recipe=ft.DelayedScaling(amax_history_len=4)):
+        loss = model(torch.randn(8, 32)).float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+ft.synchronize()
+import importlib.util
+assert importlib.util.find_spec("matplotlib") is None and importlib.util.find_spec("numpy") is None
+tools = [m for m in sys.modules if m.startswith("fp8train.tools")]
+print("OK", float(loss), tools)
+"""
+
+
+def _torch_distributions() -> set[str]:
+    """torch and the distributions it requires, transitively (extras aside), normalised names."""
+    dists, todo = set(), ["torch"]
+    while todo:
+        name = todo.pop()
+        if name in dists:
+            continue
+        dists.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for req in requires:
+            if "extra ==" not in req:
+                todo.append(_normalise(re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]))
+    return dists
+
+
+def _normalise(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def test_a_training_step_needs_only_torch(tmp_path) -> None:
+    import torch
+
+    dists = _torch_distributions()
+    modules = {
+        module
+        for module, owners in importlib.metadata.packages_distributions().items()
+        if any(_normalise(owner) in dists for owner in owners)
+    }
+    assert "torch" in modules and not {"matplotlib", "tqdm", "numpy", "pytest"} & modules
+    site = pathlib.Path(torch.__file__).parent.parent
+    only_torch = tmp_path / "site-packages"
+    only_torch.mkdir()
+    for entry in site.iterdir():
+        stem = entry.name.split(".")[0]
+        is_metadata = entry.name.endswith(".dist-info") and _normalise(stem.split("-")[0]) in dists
+        if stem in modules or is_metadata:
+            (only_torch / entry.name).symlink_to(entry)
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _ONLY_TORCH, str(only_torch), str(PACKAGE.parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ok, loss, tools = result.stdout.split()
+    assert ok == "OK" and float(loss) > 0
+    assert tools == "[]", "the core imported the toolbox"
+
+
+REPO = PACKAGE.parent.parent
+SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", "runs", "build"}
+
+
+def _repository_files() -> list[pathlib.Path]:
+    files = []
+    for path in REPO.rglob("*"):
+        parts = set(path.relative_to(REPO).parts)
+        if path.is_file() and not parts & SKIP_DIRS and not any(p.endswith(".egg-info") for p in parts):
+            files.append(path.relative_to(REPO))
+    return files
+
+
+def test_the_readme_layout_lists_every_file() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    layout = readme[readme.index("## Layout") :]
+    files = _repository_files()
+    assert len(files) > 80 and pathlib.Path("src/fp8train/protocol.py") in files
+    missing = [str(f) for f in files if f.name not in layout]
+    assert not missing, "README.md's layout section does not list: " + ", ".join(sorted(missing))
