@@ -129,10 +129,11 @@ class BackwardPass:
         self.groups: dict[AmaxGroup, Region] = {}  # group -> the first region that recorded into it
         self.regions: dict[Region, None] = {}
 
-    def note(self, group: AmaxGroup, region: Optional[Region]) -> None:
+    def note(self, group: Optional[AmaxGroup], region: Optional[Region]) -> None:
         if region is None:  # its region was collected: it cannot be named, the group's latest stands in
             region = group.latest_region
-        self.groups.setdefault(group, region)
+        if group is not None:  # None: a current or block scaling call, which reduces nothing
+            self.groups.setdefault(group, region)
         self.regions[region] = None
 
     def end(self) -> None:
@@ -256,8 +257,9 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
         if not settings.enabled:
             return None  # calibrating records amaxes for delayed scaling only
         plan = Plan(
-            True, None, None, 0, 0, bwd_encoding=settings.recipe.fp8_format.bwd, recipe=settings.recipe
-        )
+            True, None, None, 0, 0, region=region if training else None,
+            bwd_encoding=settings.recipe.fp8_format.bwd, recipe=settings.recipe,
+        )  # fmt: skip
         if training:
             region.calls.setdefault(id(module), collections.deque()).append(plan)
             for call in REGISTRY.checkpoints:
@@ -484,13 +486,30 @@ def backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch.
     direction.check()
     column = meta.offset + BWD_ROLES * gemm_index + GRAD_OUTPUT
     direction.record(column, g_amax)
+    _backward_pass().note(direction.group, REGISTRY.regions.get(int(token)))
+    return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
+
+
+def _backward_pass() -> BackwardPass:
+    """The running backward pass's record, made (and its end queued) at the first FP8 backward."""
     task = torch._C._current_graph_task_id()
     if REGISTRY.backward_pass is None or REGISTRY.backward_pass[0] != task:
         backward_pass = BackwardPass()
         REGISTRY.backward_pass = (task, backward_pass)
         torch.autograd.Variable._execution_engine.queue_callback(backward_pass.end)
-    REGISTRY.backward_pass[1].note(direction.group, REGISTRY.regions.get(int(token)))
-    return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
+    return REGISTRY.backward_pass[1]
+
+
+def note_stateless_forward(module, output: torch.Tensor) -> None:
+    """A training call of current or block scaling: when its backward runs, its region owes it
+    nothing more (so torch.utils.checkpoint's recomputations match the regions still pending)."""
+    if torch.compiler.is_compiling():
+        return
+    plan = module._fp8_plan
+    if plan is None or plan.region is None or output.grad_fn is None:
+        return
+    region = plan.region
+    output.grad_fn.register_hook(lambda *_: _backward_pass().note(None, region))
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ class TensorParallel:
         if self.mode != "row":
             return y
         if self.sequence_parallel:
-            return _ReduceScatterTokens.apply(y, self.group)
+            return TokenCollective.apply(y, self.group, False)
         return _AllReduce.apply(y, self.group)
 
 
@@ -152,28 +152,19 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceScatterTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return reduce_scatter_tokens(y, group)
+class TokenCollective(torch.autograd.Function):
+    """Sequence parallelism's pair in high precision: gather a rank's tokens (backward: reduce-scatter
+    the gradient), or reduce-scatter partial sums to each rank's tokens (backward: gather)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return gather_tokens(grad, ctx.group), None
-
-
-class GatherTokens(torch.autograd.Function):
-    """A sequence-parallel input gathered in high precision (a GEMM outside FP8)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_tokens(x, group)
+    def forward(ctx, x, group, gather: bool):
+        ctx.group, ctx.gather = group, gather
+        return gather_tokens(x, group) if gather else reduce_scatter_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_tokens(grad, ctx.group), None
+        grad = reduce_scatter_tokens(grad, ctx.group) if ctx.gather else gather_tokens(grad, ctx.group)
+        return grad, None, None
 
 
 def mark_sequence_parallel(*params: Optional[torch.nn.Parameter]) -> None:

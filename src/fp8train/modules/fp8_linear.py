@@ -14,7 +14,7 @@ from ..current_scaling import block_linear, current_scales
 from ..fsdp import GatheredWeight
 from ..gemm import choose_path, gemm
 from ..recipe import Float8BlockScaling
-from ..tensor_parallel import GatherTokens, TensorParallel, gather_fp8_tokens, reduce_scatter_tokens
+from ..tensor_parallel import TensorParallel, TokenCollective, gather_fp8_tokens, reduce_scatter_tokens
 
 __all__ = ["fp8_linear", "parallel_linear"]
 
@@ -112,7 +112,7 @@ def fp8_linear(
         if precision.record:  # calibrating: amaxes only
             ops.forward_scales(module, gemm_index, amax(x), amax(weight), x.detach())
         if gather_group is not None:
-            x = GatherTokens.apply(x, gather_group)
+            x = TokenCollective.apply(x, gather_group, True)
         return F.linear(x, weight, bias)
     if precision.recipe is not None:
         return _scaled_from_tensors(
@@ -168,9 +168,11 @@ def _scaled_from_tensors(module, x, weight, bias, gemm_index, is_first_microbatc
     """Current and block scaling: each cast's scale from the tensor it casts, whole, so a
     sequence-parallel input is gathered in high precision first (and FSDP2 gathered the weight so)."""
     if gather_group is not None:
-        x = GatherTokens.apply(x, gather_group)
+        x = TokenCollective.apply(x, gather_group, True)
     if isinstance(precision.recipe, Float8BlockScaling):
-        return block_linear(x, weight, bias, precision.recipe.power_2_scale)
+        y = block_linear(x, weight, bias, precision.recipe.power_2_scale)
+        protocol.note_stateless_forward(module, y)
+        return y
     dtype = _operand_dtype(x.numel() // x.shape[-1], weight)
     cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
     if cached is None:
@@ -182,7 +184,9 @@ def _scaled_from_tensors(module, x, weight, bias, gemm_index, is_first_microbatc
         qweight, w_scale_inv = cached[0].to(dtype), cached[1]
     x_scale, x_scale_inv = current_scales(x.detach(), "e4m3")
     no_token = torch.full((), -1, dtype=torch.int64)
-    return _FP8LinearFn.apply(
+    y = _FP8LinearFn.apply(
         x, weight, bias, qweight, w_scale_inv, x_scale, x_scale_inv, no_token, None, gemm_index,
         precision.bwd_encoding, None,
     )  # fmt: skip
+    protocol.note_stateless_forward(module, y)
+    return y
