@@ -14,6 +14,7 @@ import torch
 
 import fp8train
 from fp8train.current_scaling import current_scales, dequantize_tiles, quantize_tiles, scale_from_amax
+from fp8train.recipe import recipe_kind
 
 F32_MAX = np.float32(np.finfo(np.float32).max)
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
@@ -267,5 +268,10 @@ def test_compiled_fullgraph_equals_eager(recipe) -> None:
             y = run(x)
         y.square().mean().backward()
         results.append([y.detach(), x.grad] + [p.grad for p in model.parameters()])
+        # the recipe kind is recorded (and saved) however the model ran
+        assert {m._fp8_recipe_kind for m in model} == {recipe_kind(recipe)}
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+    with pytest.raises(RuntimeError, match="now trained with delayed scaling"):
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling()):
+            model(x)

@@ -231,3 +231,56 @@ def test_fp8_checkpoint_recomputes_again_with_retain_graph() -> None:
         grads[checkpointed] = [p.grad.clone() for p in model.parameters()]
     for a, b in zip(grads[False], grads[True]):
         assert torch.equal(a, b)
+
+
+RECIPES = [RECIPE, fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()]
+RECIPE_IDS = ["delayed", "current", "block"]
+
+
+def _patterns(mode: str, recipe) -> list[torch.Tensor]:
+    """Real-job patterns around recomputation: a step whose graph is dropped (a skipped non-finite
+    loss, an OOM retry's failed attempt), a pipeline-style pair of regions recomputed by
+    fp8train.checkpoint, two microbatches whose backward runs inside one region, then plain steps."""
+    REGISTRY.__init__()
+    model = _model()
+    grads = []
+
+    def step(x, fp8_mode):
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            y = _forward(model, x, fp8_mode)
+        y.pow(2).mean().backward()
+
+    step(_x(0), mode)
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        dropped = _forward(model, _x(1), mode).pow(2).mean()
+    del dropped  # no backward: the graph is dropped
+    ys = []
+    for i in range(2):  # pipeline style: two regions, then their backwards
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            ys.append(_forward(model, _x(2 + i), "fp8train" if mode != "plain" else "plain"))
+    for y in reversed(ys):
+        y.pow(2).mean().backward()
+    with fp8train.fp8_autocast(fp8_recipe=recipe):  # backward inside the region, per microbatch
+        for i in range(2):
+            _forward(model, _x(4 + i), mode).pow(2).mean().backward()
+    for i in range(3):
+        step(_x(6 + i), mode)
+    grads += [p.grad.clone() for p in model.parameters()]
+    assert not [r for r in REGISTRY.regions.values() if r.owes_backward()]
+    return grads
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("mode", ["fp8train", "torch"])
+def test_dropped_graphs_and_backward_inside_a_region_keep_recomputation_exact(mode, recipe) -> None:
+    plain = _patterns("plain", recipe)
+    recomputed = _patterns(mode, recipe)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_reentrant_checkpoint_is_refused_with_every_recipe(recipe) -> None:
+    model = _model()
+    with pytest.raises(RuntimeError, match="use_reentrant=True is not supported"):
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            torch.utils.checkpoint.checkpoint(model, _x(0), use_reentrant=True)

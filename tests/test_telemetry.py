@@ -242,6 +242,25 @@ def test_every_n_steps_and_extra_fields(tmp_path):
         Telemetry(model, every=0)
 
 
+@pytest.mark.parametrize("recipe", [RECIPE, fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()])
+def test_records_name_the_recipe_and_the_report_reads_it(tmp_path, recipe):
+    """A run logged by a plain loop (no demo metadata) is reported under its recipe kind."""
+    from fp8train.recipe import recipe_kind
+    from fp8train.tools.report import load_run
+
+    model = torch.nn.Sequential(fp8train.Linear(16, 16))
+    with Telemetry(model, str(tmp_path), run="r") as tel:
+        tel.log_step(0, loss=1.0)  # before any FP8 training: no recipe yet
+        for step in range(1, 3):
+            with fp8train.fp8_autocast(fp8_recipe=recipe):
+                model(torch.randn(16, 16)).sum().backward()
+            tel.log_step(step, loss=1.0)
+    recs = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["recipe"] for r in recs] == [None] + [recipe_kind(recipe)] * 2
+    run = load_run(str(tmp_path))["r"]
+    assert run.fp8 and run.recipe_kind == recipe_kind(recipe)
+
+
 def test_tensorboard_missing_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
     model = torch.nn.Sequential(fp8train.Linear(16, 16))

@@ -85,6 +85,7 @@ class Plan:
     bwd_offset: int
     records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
     region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
+    serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
     bwd_encoding: str = "e5m2"  # the FP8 encoding of its gradients
     recipe: Optional[Recipe] = None  # a recipe that scales from the tensors themselves (no protocol)
 
@@ -99,7 +100,14 @@ class Region:
         self.trained: dict[AmaxGroup, int] = {}  # groups in the order they first trained -> index
         self.snapshots: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
         self.calls: dict[int, collections.deque] = {}  # module id -> forward plans, for recomputation
+        self.outputs: list[weakref.ref] = []  # autograd nodes of its FP8 training calls' outputs
         self.backward_done = False
+
+    def owes_backward(self) -> bool:
+        """Its backward has not run and its graph is alive (a dropped graph owes nothing)."""
+        if self.backward_done:
+            return False
+        return not self.outputs or any(node() is not None for node in self.outputs)
 
     def index_of(self, group: AmaxGroup) -> int:
         """This region's index among `group`'s training regions (taken by its first launch)."""
@@ -256,11 +264,15 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
     if not isinstance(settings.recipe, DelayedScaling):  # current or block scaling: no protocol
         if not settings.enabled:
             return None  # calibrating records amaxes for delayed scaling only
+        if not training and region.grad_at_entry:
+            _refuse_reentrant_checkpoint()
         plan = Plan(
             True, None, None, 0, 0, region=region if training else None,
-            bwd_encoding=settings.recipe.fp8_format.bwd, recipe=settings.recipe,
+            serial=region.serial if training else -1, bwd_encoding=settings.recipe.fp8_format.bwd,
+            recipe=settings.recipe,
         )  # fmt: skip
         if training:
+            region.backward_done = False  # (again, when a backward ran inside the region)
             region.calls.setdefault(id(module), collections.deque()).append(plan)
             for call in REGISTRY.checkpoints:
                 call.add(id(module), plan)
@@ -301,10 +313,12 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
         bwd_offset=bwd_meta.offset,
         records_into=group.fwd if record else None,
         region=region if trains else None,
+        serial=region.serial if trains else -1,
         bwd_encoding=settings.recipe.fp8_format.bwd,
     )
-    if training:
-        replay = Plan(settings.enabled, scale, scale_inv, offset, bwd_meta.offset)  # no region reference
+    if training:  # the replay holds no region reference
+        replay = Plan(settings.enabled, scale, scale_inv, offset, bwd_meta.offset, serial=plan.serial)
+        region.backward_done = False  # (again, when a backward ran inside the region)
         region.calls.setdefault(id(module), collections.deque()).append(replay)
         for call in REGISTRY.checkpoints:
             call.add(id(module), replay)
@@ -339,12 +353,14 @@ def _recompute_plan(module) -> Optional[Plan]:
             )
         return plan
     # torch.utils.checkpoint(use_reentrant=False): the one region whose backward still owes a call
-    candidates = [
-        r for r in list(REGISTRY.regions.values()) if not r.backward_done and r.calls.get(id(module))
-    ]
+    candidates = [r for r in list(REGISTRY.regions.values()) if r.owes_backward() and r.calls.get(id(module))]
     if not candidates:
         return None  # no FP8 training call pending: the original forward was high precision
-    plans = candidates[0].calls[id(module)] if len(candidates) == 1 else ()
+    first = candidates[0].calls[id(module)][0]
+    stateless = first.recipe is not None and all(
+        p.recipe == first.recipe for r in candidates for p in r.calls[id(module)]
+    )  # current or block scaling: any pending call of the same recipe replays alike
+    plans = candidates[0].calls[id(module)] if len(candidates) == 1 or stateless else ()
     # backward recomputes later calls first: taking the oldest plan is right only if all are alike
     if plans and all(p.fp8 == plans[0].fp8 and p.scale is plans[0].scale for p in plans):
         return plans.popleft()
@@ -436,6 +452,8 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
         if settings is None or not (settings.enabled or settings.calibrating):
             return CallPrecision(False, False)
         if not isinstance(settings.recipe, DelayedScaling):
+            if settings.enabled and torch.is_grad_enabled():  # at trace time: grad mode is guarded
+                _check_recipe_kind(module, settings.recipe)
             return CallPrecision(settings.enabled, False, settings.recipe.fp8_format.bwd, settings.recipe)
         record = settings.calibrating or torch.is_grad_enabled()
         return CallPrecision(settings.enabled, record, settings.recipe.fp8_format.bwd)
@@ -470,7 +488,7 @@ def forward_scales(
         if w_amax is not None:
             plan.records_into.record(base + WEIGHT, w_amax)
     scales = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]])
-    token = torch.tensor(plan.region.serial if plan.region is not None else -1)
+    token = torch.tensor(plan.serial)
     token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
     return scales, token
 
@@ -500,16 +518,19 @@ def _backward_pass() -> BackwardPass:
     return REGISTRY.backward_pass[1]
 
 
-def note_stateless_forward(module, output: torch.Tensor) -> None:
-    """A training call of current or block scaling: when its backward runs, its region owes it
-    nothing more (so torch.utils.checkpoint's recomputations match the regions still pending)."""
+def note_training_output(module, output: torch.Tensor) -> None:
+    """An FP8 training call's output: its region owes a backward while this graph lives. Current and
+    block scaling record nothing in backward, so a hook on the node marks their region's backward as
+    run (for plain torch.utils.checkpoint's recomputations to find the regions still pending)."""
     if torch.compiler.is_compiling():
         return
     plan = module._fp8_plan
     if plan is None or plan.region is None or output.grad_fn is None:
         return
     region = plan.region
-    output.grad_fn.register_hook(lambda *_: _backward_pass().note(None, region))
+    region.outputs.append(weakref.ref(output.grad_fn))
+    if plan.recipe is not None:
+        output.grad_fn.register_hook(lambda *_: _backward_pass().note(None, region))
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,7 @@ class Telemetry:
             "step": step,
             "time_s": now - self._last_time,
             "loss": loss if not isinstance(loss, torch.Tensor) else None,
+            "recipe": self._recipe_kind(),
             **extra,
             "reduction": stats,
             "reduction_delta": {k: stats[k] - self._last_stats[k] for k in stats},
@@ -196,6 +197,12 @@ class Telemetry:
         arrived = self._complete_arrived(wait=False)
         self._pending.append(_PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor)))
         return arrived
+
+    def _recipe_kind(self) -> Optional[str]:
+        """The recipe kind the model's FP8 modules trained with ("delayed", "current", "block";
+        "mixed" if they differ; None before any trained)."""
+        kinds = {m._fp8_recipe_kind for m in self.model.modules() if isinstance(m, FP8Module)} - {None}
+        return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else None)
 
     def flush(self) -> Optional[dict]:
         """Complete every logged step (waiting for their copies); return the last record."""

@@ -119,7 +119,7 @@ def fp8_linear(
             module, x, weight, bias, gemm_index, is_first_microbatch, gather_group, precision
         )
     gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
-    cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
+    cached = module._weight_cache.get((gemm_index, "delayed")) if is_first_microbatch is False else None
     x_amax = amax(x) if precision.record else None
     w_amax = None
     if precision.record and cached is None:  # a gathered weight's amax is its shard's: MAX over ranks
@@ -135,13 +135,15 @@ def fp8_linear(
             qweight, w_scale_inv = cast_operand(weight.detach(), scales[0, 1], "e4m3", dtype), scales[1, 1]
         if is_first_microbatch is not None:  # kept across microbatches: not FSDP2's gather buffer
             aliases_buffer = gathered and qweight.dtype.itemsize == 1
-            module._weight_cache[gemm_index] = (qweight.clone() if aliases_buffer else qweight, w_scale_inv)
+            cache = (qweight.clone() if aliases_buffer else qweight, w_scale_inv)
+            module._weight_cache[(gemm_index, "delayed")] = cache
     else:
         qweight, w_scale_inv = cached[0].to(dtype), cached[1]  # FP8 values convert exactly
     y = _FP8LinearFn.apply(
         x, weight, bias, qweight, w_scale_inv, scales[0, 0], scales[1, 0], token,
         module._fp8_handle, gemm_index, precision.bwd_encoding, gather_group,
     )  # fmt: skip
+    protocol.note_training_output(module, y)
     if gathered:
         protocol.note_gathered_forward(module, gemm_index, weight.gather, y)
     return y
@@ -171,15 +173,15 @@ def _scaled_from_tensors(module, x, weight, bias, gemm_index, is_first_microbatc
         x = TokenCollective.apply(x, gather_group, True)
     if isinstance(precision.recipe, Float8BlockScaling):
         y = block_linear(x, weight, bias, precision.recipe.power_2_scale)
-        protocol.note_stateless_forward(module, y)
+        protocol.note_training_output(module, y)
         return y
     dtype = _operand_dtype(x.numel() // x.shape[-1], weight)
-    cached = module._weight_cache.get(gemm_index) if is_first_microbatch is False else None
+    cached = module._weight_cache.get((gemm_index, "current")) if is_first_microbatch is False else None
     if cached is None:
         w_scale, w_scale_inv = current_scales(weight.detach(), "e4m3")
         qweight = cast_operand(weight.detach(), w_scale, "e4m3", dtype)
         if is_first_microbatch is not None:
-            module._weight_cache[gemm_index] = (qweight, w_scale_inv)
+            module._weight_cache[(gemm_index, "current")] = (qweight, w_scale_inv)
     else:
         qweight, w_scale_inv = cached[0].to(dtype), cached[1]
     x_scale, x_scale_inv = current_scales(x.detach(), "e4m3")
@@ -188,5 +190,5 @@ def _scaled_from_tensors(module, x, weight, bias, gemm_index, is_first_microbatc
         x, weight, bias, qweight, w_scale_inv, x_scale, x_scale_inv, no_token, None, gemm_index,
         precision.bwd_encoding, None,
     )  # fmt: skip
-    protocol.note_stateless_forward(module, y)
+    protocol.note_training_output(module, y)
     return y

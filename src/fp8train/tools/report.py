@@ -34,12 +34,16 @@ class RunData:
     def fp8(self) -> bool:
         if "fp8" in self.meta:
             return bool(self.meta["fp8"])
-        return any(r["roles"] for r in self.steps)
+        return any(r["roles"] or r.get("recipe") for r in self.steps)
 
     @property
     def recipe_kind(self) -> Optional[str]:
-        """ "delayed", "current" or "block" for FP8 runs (runs written before recipes: delayed)."""
-        return self.meta.get("recipe_kind") or ("delayed" if self.fp8 else None)
+        """The FP8 recipe kind ("delayed", "current", "block"): from the demo's metadata, else from
+        the step records (runs logged before recipes were recorded: delayed), None for no FP8."""
+        if self.meta.get("recipe_kind"):
+            return self.meta["recipe_kind"]
+        kinds = [r["recipe"] for r in self.steps if r.get("recipe")]
+        return kinds[-1] if kinds else ("delayed" if self.fp8 else None)
 
     def median_step_ms(self) -> Optional[float]:
         if self.end is not None and "median_step_s" in self.end:
