@@ -194,6 +194,14 @@ def test_fp8_all_gather_is_bitwise_equal_with_fewer_bytes_and_no_added_collectiv
 
 
 @pytest.mark.multirank
+def test_one_rank_needs_no_reduction() -> None:
+    """A single-rank run (a smoke test) holds the whole weight: no amax group is needed."""
+    results = run_ranks(_both, 1, None)
+    _check_equal(results)
+    assert all(dtype == torch.uint8 for _, dtype in results[0][True]["gathers"])
+
+
+@pytest.mark.multirank
 def test_fp8_all_gather_with_bf16_mixed_precision() -> None:
     results = run_ranks(_both, 2, torch.bfloat16)
     _check_equal(results)

@@ -6,6 +6,7 @@ would show up as a TimeoutError of the launcher, never as a stuck test run.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import io
 import math
@@ -630,6 +631,15 @@ def test_garbage_file_is_a_checkpoint_error(tmp_path) -> None:
     bad.write_bytes(bytes(range(256)) * 8)
     with pytest.raises(CheckpointError, match="not a complete torch.save archive"):
         load_checkpoint(bad)
+
+
+def test_python_objects_need_weights_only_false_and_say_so(tmp_path) -> None:
+    path = tmp_path / "with_args.pt"
+    save_checkpoint({"args": argparse.Namespace(lr=0.1), "w": torch.ones(2)}, path)
+    with pytest.raises(CheckpointError, match="weights_only=False") as error:
+        load_checkpoint(path)
+    assert "damaged" not in str(error.value)
+    assert load_checkpoint(path, weights_only=False)["args"].lr == 0.1
 
 
 def test_failed_save_keeps_the_previous_checkpoint(saved_checkpoint) -> None:

@@ -43,14 +43,19 @@ def save_checkpoint(obj: Any, path: PathLike) -> None:
         raise
 
 
+def _complete_archive(path: str) -> bool:
+    """Whether the file ends with a zip end record, as a complete torch.save archive does."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - 22))
+        return f.read(4) == b"PK\x05\x06"
+
+
 def _diagnose(path: str) -> str:
     size = os.path.getsize(path)
     if size == 0:
         return "the file is empty"
-    with open(path, "rb") as f:  # a complete torch.save archive ends with the zip end record
-        f.seek(max(0, size - 22))
-        complete = f.read(4) == b"PK\x05\x06"
-    if not complete:
+    if not _complete_archive(path):
         return (
             f"the file ({size} bytes) is not a complete torch.save archive: it was truncated (e.g. the "
             "job died while writing it), corrupted, or written by something else"
@@ -59,7 +64,8 @@ def _diagnose(path: str) -> str:
 
 
 def load_checkpoint(path: PathLike, map_location: Any = None, weights_only: bool = True) -> Any:
-    """torch.load `path`; a damaged or foreign file raises CheckpointError naming the problem."""
+    """torch.load `path` (`weights_only=True` by default, as torch.load: tensors and plain containers
+    only); a damaged or foreign file raises CheckpointError naming the problem."""
     path = os.fspath(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
@@ -67,6 +73,12 @@ def load_checkpoint(path: PathLike, map_location: Any = None, weights_only: bool
         raise
     except Exception as exc:  # torch reports damage through many exception types
         first_line = (str(exc).strip().splitlines() or [""])[0]
+        if weights_only and "Weights only load failed" in str(exc) and _complete_archive(path):
+            raise CheckpointError(
+                f"cannot load checkpoint {path!r} with weights_only=True: it holds Python objects "
+                "other than tensors and plain containers. If you trust the file, call "
+                "load_checkpoint(path, weights_only=False)"
+            ) from exc
         raise CheckpointError(
             f"cannot load checkpoint {path!r}: {_diagnose(path)}. Use an earlier checkpoint. "
             f"(torch.load: {type(exc).__name__}: {first_line})"

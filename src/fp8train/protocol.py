@@ -10,7 +10,8 @@ docs/design.md, section 3. The rules, all applied in this file:
 - Each amax group numbers its own training regions; the number travels in every header.
 - Backward amaxes are launched when the backward pass that recorded them ends (`queue_callback`):
   the same point on every rank, whatever else issued collectives during the pass.
-- `Direction.finish` (reduction.py) is the only wait, and every call of it is in this file: the
+- `Direction.finish` (reduction.py) is the only wait, and every call of it is in this file (and in
+  `Direction.launch`, which completes the previous reduction first): the
   first FP8 call of a region (forward scales), the first FP8 backward node of a pass (backward
   scales), a launch, and every reader of FP8 state (`settle`: fp8_meta, state_dict, telemetry;
   `synchronize`).
@@ -581,7 +582,7 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
     if region is not None:
         group = REGISTRY.amax_group(settings.recipe, settings.group)
         amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
-        if not set(shard_ranks) <= set(amax_ranks):
+        if len(set(shard_ranks)) > 1 and not set(shard_ranks) <= set(amax_ranks):  # one shard: its own
             raise ValueError(
                 f"{module._signature()} (fsdp_fp8_all_gather): FSDP2 shards its weight over ranks "
                 f"{shard_ranks} but the amax group reduces over {amax_ranks or 'no ranks'}: each shard would "
