@@ -275,3 +275,32 @@ def test_compiled_fullgraph_equals_eager(recipe) -> None:
     with pytest.raises(RuntimeError, match="now trained with delayed scaling"):
         with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling()):
             model(x)
+
+
+def test_block_scaling_keeps_one_byte_operands_for_backward_and_caches_the_weight(monkeypatch) -> None:
+    """Backward keeps the weight's blocks and the input (quantized along the tokens) as 1-byte FP8
+    values, not high-precision copies; with is_first_microbatch the weight is quantized once."""
+    import fp8train.modules.fp8_linear as fp8_linear_mod
+
+    layer = fp8train.Linear(256, 128, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.Float8BlockScaling()):
+            layer(x)
+    big = [dtype for dtype, n in saved if n >= 128 * 64]  # operands, not per-tile scales
+    assert big == [torch.float8_e4m3fn, torch.float8_e4m3fn], saved
+
+    calls = []
+    real = fp8_linear_mod.quantize_weight_blocks
+    monkeypatch.setattr(fp8_linear_mod, "quantize_weight_blocks", lambda *a: calls.append(1) or real(*a))
+    outputs = []
+    for first in (True, False, False):
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.Float8BlockScaling()):
+            outputs.append(layer(x, is_first_microbatch=first))
+    assert len(calls) == 1 and all(torch.equal(outputs[0], y) for y in outputs)

@@ -17,7 +17,10 @@ import torch.nn.functional as F
 from .cast import amax, cast_operand
 from .recipe import fp8_max
 
-__all__ = ["TILE", "scale_from_amax", "current_scales", "quantize_tiles", "dequantize_tiles", "block_linear"]
+__all__ = [
+    "TILE", "scale_from_amax", "current_scales", "quantize_tiles", "dequantize_tiles",
+    "quantize_weight_blocks", "block_linear",
+]  # fmt: skip
 
 TILE = 128
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -63,20 +66,28 @@ def dequantize_tiles(q: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> tor
     return q * per_element
 
 
+def quantize_weight_blocks(weight: torch.Tensor, power_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's 128x128-block FP8 values (1 byte each) and scale_inv per block; the same blocks
+    serve w and w.T, so one quantization serves the forward and the input gradient."""
+    q, scale_inv = quantize_tiles(weight.detach(), TILE, power_2)
+    return q.to(torch.float8_e4m3fn), scale_inv  # FP8 values: exact in float8
+
+
 class _BlockLinear(torch.autograd.Function):
     """y = x @ w.T + b with block-scaled FP8 operands in every GEMM, forward and backward: each GEMM
-    quantizes its operands along its own reduction dimension."""
+    quantizes its operands along its own reduction dimension. Backward keeps 1-byte operands: the
+    weight's blocks and the input quantized along the tokens (the weight gradient's reduction)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, power_2):
+    def forward(ctx, x, weight, bias, qweight, w_scale_inv, power_2):
         x2d = x.reshape(-1, x.shape[-1])
-        qw, w_inv = quantize_tiles(weight, TILE, power_2)
-        w = dequantize_tiles(qw, w_inv, TILE)  # 128x128 blocks: the same blocks serve w and w.T
+        w = dequantize_tiles(qweight.float(), w_scale_inv, TILE)
         qx, x_inv = quantize_tiles(x2d, 1, power_2)  # 1x128 tiles along in_features
         y = dequantize_tiles(qx, x_inv, 1) @ w.t()
         if bias is not None:
             y = y + bias.float()
-        ctx.save_for_backward(x2d, w)
+        qxt, xt_inv = quantize_tiles(x2d.t(), 1, power_2)  # for the weight gradient: along the tokens
+        ctx.save_for_backward(qweight, w_scale_inv, qxt.to(torch.float8_e4m3fn), xt_inv)
         ctx.power_2, ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = (
             power_2, bias is not None, x.shape, x.dtype, weight.dtype
         )  # fmt: skip
@@ -84,23 +95,30 @@ class _BlockLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2d, w = ctx.saved_tensors
+        qweight, w_scale_inv, qxt, xt_inv = ctx.saved_tensors
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # reduction over out_features: 1x128 tiles along g's rows
             qg, g_inv = quantize_tiles(g, 1, ctx.power_2)
+            w = dequantize_tiles(qweight.float(), w_scale_inv, TILE)
             grad_x = (dequantize_tiles(qg, g_inv, 1) @ w).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # reduction over tokens: tiles along the token dimension
             qgt, gt_inv = quantize_tiles(g.t(), 1, ctx.power_2)
-            qxt, xt_inv = quantize_tiles(x2d.t(), 1, ctx.power_2)
-            grad_w = (dequantize_tiles(qgt, gt_inv, 1) @ dequantize_tiles(qxt, xt_inv, 1).t()).to(ctx.w_dtype)
+            xt = dequantize_tiles(qxt.float(), xt_inv, 1)
+            grad_w = (dequantize_tiles(qgt, gt_inv, 1) @ xt.t()).to(ctx.w_dtype)
         grad_b = g.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def block_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], power_2: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    power_2: bool,
+    quantized_weight: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
+    """`quantized_weight`: the weight's (blocks, scale_inv) from `quantize_weight_blocks`, cached
+    across microbatches (is_first_microbatch); quantized here when None."""
     if x.is_cuda:  # shown once per process by Python's default warning filter
         warnings.warn(
             "fp8train.Float8BlockScaling on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
@@ -108,4 +126,5 @@ def block_linear(
             "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
             stacklevel=2,
         )
-    return _BlockLinear.apply(x, weight, bias, power_2)
+    qweight, w_scale_inv = quantized_weight or quantize_weight_blocks(weight, power_2)
+    return _BlockLinear.apply(x, weight, bias, qweight, w_scale_inv, power_2)

@@ -183,7 +183,7 @@ class FP8Module(torch.nn.Module):
             "scaling_fwd": ScalingMeta(FWD_ROLES * self.num_gemms),
             "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
         }
-        # (GEMM index, "delayed" or "current") -> the FP8 weight and its scale_inv (is_first_microbatch)
+        # (GEMM index, recipe kind) -> the FP8 weight and its scale_inv, kept across microbatches
         self._weight_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._fp8_plan: Optional[protocol.Plan] = None  # the plan of the current forward call
         self._fp8_recipe_kind: Optional[str] = None  # "delayed", "current" or "block", once trained

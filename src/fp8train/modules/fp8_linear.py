@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .. import ops, protocol
 from ..cast import amax, cast_operand
-from ..current_scaling import block_linear, current_scales
+from ..current_scaling import block_linear, current_scales, quantize_weight_blocks
 from ..fsdp import GatheredWeight
 from ..gemm import choose_path, gemm
 from ..recipe import Float8BlockScaling
@@ -172,7 +172,11 @@ def _scaled_from_tensors(module, x, weight, bias, gemm_index, is_first_microbatc
     if gather_group is not None:
         x = TokenCollective.apply(x, gather_group, True)
     if isinstance(precision.recipe, Float8BlockScaling):
-        y = block_linear(x, weight, bias, precision.recipe.power_2_scale)
+        power_2 = precision.recipe.power_2_scale
+        cached = module._weight_cache.get((gemm_index, "block")) if is_first_microbatch is False else None
+        if cached is None and is_first_microbatch is not None:
+            cached = module._weight_cache[(gemm_index, "block")] = quantize_weight_blocks(weight, power_2)
+        y = block_linear(x, weight, bias, power_2, cached)
         protocol.note_training_output(module, y)
         return y
     dtype = _operand_dtype(x.numel() // x.shape[-1], weight)
