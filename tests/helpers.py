@@ -1,4 +1,4 @@
-"""Small helpers shared by the tests: a model's FP8 state and content hashes."""
+"""Small helpers shared by the tests: a model's FP8 state, content hashes, plain SGD."""
 
 from __future__ import annotations
 
@@ -42,3 +42,12 @@ def digest(obj: Any) -> str:
 
     feed(obj)
     return h.hexdigest()
+
+
+def sgd(model: torch.nn.Module, lr: float) -> None:
+    """Plain SGD: no optimizer state, so a resumed run needs only the model's state."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None

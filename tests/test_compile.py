@@ -21,7 +21,7 @@ import torch
 import fp8train
 from fp8train.protocol import REGISTRY
 from fp8train.tools.ranks import AllReduceSpy, run_ranks
-from helpers import fp8_state
+from helpers import fp8_state, sgd
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 LR = 0.1
@@ -61,14 +61,6 @@ class GraphCounter:
         return self.backend(gm, example_inputs)
 
 
-def _sgd(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= LR * p.grad
-                p.grad = None
-
-
 def _train(backend, steps: int = 4, rank: int = 0, group=None, mode: str = "train", checkpoint: str = ""):
     """Losses, FP8 state after each step, final parameters and amax collectives per step and direction."""
     REGISTRY.__init__()
@@ -98,7 +90,7 @@ def _train(backend, steps: int = 4, rank: int = 0, group=None, mode: str = "trai
                 if mode == "evaluate":
                     with torch.no_grad(), fp8train.fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
                         out["loss"].append(run(x).square().mean())
-            _sgd(model)
+            sgd(model, LR)
             out["state"].append(fp8_state(model))
     out["params"] = [p.detach().clone() for p in model.parameters()]
     return out

@@ -39,7 +39,7 @@ import fp8train
 from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, fp8_autocast
 from fp8train.protocol import REGISTRY
 from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
-from helpers import digest, fp8_state
+from helpers import digest, fp8_state, sgd
 
 RECIPE = DelayedScaling(amax_history_len=4)
 LR = 0.05
@@ -55,22 +55,13 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(8, 16, generator=gen) * (1 + rank)
 
 
-def sgd(model: torch.nn.Module) -> None:
-    """Plain SGD: no optimizer state, so a resumed run needs only the model's state."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= LR * p.grad
-                p.grad = None
-
-
 def train_step(model: torch.nn.Module, x: torch.Tensor, group, backward: bool = True) -> float:
     with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
         y = model(x)
     loss = y.float().pow(2).mean()
     if backward:
         loss.backward()
-        sgd(model)
+        sgd(model, LR)
     return loss.item()
 
 
@@ -106,7 +97,7 @@ def _rank_local_regions(rank: int, ddp: DDP, local: torch.nn.Module, step: int, 
             with fp8_autocast(fp8_recipe=recipe, fp8_group=own):
                 y = local(batch(80 + i, step))
             y.square().mean().backward()
-            sgd(local)
+            sgd(local, LR)
         with torch.no_grad(), fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe, fp8_group=own):
             local(batch(85, step))
 
@@ -124,7 +115,7 @@ def _train_step_retrying(ddp: DDP, x: torch.Tensor, group, fail_first: bool) -> 
         y = ddp(x)
     loss = y.float().pow(2).mean()
     loss.backward()
-    sgd(ddp.module)
+    sgd(ddp.module, LR)
     return loss.item()
 
 
@@ -172,7 +163,7 @@ def nested_groups(rank: int, world: int) -> dict:
                     h = b(h)
             h.float().pow(2).mean().backward()
             for m in (a, b, c):
-                sgd(m)
+                sgd(m, LR)
             log.append([fp8_digest(m) for m in (a, b, c)])
         runs[variant] = log
     return runs
@@ -275,7 +266,7 @@ def _growth_step(case: str, model, extra, x, group, step: int, diverge: bool) ->
             raise ValueError("bad batch")
     if not (diverge and case.startswith("skips its backward")):
         y.float().pow(2).mean().backward()
-        sgd(model)
+        sgd(model, LR)
 
 
 def growth(rank: int, world: int) -> dict:

@@ -23,7 +23,7 @@ import collections
 import os
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -262,26 +262,31 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
     region = REGISTRY.region
     if settings.enabled and training:
         _check_recipe_kind(module, settings.recipe)
-    if not isinstance(settings.recipe, DelayedScaling):  # current or block scaling: no protocol
-        if not settings.enabled:
-            return None  # calibrating records amaxes for delayed scaling only
-        if not training and region.grad_at_entry:
-            _refuse_reentrant_checkpoint()
-        plan = Plan(
-            True, None, None, 0, 0, region=region if training else None,
-            serial=region.serial if training else -1, bwd_encoding=settings.recipe.fp8_format.bwd,
-            recipe=settings.recipe,
-        )  # fmt: skip
-        if training:
-            region.backward_done = False  # (again, when a backward ran inside the region)
-            region.calls.setdefault(id(module), collections.deque()).append(plan)
-            for call in REGISTRY.checkpoints:
-                call.add(id(module), plan)
-        return plan
-    group = REGISTRY.amax_group(settings.recipe, settings.group)
-    record = settings.calibrating or training
     if settings.enabled and not training and region.grad_at_entry:
         _refuse_reentrant_checkpoint()
+    trains = settings.enabled and training
+    if isinstance(settings.recipe, DelayedScaling):
+        plan = _delayed_plan(module, settings, region, training)
+    elif settings.enabled:  # current or block scaling: scales from the tensors, no protocol
+        recipe = settings.recipe
+        plan = Plan(True, None, None, 0, 0, bwd_encoding=recipe.fp8_format.bwd, recipe=recipe)
+    else:
+        return None  # calibrating records amaxes for delayed scaling only
+    plan.region, plan.serial = (region, region.serial) if trains else (None, -1)
+    if training:  # noted for recomputation; the replay holds no region reference and records nothing
+        region.backward_done = False  # (again, when a backward ran inside the region)
+        replay = replace(plan, records_into=None, region=None)
+        region.calls.setdefault(id(module), collections.deque()).append(replay)
+        for call in REGISTRY.checkpoints:
+            call.add(id(module), replay)
+    return plan
+
+
+def _delayed_plan(module, settings: RegionSettings, region: Region, training: bool) -> Plan:
+    """Delayed scaling: the module joins its amax group when it first records; the region's frozen
+    scales; amaxes recorded when training or calibrating."""
+    group = REGISTRY.amax_group(settings.recipe, settings.group)
+    record = settings.calibrating or training
     fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
     if record:
         if group not in region.trained:
@@ -305,25 +310,15 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
     else:
         scale, scale_inv = region.forward_scales(fwd_meta.direction)
         offset = fwd_meta.offset
-    trains = settings.enabled and training
-    plan = Plan(
+    return Plan(
         fp8=settings.enabled,
         scale=scale,
         scale_inv=scale_inv,
         fwd_offset=offset,
         bwd_offset=bwd_meta.offset,
         records_into=group.fwd if record else None,
-        region=region if trains else None,
-        serial=region.serial if trains else -1,
         bwd_encoding=settings.recipe.fp8_format.bwd,
     )
-    if training:  # the replay holds no region reference
-        replay = Plan(settings.enabled, scale, scale_inv, offset, bwd_meta.offset, serial=plan.serial)
-        region.backward_done = False  # (again, when a backward ran inside the region)
-        region.calls.setdefault(id(module), collections.deque()).append(replay)
-        for call in REGISTRY.checkpoints:
-            call.add(id(module), replay)
-    return plan
 
 
 def _check_recipe_kind(module, recipe: Recipe) -> None:
