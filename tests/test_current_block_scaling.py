@@ -304,3 +304,62 @@ def test_block_scaling_keeps_one_byte_operands_for_backward_and_caches_the_weigh
         with fp8train.fp8_autocast(fp8_recipe=fp8train.Float8BlockScaling()):
             outputs.append(layer(x, is_first_microbatch=first))
     assert len(calls) == 1 and all(torch.equal(outputs[0], y) for y in outputs)
+
+
+def _ddp_job(rank: int, world: int, recipe, path: str, rank_local: bool) -> dict:
+    """DDP training with `recipe`; with `rank_local`, rank 0 also evaluates inside an FP8 region (an
+    extra batch: uneven validation), saves a checkpoint alone and waits at a barrier; then a fresh
+    model is loaded on rank 0 only and DDP broadcasts it."""
+    import torch.distributed as dist
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(fp8train.LayerNormMLP(64, 128), fp8train.Linear(64, 32))
+
+    def train(ddp, steps, start):
+        losses = []
+        for step in range(start, start + steps):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+            with fp8train.fp8_autocast(fp8_recipe=recipe):
+                loss = ddp(x).square().mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in ddp.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            losses.append(loss.item())
+        return losses
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build())
+    losses = train(ddp, 3, 0)
+    if rank_local and rank == 0:
+        with torch.no_grad(), fp8train.fp8_autocast(fp8_recipe=recipe):
+            for _ in range(2):
+                ddp.module(torch.randn(8, 64))
+        fp8train.save_checkpoint(ddp.module.state_dict(), path)
+    dist.barrier()
+    losses += train(ddp, 2, 3)
+    fresh = build()
+    if rank == 0:
+        fresh.load_state_dict(fp8train.load_checkpoint(path) if rank_local else ddp.module.state_dict())
+    resumed = torch.nn.parallel.DistributedDataParallel(fresh)  # broadcasts rank 0's parameters
+    losses += train(resumed, 2, 5)
+    return {"losses": losses, "params": [p.detach().clone() for p in resumed.parameters()]}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("recipe", [fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()])
+def test_ddp_with_rank_local_evaluation_saving_and_a_rank0_load(recipe, tmp_path) -> None:
+    """Current and block scaling issue no amax collective: rank-0-only evaluation and saving change
+    nothing, and a checkpoint loaded on rank 0 only trains on every rank after DDP's broadcast."""
+    from fp8train.tools.ranks import run_ranks
+
+    path = str(tmp_path / "ckpt.pt")
+    lockstep = run_ranks(_ddp_job, 2, recipe, str(tmp_path / "unused.pt"), False)
+    patterns = run_ranks(_ddp_job, 2, recipe, path, True)
+    for a, b in zip(lockstep, patterns):
+        assert a["losses"][:5] == b["losses"][:5]  # evaluation and saving changed nothing
+    for run in (lockstep, patterns):  # after the rank-0 load and DDP's broadcast, ranks agree
+        assert all(torch.equal(p, q) for p, q in zip(run[0]["params"], run[1]["params"]))
+    # the resumed run started from the checkpoint of step 3, not from the weights of step 5
+    assert patterns[0]["losses"][5:] != lockstep[0]["losses"][5:]
