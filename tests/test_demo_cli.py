@@ -82,10 +82,9 @@ def test_demo_end_to_end(demo_run):
     assert [r["roles"] for r in fp8.steps] == [r["roles"] for r in blocking.steps]
     assert fp8.end["fp8_state_digest"] == blocking.end["fp8_state_digest"]
     assert fp8.meta["async"] is True and blocking.meta["async"] is False
-    # one collective per direction per step, plus the first step's size handshake (forward only: the
-    # backward's fewer roles fit the size agreed then)
+    # one collective per direction per step (the model's roles fit the collectives' initial size)
     for run in (fp8, blocking):
-        assert [s["launched"] for s in run.end["reduction_per_rank"]] == [2 * STEPS + 1] * 2
+        assert [s["launched"] for s in run.end["reduction_per_rank"]] == [2 * STEPS] * 2
     assert all(s["hidden_s"] == 0 for s in blocking.end["reduction_per_rank"])
     assert all(s["hidden_s"] > 0 for s in fp8.end["reduction_per_rank"])
     with open(os.path.join(run_dir, "summary.json")) as f:

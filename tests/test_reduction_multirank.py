@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp8train
-from fp8train import DelayedScaling, LayoutMismatchError
+from fp8train import DelayedScaling, LayoutMismatchError, reduction
 from fp8train.protocol import ENV_ASYNC, REGISTRY
 from fp8train.reduction import HEADER_LEN, Direction
 from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
@@ -322,11 +322,13 @@ def _count(rank: int, world: int, layer_counts: list[int], steps: int) -> dict:
     """Collectives per step and direction for n modules; then groups that reduce nothing."""
     out = {}
     with AllReduceSpy() as spy:
-        for n in layer_counts:
+        for n, capacity in [(n, reduction.INITIAL_WIRE) for n in layer_counts] + [(layer_counts[-1], 16)]:
+            reduction.INITIAL_WIRE, saved = capacity, reduction.INITIAL_WIRE  # read by the new Channel
             trainer = Trainer(rank, dist.new_group(list(range(world))), layers=n, width=8)
             for t in range(steps):
                 trainer.step(*batch(rank, t, width=8), spy=spy, read=None)
-            out[f"layers={n}"] = trainer.finish()["calls"]
+            reduction.INITIAL_WIRE = saved
+            out[f"layers={n}, capacity={capacity}"] = trainer.finish()["calls"]
         single = [dist.new_group([r]) for r in range(world)]
         fp8train.reset_reduction_stats()
         local_runs = {
@@ -367,7 +369,7 @@ def _nonfinite(rank: int, world: int, steps: int) -> dict:
 
 def _layout(rank: int, world: int) -> dict:
     out = {}
-    # (a) rank 1 has an extra module: caught by the header collective when the layout is first settled
+    # (a) rank 1 has an extra module: the first header disagrees, raised two launches later
     trainer = Trainer(rank, dist.new_group(list(range(world))), layers=3 if rank == 1 else 2)
     out["extra module"] = _until_mismatch(trainer, rank, steps=3, skip_at=None)
     # (b) same model, but rank 1 skips its second layer on step 2
@@ -538,13 +540,15 @@ def test_async_and_blocking_are_bit_identical(two_ranks):
 def test_one_collective_per_region_and_direction(two_ranks):
     runs = outcome(two_ranks, "count")
     for rank_runs in runs:
-        for n in (4, 64):
-            calls = rank_runs[f"layers={n}"]
-            # first step: a blocking handshake settles the size of every collective on the process
-            # group, then the amaxes (reduction.py, "The layout grew"); the backward's fewer roles
-            # fit that size. Afterwards exactly one per direction
-            assert calls[0] == (2, 1), calls
-            assert calls[1:] == [(1, 1)] * (len(calls) - 1), (n, calls)
+        for n in (4, 64):  # every collective carries INITIAL_WIRE amaxes: one per direction, always
+            calls = rank_runs[f"layers={n}, capacity={reduction.INITIAL_WIRE}"]
+            assert calls == [(1, 1)] * len(calls), (n, calls)
+        # 64 modules need more than 16 values: in the first step a blocking handshake settles the new
+        # size of every collective on the process group, then the amaxes (reduction.py, "The layout
+        # grew"); the backward's fewer roles fit that size. Afterwards exactly one per direction
+        calls = rank_runs["layers=64, capacity=16"]
+        assert calls[0] == (2, 1), calls
+        assert calls[1:] == [(1, 1)] * (len(calls) - 1), calls
     for name in ("own single-rank group", "reduce_amax=False"):
         logs = [rank_runs[name] for rank_runs in runs]
         for log in logs:
@@ -593,7 +597,7 @@ def test_layout_mismatch_raises_on_every_rank():
     runs = run_ranks(_worker, 2, ["layout"], timeout_s=60, pg_timeout_s=20)
     for rank, out in enumerate(outcome(runs, "layout")):
         extra = out["extra module"]
-        assert extra["step"] == 0
+        assert extra["step"] == 1  # at the second step's region exit, on every rank
         assert "roles: this rank" in extra["message"] and "group min 6 max 9" in extra["message"]
         assert extra["now"]["fwd"][1] == [1.0] * (9 if rank == 1 else 6)  # nothing applied
         skipped = out["skipped module"]
@@ -629,8 +633,8 @@ def test_exception_in_region_on_both_ranks(two_ranks):
 def test_reduction_stats_with_injected_latency(two_ranks):
     steady = 4 - 1
     launched = 2 * steady
-    n_fwd = 3 * 2  # every collective on a process group has one size: the backward's is padded
-    bytes_per_step = 4 * (2 * HEADER_LEN + 2 * n_fwd)  # float32 header + amaxes, per direction
+    # every collective on a process group has one size, INITIAL_WIRE amaxes after the header
+    bytes_per_step = 4 * (2 * HEADER_LEN + 2 * reduction.INITIAL_WIRE)  # float32, both directions
     for rank_runs in outcome(two_ranks, "stats"):
         for stats in rank_runs.values():
             assert stats["launched"] == launched

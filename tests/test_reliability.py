@@ -415,10 +415,12 @@ def mismatch_outcomes() -> list[dict]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["extra_layer", "other_widths"])
-def test_different_models_fail_on_all_ranks_in_first_step(mismatch_outcomes, case: str) -> None:
+def test_different_models_fail_on_all_ranks_in_second_step(mismatch_outcomes, case: str) -> None:
+    """Every rank raises at the same launch: the one two launches after the first (the second step's
+    region exit; docs/design.md, section 3), and nothing was applied from the mismatched reductions."""
     for rank, out in enumerate(mismatch_outcomes):
         res = out[case]
-        assert res["error"] == "LayoutMismatchError" and res["step"] == 0, (rank, res)
+        assert res["error"] == "LayoutMismatchError" and res["step"] == 1, (rank, res)
         assert "FP8 layout mismatch in the fwd amax group" in res["message"]
         assert res["untouched"], "a scale or history changed although the layouts disagreed"
     if case == "extra_layer":  # what differs is named: 2 vs 3 modules, 6 vs 9 roles
@@ -433,7 +435,7 @@ def test_different_recipes_fail_instead_of_diverging(mismatch_outcomes, case: st
     ranks would silently compute different scales from the same reduced amaxes."""
     for rank, out in enumerate(mismatch_outcomes):
         res = out[case]
-        assert res["error"] == "LayoutMismatchError" and res["step"] == 0, (rank, res)
+        assert res["error"] == "LayoutMismatchError" and res["step"] == 1, (rank, res)
         assert "ranks use different recipes" in res["message"]
         _, recipe = MISMATCH_CASES[case][rank]
         assert f"margin={recipe.margin}" in res["message"]

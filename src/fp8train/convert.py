@@ -18,7 +18,7 @@ from .fsdp import wrap_for_fsdp
 from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
 from .modules.linear import Linear
-from .recipe import DelayedScaling
+from .recipe import Recipe, check_recipe
 
 __all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible"]
 
@@ -42,6 +42,13 @@ class Conv1D(FP8Module):
         self.nf = self.out_features  # the attribute name transformers' code reads
         self.weight = weight
         self.bias = bias
+
+    def reset_parameters(self) -> None:
+        """transformers' Conv1D initialisation: weight ~ N(0, 0.02), bias 0."""
+        torch.nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+        self._weight_cache.clear()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         # weight.t() is a view: gradients flow back into the same (in, out) Parameter.
@@ -78,7 +85,7 @@ def _swap(module: torch.nn.Module, fsdp_fp8_all_gather: bool) -> Optional[FP8Mod
 def convert_to_fp8(
     model: torch.nn.Module,
     module_filter_fn: Optional[FilterFn] = None,
-    recipe: Optional[DelayedScaling] = None,
+    recipe: Optional[Recipe] = None,
     fsdp_fp8_all_gather: bool = False,
 ) -> torch.nn.Module:
     """Replace `torch.nn.Linear` (and transformers' `Conv1D`) layers of `model` by FP8 modules, in place.
@@ -92,8 +99,8 @@ def convert_to_fp8(
     `fsdp_fp8_all_gather=True` makes FSDP2 (`fully_shard`) gather the converted weights in FP8
     (docs/guide.md, "FSDP2 with FP8 all-gather"); the Parameter objects stay the same.
     """
-    if recipe is not None and not isinstance(recipe, DelayedScaling):
-        raise ValueError(f"recipe must be a fp8train.DelayedScaling, got {type(recipe).__name__}")
+    if recipe is not None:
+        check_recipe(recipe, "recipe")
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise ValueError("module_filter_fn must be a callable (module, fqn) -> bool")
 

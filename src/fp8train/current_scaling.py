@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .cast import amax, cast_operand
 from .recipe import fp8_max
+from .second_order import linear_grads
 
 __all__ = [
     "TILE", "scale_from_amax", "current_scales", "quantize_tiles", "dequantize_tiles",
@@ -87,26 +88,35 @@ class _BlockLinear(torch.autograd.Function):
         if bias is not None:
             y = y + bias.float()
         qxt, xt_inv = quantize_tiles(x2d.t(), 1, power_2)  # for the weight gradient: along the tokens
-        ctx.save_for_backward(qweight, w_scale_inv, qxt.to(torch.float8_e4m3fn), xt_inv)
+        # the weight itself only for a double backward (create_graph): a reference, no copy
+        ctx.save_for_backward(qweight, w_scale_inv, qxt.to(torch.float8_e4m3fn), xt_inv, weight)
         ctx.power_2, ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = (
             power_2, bias is not None, x.shape, x.dtype, weight.dtype
         )  # fmt: skip
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        # not a view of y: in-place ops on the output (torch.relu_, a TP all-reduce) must work
+        return torch.ops.aten._unsafe_view(y.to(x.dtype), (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_y):
-        qweight, w_scale_inv, qxt, xt_inv = ctx.saved_tensors
+        qweight, w_scale_inv, qxt, xt_inv, weight = ctx.saved_tensors
         g = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # reduction over out_features: 1x128 tiles along g's rows
-            qg, g_inv = quantize_tiles(g, 1, ctx.power_2)
-            w = dequantize_tiles(qweight.float(), w_scale_inv, TILE)
-            grad_x = (dequantize_tiles(qg, g_inv, 1) @ w).to(ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:  # reduction over tokens: tiles along the token dimension
-            qgt, gt_inv = quantize_tiles(g.t(), 1, ctx.power_2)
-            xt = dequantize_tiles(qxt.float(), xt_inv, 1)
-            grad_w = (dequantize_tiles(qgt, gt_inv, 1) @ xt.t()).to(ctx.w_dtype)
         grad_b = g.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = grad_w = g_for_x = g_for_w = x_deq = None
+        with torch.no_grad():
+            w = dequantize_tiles(qweight.float(), w_scale_inv, TILE)
+            if ctx.needs_input_grad[0]:  # reduction over out_features: 1x128 tiles along g's rows
+                qg, g_inv = quantize_tiles(g, 1, ctx.power_2)
+                g_for_x = dequantize_tiles(qg, g_inv, 1)
+                grad_x = (g_for_x @ w).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:  # reduction over tokens: tiles along the token dimension
+                qgt, gt_inv = quantize_tiles(g.t(), 1, ctx.power_2)
+                g_for_w = dequantize_tiles(qgt, gt_inv, 1).t()
+                x_deq = dequantize_tiles(qxt.float(), xt_inv, 1).t()
+                grad_w = (g_for_w.t() @ x_deq).to(ctx.w_dtype)
+        if torch.is_grad_enabled():  # create_graph: differentiable, same values (second_order.py)
+            grad_x, grad_w = linear_grads(
+                grad_x, grad_w, g, g_for_x, weight, w, g_for_w, x_deq, ctx.needs_input_grad[0]
+            )
         return grad_x, grad_w, grad_b, None, None, None
 
 

@@ -33,7 +33,7 @@ def _forced() -> str:
 
 
 def _scaled_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
-    if not hasattr(torch, "_scaled_mm") or any(d % 16 for d in (m, k, n)):
+    if not hasattr(torch, "_scaled_mm") or any(d % 16 or d == 0 for d in (m, k, n)):
         return False
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)

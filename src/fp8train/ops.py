@@ -15,7 +15,7 @@ import torch
 
 from . import protocol
 
-__all__ = ["forward_scales", "backward_scales"]
+__all__ = ["forward_scales", "backward_scales", "check_recipe_kind"]
 
 
 @torch.library.custom_op("fp8train::forward_scales", mutates_args=())
@@ -49,13 +49,28 @@ def _(handle, gemm_index, g_amax, token):
     return g_amax.new_empty((2,), dtype=torch.float32)
 
 
+@torch.library.custom_op("fp8train::check_recipe_kind", mutates_args=())
+def _check_recipe_kind_op(handle: int, kind: str) -> None:
+    protocol.check_recipe_kind(protocol.REGISTRY.modules[handle], kind)
+
+
+@_check_recipe_kind_op.register_fake
+def _(handle, kind):
+    return None
+
+
 def _register_ordered_effects() -> bool:
-    """Mark both ops as side effects (private torch API, the one place this module relies on one)."""
+    """Mark the ops as side effects (private torch API, the one place this module relies on one)."""
     try:
         from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
     except ImportError:  # torch without it: compiled graphs could drop an op whose outputs go unused
         return False
-    for op in (torch.ops.fp8train.forward_scales.default, torch.ops.fp8train.backward_scales.default):
+    ops = (
+        torch.ops.fp8train.forward_scales,
+        torch.ops.fp8train.backward_scales,
+        torch.ops.fp8train.check_recipe_kind,
+    )
+    for op in (o.default for o in ops):
         _register_effectful_op(op, _EffectType.ORDERED)
     return True
 
@@ -75,6 +90,16 @@ def forward_scales(
         training = torch.is_grad_enabled()
         return _forward_scales_op(module._fp8_handle, gemm_index, x_amax, w_amax, like, training)
     return protocol.forward_scales(module, gemm_index, x_amax, w_amax)
+
+
+def check_recipe_kind(module, kind: str) -> None:
+    """A training call of `module` under a recipe of `kind`: refused if the module trained (or was
+    loaded) with another kind. Under torch.compile the check runs in the graph, at run time, so that its
+    error reaches the caller as it is (raised while tracing, dynamo would hide it)."""
+    if torch.compiler.is_compiling():
+        _check_recipe_kind_op(module._fp8_handle, kind)
+    else:
+        protocol.check_recipe_kind(module, kind)
 
 
 def backward_scales(

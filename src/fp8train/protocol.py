@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .recipe import DelayedScaling, Recipe, recipe_kind
-from .reduction import AmaxGroup, Channel, Direction, ReductionStats
+from .reduction import AmaxGroup, Channel, Direction, ReductionStats, recipe_key
 from .tensor_parallel import check_amax_group
 
 __all__ = [
@@ -102,13 +102,15 @@ class Region:
         self.snapshots: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
         self.calls: dict[int, collections.deque] = {}  # module id -> forward plans, for recomputation
         self.outputs: list[weakref.ref] = []  # autograd nodes of its FP8 training calls' outputs
+        self.compiled_calls = False  # training calls from a compiled graph, whose outputs are not seen
         self.backward_done = False
 
     def owes_backward(self) -> bool:
         """Its backward has not run and its graph is alive (a dropped graph owes nothing)."""
         if self.backward_done:
             return False
-        return not self.outputs or any(node() is not None for node in self.outputs)
+        # no node: no call produced a graph (frozen layers), unless a compiled graph made the calls
+        return self.compiled_calls or any(node() is not None for node in self.outputs)
 
     def index_of(self, group: AmaxGroup) -> int:
         """This region's index among `group`'s training regions (taken by its first launch)."""
@@ -195,7 +197,8 @@ class Registry:
 
     def amax_group(self, recipe: DelayedScaling, process_group) -> AmaxGroup:
         process_group = _world_if_default(process_group)
-        key = (recipe, process_group)
+        # recipes equal as the header sees them (callables by their code) share a group
+        key = (recipe_key(recipe), recipe.reduce_amax, process_group)
         group = self.groups.get(key)
         if group is None:
             channel = None
@@ -261,7 +264,7 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
         return None
     region = REGISTRY.region
     if settings.enabled and training:
-        _check_recipe_kind(module, settings.recipe)
+        check_recipe_kind(module, recipe_kind(settings.recipe))
     if settings.enabled and not training and region.grad_at_entry:
         _refuse_reentrant_checkpoint()
     trains = settings.enabled and training
@@ -321,9 +324,8 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
     )
 
 
-def _check_recipe_kind(module, recipe: Recipe) -> None:
+def check_recipe_kind(module, kind: str) -> None:
     """A module trains under one kind of recipe: its FP8 state (and a checkpoint of it) belongs to it."""
-    kind = recipe_kind(recipe)
     if module._fp8_recipe_kind is None:
         module._fp8_recipe_kind = kind
     elif module._fp8_recipe_kind != kind:
@@ -447,9 +449,7 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
         settings = REGISTRY.stack[-1] if REGISTRY.stack else None
         if settings is None or not (settings.enabled or settings.calibrating):
             return CallPrecision(False, False)
-        if not isinstance(settings.recipe, DelayedScaling):
-            if settings.enabled and torch.is_grad_enabled():  # at trace time: grad mode is guarded
-                _check_recipe_kind(module, settings.recipe)
+        if not isinstance(settings.recipe, DelayedScaling):  # its kind is checked by the caller's op
             return CallPrecision(settings.enabled, False, settings.recipe.fp8_format.bwd, settings.recipe)
         record = settings.calibrating or torch.is_grad_enabled()
         return CallPrecision(settings.enabled, record, settings.recipe.fp8_format.bwd)
@@ -476,6 +476,8 @@ def forward_scales(
     torch.compile), the call's plan is made here; otherwise `call_precision` made it."""
     if training is not None and gemm_index == 0:
         module._fp8_plan = plan_forward(module, training)
+        if module._fp8_plan is not None and module._fp8_plan.region is not None:
+            module._fp8_plan.region.compiled_calls = True
     plan = module._fp8_plan
     base = plan.fwd_offset + FWD_ROLES * gemm_index
     if plan.records_into is not None:
@@ -575,6 +577,13 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
         )
     scales = None
     if region is not None:
+        if not hasattr(module, "fp8_meta"):  # FSDP2 gathers a tied weight for the module that holds it
+            raise RuntimeError(
+                f"fsdp_fp8_all_gather: FSDP2 gathers a weight for {type(module).__name__}, which shares it "
+                "with an FP8 module (tied weights, e.g. an embedding and the output head). A weight gathered "
+                "in FP8 is for its FP8 module only. Build that FP8 module without fsdp_fp8_all_gather (e.g. "
+                "leave the head out of convert_to_fp8 with its filter), or untie the weights"
+            )
         group = REGISTRY.amax_group(settings.recipe, settings.group)
         amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
         if len(set(shard_ranks)) > 1 and not set(shard_ranks) <= set(amax_ranks):  # one shard: its own

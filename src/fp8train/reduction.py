@@ -58,7 +58,11 @@ HEADER_FIELDS = (
 )
 HEADER_LEN = 2 * len(HEADER_FIELDS)
 _STATE_FIELDS = {"state_hi", "state_lo"}
-_MAX_UNREAD_LAUNCHES = 8  # a failure flag copy still in flight after this many launches is waited for
+# Amaxes every collective can carry from the start (16 KiB with the header), so that a model of up to
+# that many roles per direction never needs a blocking size handshake (section 3: a pipeline stage
+# must not block at its region's exit); more grows the size once, with a handshake.
+INITIAL_WIRE = 4096
+VERDICT_LAG = {"cuda": 8}  # launches between folding a verdict on the device and reading it on the host
 
 
 class LayoutMismatchError(RuntimeError):
@@ -215,21 +219,33 @@ class Channel:
 
     A failed check anywhere on the channel stops every later update on it (the flag is checked on the
     device by every reduction): after a mismatch, collectives may be paired with the wrong partners.
+
+    When to raise is decided by launch count alone, so that every rank raises at the same launch
+    whatever the timing of its device: launch k raises if a reduction launched at k - 2 or earlier
+    (finished by then in a normal loop; waited for otherwise) disagreed. The disagreements are folded
+    on the device into `verdict`, whose host copy is read VERDICT_LAG launches later (at once on the
+    CPU; on CUDA the copy has long arrived by then, so the read does not stall the host).
     """
 
     def __init__(self, process_group) -> None:
         self.process_group = process_group
-        self.agreed = 0  # values after the header, agreed by every rank in a handshake
+        self.agreed = INITIAL_WIRE  # values after the header, agreed by every rank (in a handshake)
         self.directions: list[Direction] = []
         self.flag: Optional[StickyFlag] = None
         self.failure: Optional[torch.Tensor] = None  # [direction, reduced header, local header]
         self.error: Optional[LayoutMismatchError] = None
-        self.launches_unread = 0  # launches since the flag's copy last arrived
+        self.launches = 0
+        self.unfolded: collections.deque[tuple[int, Direction]] = collections.deque()  # launched, not folded
+        self.disagreed: dict[int, torch.Tensor] = {}  # launch index -> the ranks' headers differed (device)
+        self.verdict: Optional[torch.Tensor] = None  # a folded reduction disagreed (device bool)
+        self.verdicts: collections.deque[tuple[int, HostMirror]] = collections.deque()  # copies on their way
+        self._spare: Optional[HostMirror] = None  # a verdict copy read already, for reuse
 
     def attach(self, direction: Direction, device: torch.device) -> None:
         if self.flag is None:
             self.flag = StickyFlag(device)
             self.failure = torch.zeros(1 + 2 * HEADER_LEN, device=device)
+            self.verdict = torch.zeros((), dtype=torch.bool, device=device)
         elif self.flag.value.device != device:
             raise ValueError(
                 f"FP8 modules on {device} and on {self.flag.value.device} use the same amax reduction "
@@ -237,16 +253,22 @@ class Channel:
             )
         self.directions.append(direction)
 
-    def agrees(self, reduced: torch.Tensor, local: torch.Tensor, direction: Direction) -> torch.Tensor:
-        """Whether every rank sent the same header and nothing failed before (a device bool)."""
+    def agrees(
+        self, reduced: torch.Tensor, local: torch.Tensor, direction: Direction, index: int = -1
+    ) -> torch.Tensor:
+        """Whether every rank sent the same header and nothing failed before (a device bool). The
+        disagreement of launch `index` is kept for the verdict (section docstring)."""
         pairs = reduced.view(-1, 2)
-        ok = (pairs[:, 0] == -pairs[:, 1]).all() & ~self.flag.value
+        agree = (pairs[:, 0] == -pairs[:, 1]).all()
+        ok = agree & ~self.flag.value
         first = ~ok & ~self.flag.value
         record = torch.cat(
             [torch.full((1,), float(self.directions.index(direction)), device=reduced.device), reduced, local]
         )
         self.failure.copy_(torch.where(first, record, self.failure))
         self.flag.set_where(~ok)
+        if index >= 0:
+            self.disagreed[index] = ~agree
         return ok
 
     @property
@@ -261,22 +283,35 @@ class Channel:
             return str(exc)
         return ""
 
-    def check(self, block: bool = False, launch: bool = False) -> None:
-        """Raise the mismatch seen on this channel (sticky: again at every call).
-
-        Reads the flag's host copy as it stands, without waiting; the copy is waited for only at a
-        host point (`block`) or when it has not arrived for _MAX_UNREAD_LAUNCHES launches, so a
-        mismatch is raised within a few steps however far the GPU runs behind."""
-        if self.error is None and self.flag is not None:
-            mirror = self.flag.mirror
-            self.launches_unread += launch
-            if mirror.ready():
-                self.launches_unread = 0
-            elif block or self.launches_unread >= _MAX_UNREAD_LAUNCHES:
-                mirror.wait()
-                self.launches_unread = 0
-            if bool(mirror.host):
+    def begin_launch(self, direction: Direction) -> int:
+        """Decide whether this launch raises (the same decision on every rank: see the class docstring),
+        and return its index."""
+        self.check()
+        self.launches += 1
+        index = self.launches
+        while self.unfolded and self.unfolded[0][0] <= index - 2:
+            done, owner = self.unfolded.popleft()
+            if done not in self.disagreed:
+                owner.finish()  # not finished yet (no FP8 call used it): wait for it now
+            if done in self.disagreed:  # (absent only when a failure already stopped the updates)
+                self.verdict |= self.disagreed.pop(done)
+        mirror = self._spare or HostMirror(self.verdict)
+        mirror.publish(self.verdict)
+        self.verdicts.append((index, mirror))
+        due, oldest = self.verdicts[0]
+        if due <= index - VERDICT_LAG.get(self.verdict.device.type, 0):
+            self._spare = self.verdicts.popleft()[1]
+            if bool(oldest.wait()):
                 self.error = self._mismatch_error()
+                self.check()
+        self.unfolded.append((index, direction))
+        return index
+
+    def check(self, block: bool = False) -> None:
+        """Raise the mismatch this channel raised before (sticky: again at every call). At a host point
+        (`block`), also one that the device has seen since (this rank alone: it waits for the device)."""
+        if block and self.error is None and self.flag is not None and bool(self.flag.mirror.wait()):
+            self.error = self._mismatch_error()
         if self.error is not None:
             raise type(self.error)(str(self.error))
 
@@ -310,7 +345,8 @@ class Channel:
             f"{', '.join(differing)}{'; ' if spans else ''}{'; '.join(spans)}. This rank has "
             f"{direction.describe()} and recipe ({direction.recipe_key}). Every rank of the amax group "
             "must run the same FP8 modules in the same order under the same recipe, in the same training "
-            "regions; no scale was updated."
+            "regions; no scale was updated. An amax group must not span pipeline stages: give each stage "
+            "its own amax group (fp8_group = the data- and tensor-parallel ranks of that stage)."
         )
 
 
@@ -324,6 +360,7 @@ class PendingReduction:
     launched_at: Optional[Mark]  # after the collective was issued
     header: Optional[torch.Tensor] = None  # this rank's header; None when not reduced
     extra: Optional[torch.Tensor] = None  # amaxes beyond the agreed size (a growth step), reduced apart
+    index: int = -1  # the channel's launch count at this launch
 
 
 def state_digest(storage: ScalingStorage, weights: torch.Tensor) -> torch.Tensor:
@@ -427,7 +464,7 @@ class Direction:
             snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
             self.pending.append(PendingReduction(snapshot, [], n, Mark(snapshot.device)))
             return
-        channel.check(launch=True)  # a rank that saw a mismatch issues no further collective
+        index = channel.begin_launch(self)  # raises on every rank alike; no further collective then
         self.finish()  # the state digest must cover every earlier update (normally already applied)
         agreed = channel.agreed
         wire = max(n, agreed)
@@ -438,7 +475,7 @@ class Direction:
         amaxes.masked_fill_(torch.isnan(amaxes), float("inf"))  # NCCL's MAX may drop NaN
         header = self._header(columns, region_index, wire)
         buffer[:HEADER_LEN].copy_(header)
-        pending = PendingReduction(buffer, [], n, None, header)
+        pending = PendingReduction(buffer, [], n, None, header, index=index)
         if wire == agreed:
             pending.works.append(self._all_reduce(buffer, async_op))
             pending.launched_at = Mark(buffer.device)
@@ -516,7 +553,7 @@ class Direction:
                 if pending.extra is not None:
                     amaxes = torch.cat([amaxes, pending.extra])
                 last = amaxes[:n]
-                ok = self.channel.agrees(pending.buffer[:HEADER_LEN], pending.header, self)
+                ok = self.channel.agrees(pending.buffer[:HEADER_LEN], pending.header, self, pending.index)
             storage = self.storage
             self.stats.updates += 1
             self.stats.count_nonfinite(last, ok)

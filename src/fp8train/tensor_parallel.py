@@ -106,6 +106,25 @@ def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     return out.view(send.dtype) if wire is not send else out
 
 
+def check_equal_shards(x: torch.Tensor, group, where: str) -> None:
+    """Raise on every rank of `group` unless every rank holds a token shard of the same shape.
+
+    Gathers of different sizes kill the process on gloo and hang or corrupt on NCCL, so the first
+    sequence-parallel gather of each module checks this with one small all-reduce (the result is read
+    on the host: once per module, not per step)."""
+    dims = list(x.shape) + [0] * (8 - x.dim())
+    shape = torch.tensor(dims + [-d for d in dims], dtype=torch.int64, device=x.device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+    largest, smallest = shape[:8].tolist(), [-d for d in shape[8:].tolist()]
+    if largest != smallest:
+        raise ValueError(
+            f"{where}: sequence parallelism needs the same token shard shape on every rank of the tp_group; "
+            f"this rank has {tuple(x.shape)}, the group's smallest {tuple(smallest[: x.dim()])} and largest "
+            f"{tuple(largest[: x.dim()])}. Split the sequence evenly over the TP ranks (pad it to a multiple "
+            "of the TP size)"
+        )
+
+
 def gather_fp8_tokens(q: torch.Tensor, group) -> torch.Tensor:
     """All-gather dim 0 of FP8 values (E4M3) at 1 byte each, also when the emulated GEMM holds them
     in a wider dtype (they convert exactly both ways)."""

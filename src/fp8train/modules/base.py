@@ -28,8 +28,10 @@ class ScalingMeta:
         self.direction: Optional[Direction] = None
         self.offset = 0
         self.own_history: Optional[torch.Tensor] = None  # set by load_state_dict before joining
-        self.own_scale = torch.ones(num_roles)
-        self.own_scale_inv = torch.ones(num_roles)
+        # host tensors, whatever device is in effect (a module built under torch.device("meta") too):
+        # they are copied to the module's device when it joins its amax group
+        self.own_scale = torch.ones(num_roles, device="cpu")
+        self.own_scale_inv = torch.ones(num_roles, device="cpu")
         self._own_on_device: dict = {}  # device -> (own_scale, own_scale_inv) there: copied once
 
     def own_scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,19 +41,29 @@ class ScalingMeta:
             self._own_on_device[device] = (self.own_scale.to(device), self.own_scale_inv.to(device))
         return self._own_on_device[device]
 
+    def _as_own(self) -> dict:
+        """The attributes of this direction holding its current state as its own (a copy, not a view)."""
+        return {
+            "direction": None,
+            "offset": 0,
+            "own_history": self.amax_history.detach().clone(),
+            "own_scale": self.scale.detach().clone(),
+            "own_scale_inv": self.scale_inv.detach().clone(),
+            "_own_on_device": {},
+        }
+
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) owns its state: it must neither share nor drag along the group."""
         state = dict(self.__dict__)
         if self.direction is not None:
-            state.update(
-                direction=None,
-                offset=0,
-                own_history=self.amax_history.clone(),
-                own_scale=self.scale.clone(),
-                own_scale_inv=self.scale_inv.clone(),
-                _own_on_device={},
-            )
+            state.update(self._as_own())
         return state
+
+    def leave(self) -> None:
+        """Own the current state again (the module moved to another device): it rejoins a group of
+        that device when it next trains."""
+        if self.direction is not None:
+            self.__dict__.update(self._as_own())
 
     def _columns(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[..., self.offset : self.offset + self.num_roles]
@@ -188,10 +200,32 @@ class FP8Module(torch.nn.Module):
         self._fp8_plan: Optional[protocol.Plan] = None  # the plan of the current forward call
         self._fp8_recipe_kind: Optional[str] = None  # "delayed", "current" or "block", once trained
         self._fp8_handle = protocol.register_module(self)  # how compiled graphs name this module
+        self._shards_checked = False  # sequence parallelism: token shards checked equal across TP ranks
+
+    def __getstate__(self) -> dict:
+        """What a copy (deepcopy, pickle, torch.save of the module, an EMA model) keeps: parameters and
+        FP8 state, not the last call's plan (its region, amax group and process group) nor FSDP2
+        gather bookkeeping or cached FP8 weights, which belong to this module's own calls."""
+        state = dict(self.__dict__)
+        state.pop("_fsdp_gathers", None)
+        state.update(_fp8_plan=None, _weight_cache={})
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._fp8_handle = protocol.register_module(self)  # a copy is a module of its own
+
+    def _apply(self, fn, recurse: bool = True):
+        """`to()`, `cuda()`, `to_empty()`: FP8 state that joined an amax group on another device
+        leaves it (the module owns its state again and joins a group of its new device when it next
+        trains); state not joined yet is host memory and needs nothing."""
+        devices = {p.device for p in self.parameters(recurse=False)}
+        module = super()._apply(fn, recurse)
+        if {p.device for p in self.parameters(recurse=False)} != devices:
+            for meta in self.fp8_meta.values():
+                meta.leave()
+            self._weight_cache.clear()
+        return module
 
     def _signature(self) -> str:
         shapes = ",".join("x".join(map(str, p.shape)) for p in self.parameters(recurse=False))

@@ -8,13 +8,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import ops, protocol
+from .. import ops, protocol, second_order
 from ..cast import amax, cast_operand
 from ..current_scaling import block_linear, current_scales, quantize_weight_blocks
 from ..fsdp import GatheredWeight
 from ..gemm import choose_path, gemm
-from ..recipe import Float8BlockScaling
-from ..tensor_parallel import TensorParallel, TokenCollective, gather_fp8_tokens, reduce_scatter_tokens
+from ..recipe import Float8BlockScaling, recipe_kind
+from ..tensor_parallel import (
+    TensorParallel,
+    TokenCollective,
+    check_equal_shards,
+    gather_fp8_tokens,
+    reduce_scatter_tokens,
+)
 
 __all__ = ["fp8_linear", "parallel_linear"]
 
@@ -32,7 +38,8 @@ class _FP8LinearFn(torch.autograd.Function):
             qx = gather_fp8_tokens(qx, gather_group)
             shape = (qx.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
         y = gemm(qx, x_scale_inv, qweight.t(), w_scale_inv, x.dtype, bias)
-        ctx.save_for_backward(qx, x_scale_inv, qweight, w_scale_inv, token)
+        # the weight itself only for a double backward (create_graph): a reference, no copy
+        ctx.save_for_backward(qx, x_scale_inv, qweight, w_scale_inv, token, weight)
         ctx.handle, ctx.gemm_index, ctx.bwd_encoding = handle, gemm_index, bwd
         ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
         ctx.gather_group = gather_group
@@ -41,25 +48,35 @@ class _FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        qx, x_scale_inv, qweight, w_scale_inv, token = ctx.saved_tensors
+        qx, x_scale_inv, qweight, w_scale_inv, token, weight = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()
+        if create_graph and (ctx.gather_group is not None or isinstance(weight, GatheredWeight)):
+            second_order.refuse_create_graph("a sequence-parallel or FSDP2-FP8-gathered layer's gradients")
         g2d = grad_y.reshape(-1, grad_y.shape[-1])
         grad_bias = g2d.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        if ctx.handle is None:  # current scaling: the gradient's own scale
-            g_scales = torch.stack(current_scales(g2d, ctx.bwd_encoding))
-        else:
-            g_scales = ops.backward_scales(ctx.handle, ctx.gemm_index, amax(g2d), token)
-            if not torch.compiler.is_compiling():  # an FSDP2 gather this forward saved is owed nothing
-                protocol.gathered_backward_ran(ctx.handle, ctx.gemm_index, ctx)
-        g_dtype = _FP8_GRAD_DTYPES[ctx.bwd_encoding] if qx.dtype.itemsize == 1 else qx.dtype
-        qg = cast_operand(g2d, g_scales[0], ctx.bwd_encoding, g_dtype)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = gemm(qg, g_scales[1], qweight, w_scale_inv, ctx.x_dtype)
-            if ctx.gather_group is not None:  # each rank's tokens: summed over the group
-                grad_x = reduce_scatter_tokens(grad_x, ctx.gather_group)
-            grad_x = grad_x.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = gemm(qg.t(), g_scales[1], qx, x_scale_inv, ctx.w_dtype)
+        with torch.no_grad():
+            if ctx.handle is None:  # current scaling: the gradient's own scale
+                g_scales = torch.stack(current_scales(g2d, ctx.bwd_encoding))
+            else:
+                g_scales = ops.backward_scales(ctx.handle, ctx.gemm_index, amax(g2d), token)
+                if not torch.compiler.is_compiling():  # an FSDP2 gather this forward saved is owed nothing
+                    protocol.gathered_backward_ran(ctx.handle, ctx.gemm_index, ctx)
+            g_dtype = _FP8_GRAD_DTYPES[ctx.bwd_encoding] if qx.dtype.itemsize == 1 else qx.dtype
+            qg = cast_operand(g2d, g_scales[0], ctx.bwd_encoding, g_dtype)
+            grad_x = grad_w = None
+            if ctx.needs_input_grad[0]:
+                grad_x = gemm(qg, g_scales[1], qweight, w_scale_inv, ctx.x_dtype)
+                if ctx.gather_group is not None:  # each rank's tokens: summed over the group
+                    grad_x = reduce_scatter_tokens(grad_x, ctx.gather_group)
+                grad_x = grad_x.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                grad_w = gemm(qg.t(), g_scales[1], qx, x_scale_inv, ctx.w_dtype)
+        if create_graph:
+            g_deq = qg.float() * g_scales[1]
+            grad_x, grad_w = second_order.linear_grads(
+                grad_x, grad_w, g2d, g_deq, weight, qweight.float() * w_scale_inv, g_deq,
+                qx.float() * x_scale_inv, ctx.needs_input_grad[0],
+            )  # fmt: skip
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None, None
 
 
@@ -108,8 +125,8 @@ def fp8_linear(
         if not precision.fp8 or precision.recipe is not None or not protocol.is_current_gather(weight.gather):
             # gathered in FP8 for another region (FSDP2 kept it gathered), or needed in high precision
             weight = _HighPrecision.apply(weight)  # gathered again, in the parameter dtype
-    if not precision.fp8:
-        if precision.record:  # calibrating: amaxes only
+    if not precision.fp8 or weight.numel() == 0:  # an empty GEMM (Linear(0, n)): the bias, as torch gives
+        if precision.record and weight.numel():  # calibrating: amaxes only
             ops.forward_scales(module, gemm_index, amax(x), amax(weight), x.detach())
         if gather_group is not None:
             x = TokenCollective.apply(x, gather_group, True)
@@ -160,6 +177,9 @@ def parallel_linear(
 ) -> torch.Tensor:
     """`fp8_linear` with the tensor-parallel collectives around it; a row GEMM adds its (whole) bias
     once, after the sum over the group."""
+    if tp.gather_group() is not None and not module._shards_checked:  # the first SP gather of the module
+        check_equal_shards(x, tp.group, module._signature())
+        module._shards_checked = True
     if tp.mode == "row":
         y = tp.exit(fp8_linear(module, x, weight, None, gemm_index, is_first_microbatch))
         return y if bias is None else y + bias
@@ -169,6 +189,8 @@ def parallel_linear(
 def _scaled_from_tensors(module, x, weight, bias, gemm_index, is_first_microbatch, gather_group, precision):
     """Current and block scaling: each cast's scale from the tensor it casts, whole, so a
     sequence-parallel input is gathered in high precision first (and FSDP2 gathered the weight so)."""
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
+        ops.check_recipe_kind(module, recipe_kind(precision.recipe))
     if gather_group is not None:
         x = TokenCollective.apply(x, gather_group, True)
     if isinstance(precision.recipe, Float8BlockScaling):

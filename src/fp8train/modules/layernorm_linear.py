@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
 from .fp8_linear import parallel_linear
-from .linear import gemm_params
+from .linear import gemm_params, reset_gemm_params
 from .norms import make_norm
 
 __all__ = ["LayerNormLinear", "LayerNormMLP"]
@@ -53,6 +53,12 @@ class LayerNormLinear(FP8Module):
         )  # fmt: skip
         if self.tp.sequence_parallel:  # the norm runs on this rank's tokens
             mark_sequence_parallel(*self.norm.parameters())
+
+    def reset_parameters(self) -> None:
+        """The initialisation of construction, again (norm, then the GEMM, from the current seed)."""
+        self.norm.reset_parameters()
+        reset_gemm_params(self.weight, self.bias, self.tp, "LayerNormLinear")
+        self._weight_cache.clear()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return parallel_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch, self.tp)
@@ -101,6 +107,14 @@ class LayerNormMLP(FP8Module):
         )
         if self.tp.sequence_parallel:  # the norm applies to this rank's tokens
             mark_sequence_parallel(*self.norm.parameters())
+
+    def reset_parameters(self) -> None:
+        """The initialisation of construction, again (norm, fc1, fc2, from the current seed)."""
+        self.norm.reset_parameters()
+        halves = 2 if self.activation == "swiglu" else 1
+        reset_gemm_params(self.fc1_weight, self.fc1_bias, self.tp, "LayerNormMLP", halves)
+        reset_gemm_params(self.fc2_weight, self.fc2_bias, self.tp_fc2, "LayerNormMLP")
+        self._weight_cache.clear()
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":

@@ -12,7 +12,7 @@ from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
 from .fp8_linear import parallel_linear
 
-__all__ = ["Linear", "init_linear_params", "gemm_params"]
+__all__ = ["Linear", "init_linear_params", "gemm_params", "reset_gemm_params"]
 
 
 def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -21,6 +21,31 @@ def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> No
     if bias is not None:
         bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
         torch.nn.init.uniform_(bias, -bound, bound)
+
+
+def _local_init(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype,
+    device,
+    tp: TensorParallel,
+    where: str,
+    halves: int,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """This rank's initial weight (out x in) and bias: torch.nn.Linear's initialisation of the whole
+    GEMM (same seed, same values on every TP rank), then this rank's shard of it: rows for a column
+    GEMM (of each of `halves` parts), columns for a row GEMM, whose bias stays whole."""
+    weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+    b = torch.empty(out_features, dtype=dtype, device=device) if bias else None
+    init_linear_params(weight, b)
+    if tp.mode == "column":
+        tp.local(out_features // halves, "out_features", where)
+        weight, b = tp.shard(weight, 0, halves), None if b is None else tp.shard(b, 0, halves)
+    elif tp.mode == "row":
+        tp.local(in_features, "in_features", where)
+        weight = tp.shard(weight, 1)
+    return weight, b
 
 
 def gemm_params(
@@ -34,27 +59,49 @@ def gemm_params(
     fsdp_gemm: Optional[int] = None,
     halves: int = 1,
 ) -> tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
-    """A GEMM's weight (out x in) and bias, initialised as torch.nn.Linear does. Tensor-parallel ranks
-    initialise the whole weight alike (same seed, same values) and keep their shard: rows for a column
-    GEMM (of each of `halves` parts), columns for a row GEMM, whose bias stays whole (and, under
-    sequence parallelism, is marked: it applies to this rank's tokens). `fsdp_gemm`: the GEMM index
-    under which FSDP2 gathers the weight in FP8 (fsdp_fp8_all_gather), None for a plain gather."""
-    kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
-    weight = torch.empty(out_features, in_features, **kw)
-    b = torch.empty(out_features, **kw) if bias else None
-    init_linear_params(weight, b)
-    if tp.mode == "column":
-        tp.local(out_features // halves, "out_features", where)
-        weight, b = tp.shard(weight, 0, halves), None if b is None else tp.shard(b, 0, halves)
-    elif tp.mode == "row":
-        tp.local(in_features, "in_features", where)
-        weight = tp.shard(weight, 1)
+    """A GEMM's weight (out x in) and bias, initialised as torch.nn.Linear does, sharded for tensor
+    parallelism (`_local_init`); a row GEMM's bias under sequence parallelism is marked (it applies to
+    this rank's tokens). `fsdp_gemm`: the GEMM index under which FSDP2 gathers the weight in FP8
+    (fsdp_fp8_all_gather), None for a plain gather."""
+    dtype = params_dtype or torch.get_default_dtype()
+    weight, b = _local_init(in_features, out_features, bias, dtype, device, tp, where, halves)
     weight, b = torch.nn.Parameter(weight), None if b is None else torch.nn.Parameter(b)
     if tp.mode == "row" and tp.sequence_parallel:
         mark_sequence_parallel(b)
     if fsdp_gemm is not None:
         wrap_for_fsdp(weight, fsdp_gemm)
     return weight, b
+
+
+def reset_gemm_params(
+    weight: torch.Tensor, bias: Optional[torch.Tensor], tp: TensorParallel, where: str, halves: int = 1
+) -> None:
+    """Initialise a GEMM's parameters again, in place, to what construction gives from the same seed
+    (the FSDP2 meta-device pattern: build on "meta", `to_empty`, then `reset_parameters()`).
+
+    The whole GEMM is drawn on every rank, so a parameter FSDP2 has sharded (a DTensor) receives its
+    shard of the very weight an unsharded build draws."""
+    out_features = weight.shape[0] * (tp.size if tp.mode == "column" else 1)
+    in_features = weight.shape[1] * (tp.size if tp.mode == "row" else 1)
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    w, b = _local_init(
+        in_features, out_features, bias is not None, weight.dtype, local.device, tp, where, halves
+    )
+    with torch.no_grad():
+        for param, value in ((weight, w), (bias, b)):
+            if param is not None:
+                param.copy_(_like(param, value))
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (a whole tensor, the same on every rank) laid out as `param`: as is, or as the DTensor
+    FSDP2 made of it, without communication."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value, mesh, param.placements, src_data_rank=None)
 
 
 class Linear(FP8Module):
@@ -82,6 +129,11 @@ class Linear(FP8Module):
             in_features, out_features, bias, params_dtype, device, self.tp, "Linear",
             fsdp_gemm=0 if fsdp_fp8_all_gather else None,
         )  # fmt: skip
+
+    def reset_parameters(self) -> None:
+        """The initialisation of construction, again (torch.nn.Linear's, from the current seed)."""
+        reset_gemm_params(self.weight, self.bias, self.tp, "Linear")
+        self._weight_cache.clear()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return parallel_linear(self, x, self.weight, self.bias, 0, is_first_microbatch, self.tp)

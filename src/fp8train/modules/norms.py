@@ -15,8 +15,15 @@ class _Norm(torch.nn.Module):
         super().__init__()
         kw = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw)) if bias else None
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, **kw))
+        self.bias = torch.nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight 1, bias 0 (also for the meta-device pattern: `to_empty`, then this)."""
+        torch.nn.init.ones_(self.weight)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
 
 
 class LayerNorm(_Norm):
