@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import fp8train as ft
-from fp8train import protocol
+from fp8train import regions, registry
 from fp8train.gemm import choose_path
 from fp8train.telemetry import Telemetry
 
@@ -92,7 +92,7 @@ def emulation(device: torch.device, quick: bool) -> dict:
     runs = {}
     for name, where, path in (("device", device, "auto"), ("cpu_emulation", torch.device("cpu"), "fp32")):
         os.environ["FP8TRAIN_GEMM"] = path
-        protocol.REGISTRY.__init__()
+        ft.inspection.reset()
         model = _mlp(n, 2 * n, where, dtype=torch.float32)
         x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(1)).to(where).requires_grad_()
         for _ in range(3):  # delayed scaling: the last step casts with scales from the earlier ones
@@ -124,7 +124,7 @@ def _force_reduction_on_one_rank(device: torch.device) -> None:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    protocol._reduces = lambda recipe, process_group: recipe.reduce_amax
+    registry._reduces = lambda recipe, process_group: recipe.reduce_amax
 
 
 def syncs(device: torch.device, quick: bool) -> dict:
@@ -132,8 +132,8 @@ def syncs(device: torch.device, quick: bool) -> dict:
     n = 64 if quick else 1024
     out = {"ok": True, "sync_debug_mode": device.type == "cuda"}
     for mode in ("1", "0"):
-        os.environ[protocol.ENV_ASYNC] = mode
-        protocol.REGISTRY.__init__()
+        os.environ[regions.ENV_ASYNC] = mode
+        ft.inspection.reset()
         model = _mlp(n, 2 * n, device)
         tel = Telemetry(model)
         x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -157,7 +157,7 @@ def syncs(device: torch.device, quick: bool) -> dict:
         name = "async" if mode == "1" else "blocking"
         out[name] = {"steady_steps": 10, "sync_error": error, "launched": stats["launched"]}
         out["ok"] = out["ok"] and error is None and stats["launched"] >= 2 * 13
-    os.environ.pop(protocol.ENV_ASYNC)
+    os.environ.pop(regions.ENV_ASYNC)
     return out
 
 
@@ -199,7 +199,7 @@ def speed(device: torch.device, quick: bool) -> dict:
                 ref = _reference_mlp(fp8)
             x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
             rows.append({"module": kind, "n": n, **_compare(fp8, ref, x, device, repeats)})
-            protocol.REGISTRY.__init__()
+            ft.inspection.reset()
     # launch-bound: small layers, where the host's issue rate (and any synchronisation) sets the pace
     small = _mlp(256, 512, device)
     reference = torch.nn.Sequential(*[_reference(m) for m in small])

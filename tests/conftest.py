@@ -3,12 +3,11 @@
 import pytest
 
 import fp8train
-from fp8train.protocol import REGISTRY
 
 
 @pytest.fixture(autouse=True)
 def fresh_fp8_registry():
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     fp8train.reset_reduction_stats()
     yield
-    REGISTRY.__init__()
+    fp8train.inspection.reset()

@@ -8,7 +8,6 @@ import torch
 import fp8train
 from fp8train.cast import amax, cast_operand, quantize
 from fp8train.gemm import choose_path, gemm
-from fp8train.protocol import REGISTRY
 from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -176,7 +175,7 @@ def test_invalid_gemm_env_is_a_clear_error(monkeypatch, value: str) -> None:
 def _module_run(monkeypatch, path: str) -> tuple[torch.Tensor, ...]:
     """Two training steps of a Linear with the given GEMM path; outputs and grads of the second."""
     monkeypatch.setenv("FP8TRAIN_GEMM", path)
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     torch.manual_seed(0)
     layer = fp8train.Linear(48, 64)
     x = torch.randn(2, 16, 48, requires_grad=True)

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.protocol import REGISTRY
 from fp8train.tools.ranks import AllReduceSpy, run_ranks
 from helpers import fp8_state, sgd
 
@@ -63,7 +62,7 @@ class GraphCounter:
 
 def _train(backend, steps: int = 4, rank: int = 0, group=None, mode: str = "train", checkpoint: str = ""):
     """Losses, FP8 state after each step, final parameters and amax collectives per step and direction."""
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     torch._dynamo.reset()
     model = Net(checkpoint)
     run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.current_scaling import current_scales, dequantize_tiles, quantize_tiles, scale_from_amax
+from fp8train.quantization.block import dequantize_tiles, quantize_tiles
+from fp8train.quantization.current import current_scales, scale_from_amax
 from fp8train.recipe import recipe_kind
 
 F32_MAX = np.float32(np.finfo(np.float32).max)
@@ -269,7 +270,7 @@ def test_compiled_fullgraph_equals_eager(recipe) -> None:
         y.square().mean().backward()
         results.append([y.detach(), x.grad] + [p.grad for p in model.parameters()])
         # the recipe kind is recorded (and saved) however the model ran
-        assert {m._fp8_recipe_kind for m in model} == {recipe_kind(recipe)}
+        assert {m.recipe_kind for m in model} == {recipe_kind(recipe)}
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
     with pytest.raises(RuntimeError, match="now trained with delayed scaling"):
@@ -282,7 +283,7 @@ def test_block_scaling_keeps_one_byte_operands_for_backward_and_caches_the_weigh
     values, not high-precision copies (the weight parameter itself is saved by reference, for a
     double backward, as torch.nn.Linear saves it); with is_first_microbatch the weight is quantized
     once."""
-    import fp8train.modules.fp8_linear as fp8_linear_mod
+    from fp8train.quantization.block import BlockQuantization
 
     layer = fp8train.Linear(256, 128, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
@@ -300,8 +301,8 @@ def test_block_scaling_keeps_one_byte_operands_for_backward_and_caches_the_weigh
     assert big == [torch.float8_e4m3fn, torch.float8_e4m3fn], saved
 
     calls = []
-    real = fp8_linear_mod.quantize_weight_blocks
-    monkeypatch.setattr(fp8_linear_mod, "quantize_weight_blocks", lambda *a: calls.append(1) or real(*a))
+    real = BlockQuantization.quantize_weight
+    monkeypatch.setattr(BlockQuantization, "quantize_weight", lambda *a: calls.append(1) or real(*a))
     outputs = []
     for first in (True, False, False):
         with fp8train.fp8_autocast(fp8_recipe=fp8train.Float8BlockScaling()):

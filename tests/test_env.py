@@ -1,7 +1,8 @@
 """NVTE_ASYNC_AMAX_REDUCTION: accepted values, a clear error otherwise, read at every region entry.
 
-Single process: the mode a region runs in is `REGISTRY.region.async_op` (what its launches pass on);
-that both modes compute the same thing is tested on real ranks in test_reduction_multirank.py.
+Single process: the mode a region runs in is `fp8train.inspection.current_region().async_op` (what
+its launches pass on); that both modes compute the same thing is tested on real ranks in
+test_reduction_multirank.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling
-from fp8train.protocol import ENV_ASYNC, REGISTRY
+from fp8train.regions import ENV_ASYNC
 
 RECIPE = DelayedScaling(amax_history_len=4)
 
@@ -30,7 +31,7 @@ def _train_step(model: torch.nn.Module, seed: int) -> bool:
     """One FP8 training step; returns the async flag the region was entered with."""
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
     with fp8train.fp8_autocast(fp8_recipe=RECIPE):
-        mode = REGISTRY.region.async_op
+        mode = fp8train.inspection.current_region().async_op
         y = model(x)
     y.float().square().mean().backward()
     return mode
@@ -52,7 +53,7 @@ def test_invalid_value_raises_at_region_entry(monkeypatch, value):
     rest = message.replace(repr(value), "")
     assert re.search(r"\b1\b", rest) and re.search(r"\b0\b", rest), f"accepted values not named: {message}"
     # nothing moved, and the library is usable once the value is fixed
-    assert not REGISTRY.stack and REGISTRY.region is None
+    assert fp8train.inspection.open_regions() == 0 and fp8train.inspection.current_region() is None
     assert torch.equal(model.fp8_meta["scaling_fwd"].amax_history, history)
     _set(monkeypatch, "0")
     assert _train_step(model, 1) is False
@@ -83,6 +84,6 @@ def test_a_change_inside_a_region_waits_for_the_next_region(monkeypatch):
         _set(monkeypatch, "0")
         with fp8train.fp8_autocast(fp8_recipe=RECIPE):  # a nested region does not re-read it
             y = model(x)
-        assert REGISTRY.region.async_op is True
+        assert fp8train.inspection.current_region().async_op is True
     y.float().sum().backward()
     assert _train_step(model, 1) is False

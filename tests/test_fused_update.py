@@ -10,7 +10,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train
 from fp8train import DelayedScaling
-from fp8train.protocol import REGISTRY
 from reference import amax_of
 
 
@@ -40,7 +39,7 @@ def test_module_history_is_the_rolled_storage() -> None:
             held = mods[1].fp8_meta["scaling_fwd"].amax_history  # a view taken now...
     # ...shows the later updates too: it is the storage that the update rolls, not a temporary.
     assert held[:5, 0].tolist() == amaxes[1][::-1]
-    storage = REGISTRY.amax_group(recipe, None).fwd.storage
+    storage = fp8train.inspection.amax_group(recipe, None).fwd.storage
     for i, m in enumerate(mods):
         meta = m.fp8_meta["scaling_fwd"]
         for name, whole in (("amax_history", storage.history), ("scale", storage.scale)):
@@ -53,7 +52,7 @@ def test_modules_of_a_region_share_one_contiguous_storage() -> None:
     recipe = DelayedScaling(amax_history_len=4)
     mods = [fp8train.Linear(8, 8), fp8train.LayerNormMLP(8, 16), fp8train.Linear(8, 8)]
     _step(mods, [torch.randn(2, 8) for _ in mods], recipe)
-    group = REGISTRY.amax_group(recipe, None)
+    group = fp8train.inspection.amax_group(recipe, None)
     fwd, bwd = group.fwd, group.bwd
     assert fwd.storage.history.shape == (4, 3 + 6 + 3) and bwd.storage.history.shape == (4, 2 + 4 + 2)
     assert fwd.storage.history.is_contiguous()
@@ -72,8 +71,9 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _finish_ops(num_modules: int, recipe: DelayedScaling) -> tuple[collections.Counter, collections.Counter]:
-    """aten ops executed by Direction.finish() (fwd, bwd) after one training step of N Linears."""
-    REGISTRY.__init__()
+    """aten ops executed by completing the pending reductions (fwd, bwd) after one training step of N
+    Linears: the fused update."""
+    fp8train.inspection.reset()
     mods = [fp8train.Linear(8, 8) for _ in range(num_modules)]
     x = torch.randn(2, 8)
     with fp8train.fp8_autocast(fp8_recipe=recipe):
@@ -81,14 +81,14 @@ def _finish_ops(num_modules: int, recipe: DelayedScaling) -> tuple[collections.C
         for m in mods:
             h = m(h)
     h.square().sum().backward()
-    group = REGISTRY.amax_group(recipe, None)
+    group = fp8train.inspection.amax_group(recipe, None)
     fwd, bwd = group.fwd, group.bwd
-    assert len(fwd.pending) == 1 and len(bwd.pending) == 1 and fwd.storage.num_roles == 3 * num_modules
+    assert fwd.pending_reductions == bwd.pending_reductions == 1 and fwd.storage.num_roles == 3 * num_modules
     counts = []
     for group in (fwd, bwd):
         before = group.storage.history.clone()
         with _OpCounter() as counter:
-            group.finish()
+            group.complete()
         assert not torch.equal(before, group.storage.history)  # the update did run
         counts.append(counter.ops)
     return counts[0], counts[1]

@@ -16,7 +16,7 @@ rolls the weight history N times per step). It is the loop below, written from p
 and update the delayed-scaling state after every microbatch with [input amax, weight amax on
 microbatch 1 else 0, 0] forward and [grad amax, 0] backward. Losses, accumulated gradients, updated
 weights and every scale and history must be bitwise equal to fp8train's, and the weight must be
-cast once per step (counted by wrapping the module's `cast_operand`).
+cast once per step (counted by wrapping the per-tensor recipes' `TensorQuantization.cast`).
 
 """
 
@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import fp8train
-import fp8train.modules.fp8_linear as fp8_linear_mod
 from fp8train.cast import amax, cast_operand
 from fp8train.gemm import gemm
+from fp8train.quantization.per_tensor import TensorQuantization
 from fp8train.scaling import update_scaling
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=16)
@@ -60,14 +60,14 @@ class CastCounter:
 @pytest.fixture
 def weight_casts(monkeypatch) -> CastCounter:
     counter = CastCounter()
-    real = fp8_linear_mod.cast_operand
+    real = TensorQuantization.cast
 
-    def counting(x, scale, encoding, dtype):
+    def counting(x, scale, scale_inv, encoding, dtype):
         if any(x.data_ptr() == w.data_ptr() for w in counter.weights):
             counter.casts.append(float(scale))
-        return real(x, scale, encoding, dtype)
+        return real(x, scale, scale_inv, encoding, dtype)
 
-    monkeypatch.setattr(fp8_linear_mod, "cast_operand", counting)
+    monkeypatch.setattr(TensorQuantization, "cast", staticmethod(counting))
     return counter
 
 

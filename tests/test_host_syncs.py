@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.protocol import ENV_ASYNC, REGISTRY
-from fp8train.reduction import HEADER_LEN
+from fp8train.header import HEADER_LEN, Header
+from fp8train.regions import ENV_ASYNC
+from fp8train.scaling import ScalingStorage
 from fp8train.telemetry import Telemetry
 from fp8train.tools.ranks import run_ranks
 from host_reads import HostReadCounter
@@ -39,7 +40,7 @@ def _steady_steps(rank: int, world: int, gemm: str, mode: str, telemetry: bool) 
     """WARMUP steps, then STEADY counted ones: the reads, and whether the storage stayed in place."""
     os.environ["FP8TRAIN_GEMM"] = gemm
     os.environ[ENV_ASYNC] = "1" if mode == "async" else "0"
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     model = _model()
     tel = Telemetry(model) if telemetry else None
 
@@ -58,7 +59,7 @@ def _steady_steps(rank: int, world: int, gemm: str, mode: str, telemetry: bool) 
             tel.log_step(i, loss=loss.detach())
 
     def storage_pointers() -> list[int]:
-        storages = [d.storage for g in REGISTRY.groups.values() for d in (g.fwd, g.bwd)]
+        storages = [d.storage for g in fp8train.inspection.amax_groups() for d in (g.fwd, g.bwd)]
         return [
             t.data_ptr() for s in storages for t in (s.history, s.scale, s.scale_inv, s.recording, s.digest)
         ]
@@ -107,7 +108,7 @@ def test_the_counter_sees_reads_in_the_package() -> None:
     with HostReadCounter() as reads:
         model.state_dict()
     assert len(reads.sites) == 3 * 2 * 3  # amax_history, scale, scale_inv x 2 directions x 3 modules
-    assert all(site.startswith("cpu at modules/base.py") for site in reads.sites)
+    assert all(site.startswith("cpu at modules/scaling_meta.py") for site in reads.sites)
     with HostReadCounter() as reads:
         torch.zeros(3).tolist()  # a read outside the package is not fp8train's
     assert reads.sites == []
@@ -115,11 +116,12 @@ def test_the_counter_sees_reads_in_the_package() -> None:
 
 def test_header_is_written_on_the_device() -> None:
     """A steady launch builds its header from cached device values: no tensor from host data."""
-    REGISTRY.__init__()
-    direction = fp8train.reduction.Direction("fwd", RECIPE, None, fp8train.reduction.ReductionStats())
-    direction.register("Linear(16x16)", torch.zeros(4, 3), torch.ones(3), torch.ones(3))
-    direction._header((0, 1), 5, 3)  # the first call with these recorded roles caches the static part
+    storage = ScalingStorage(4, torch.device("cpu"))
+    storage.append(torch.zeros(4, 3), torch.ones(3), torch.ones(3))
+    writer = Header("fwd", RECIPE.key())
+    writer.add_member("Linear(16x16)")
+    writer.write(storage, 1, (0, 1), 5, 3)  # the first call with these recorded roles caches the static part
     with HostReadCounter() as reads:
-        header = direction._header((0, 1), 6, 3)
+        header = writer.write(storage, 1, (0, 1), 6, 3)
     assert reads.sites == [] and header.shape == (HEADER_LEN,)
     assert header[10].item() == 6 and header[11].item() == -6  # the training-region index, (q, -q)

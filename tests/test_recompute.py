@@ -15,8 +15,8 @@ import torch
 import torch.utils.checkpoint
 
 import fp8train
-import fp8train.modules.fp8_linear as fp8_linear_mod
-from fp8train.protocol import REGISTRY, in_backward
+from fp8train.quantization.per_tensor import TensorQuantization
+from fp8train.torch_internals import in_backward
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 STEPS = 3
@@ -41,7 +41,7 @@ def _forward(model: torch.nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor
 
 
 def _groups():
-    group = REGISTRY.amax_group(RECIPE, None)
+    group = fp8train.inspection.amax_group(RECIPE, None)
     return group.fwd, group.bwd
 
 
@@ -54,20 +54,20 @@ def _state() -> list[torch.Tensor]:
 def cast_log(monkeypatch) -> list:
     """(during backward?, scale) of every forward (e4m3) cast; gradient casts are e5m2 (HYBRID)."""
     log: list = []
-    real = fp8_linear_mod.cast_operand
+    real = TensorQuantization.cast
 
-    def spy(x, scale, encoding, dtype):
+    def spy(x, scale, scale_inv, encoding, dtype):
         if encoding == "e4m3":
             log.append((in_backward(), float(scale)))
-        return real(x, scale, encoding, dtype)
+        return real(x, scale, scale_inv, encoding, dtype)
 
-    monkeypatch.setattr(fp8_linear_mod, "cast_operand", spy)
+    monkeypatch.setattr(TensorQuantization, "cast", staticmethod(spy))
     return log
 
 
 def _train(mode: str, log: list) -> tuple[list, list]:
     """STEPS steps of one region each: per step the grads and FP8 state, and the casts' scales."""
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     model = _model()
     results, casts = [], []
     for step in range(STEPS):
@@ -78,7 +78,7 @@ def _train(mode: str, log: list) -> tuple[list, list]:
         y.pow(2).mean().backward()
         fwd, bwd = _groups()
         # the recomputation recorded nothing (the slot was cleared at launch) and registered nothing
-        assert not fwd.recorded_columns and not bool(fwd.storage.recording.any())
+        assert not fwd.recorded_roles and not bool(fwd.storage.recording.any())
         assert len(fwd.members) == len(bwd.members) == 2
         results.append([p.grad.clone() for p in model.parameters()] + [x.grad.clone()] + _state())
         casts.append(log[start:])
@@ -100,7 +100,7 @@ def test_recompute_equals_plain_bitwise(mode: str, cast_log: list) -> None:
 
 def _pipeline(mode: str, log: list) -> tuple[list[torch.Tensor], list]:
     """Per step two regions (microbatches) run forward, then their backwards in reverse order."""
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     model = _model()
     results, casts = [], []
     for step in range(2):
@@ -135,7 +135,7 @@ def test_pipeline_style_with_fp8train_checkpoint(cast_log: list) -> None:
 
 def test_nested_checkpoints_equal_plain() -> None:
     def run(nested: bool) -> list[torch.Tensor]:
-        REGISTRY.__init__()
+        fp8train.inspection.reset()
         model = _model()
         out = []
         for step in range(2):
@@ -194,7 +194,7 @@ def test_unsupported_patterns_raise_clear_errors() -> None:
                 h = model(_x(1)) if shared else _x(1)
                 torch.utils.checkpoint.checkpoint(model, h, use_reentrant=True)
     # plain torch checkpoint with two regions pending: which one is recomputed is ambiguous
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     model = _model()
     ys = []
     for i in range(2):
@@ -241,7 +241,7 @@ def _patterns(mode: str, recipe) -> list[torch.Tensor]:
     """Real-job patterns around recomputation: a step whose graph is dropped (a skipped non-finite
     loss, an OOM retry's failed attempt), a pipeline-style pair of regions recomputed by
     fp8train.checkpoint, two microbatches whose backward runs inside one region, then plain steps."""
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     model = _model()
     grads = []
 
@@ -266,7 +266,7 @@ def _patterns(mode: str, recipe) -> list[torch.Tensor]:
     for i in range(3):
         step(_x(6 + i), mode)
     grads += [p.grad.clone() for p in model.parameters()]
-    assert not [r for r in REGISTRY.regions.values() if r.owes_backward()]
+    assert fp8train.inspection.regions_owing_backward() == 0
     return grads
 
 

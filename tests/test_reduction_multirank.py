@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp8train
-from fp8train import DelayedScaling, LayoutMismatchError, reduction
-from fp8train.protocol import ENV_ASYNC, REGISTRY
-from fp8train.reduction import HEADER_LEN, Direction
+from fp8train import DelayedScaling, LayoutMismatchError, channel
+from fp8train.header import HEADER_LEN
+from fp8train.reduction import Direction
+from fp8train.regions import ENV_ASYNC
 from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
 from reference import E4M3_MAX, E5M2_MAX, RefScaling, amax_of
 
@@ -322,12 +323,12 @@ def _count(rank: int, world: int, layer_counts: list[int], steps: int) -> dict:
     """Collectives per step and direction for n modules; then groups that reduce nothing."""
     out = {}
     with AllReduceSpy() as spy:
-        for n, capacity in [(n, reduction.INITIAL_WIRE) for n in layer_counts] + [(layer_counts[-1], 16)]:
-            reduction.INITIAL_WIRE, saved = capacity, reduction.INITIAL_WIRE  # read by the new Channel
+        for n, capacity in [(n, channel.INITIAL_WIRE) for n in layer_counts] + [(layer_counts[-1], 16)]:
+            channel.INITIAL_WIRE, saved = capacity, channel.INITIAL_WIRE  # read by the new Channel
             trainer = Trainer(rank, dist.new_group(list(range(world))), layers=n, width=8)
             for t in range(steps):
                 trainer.step(*batch(rank, t, width=8), spy=spy, read=None)
-            reduction.INITIAL_WIRE = saved
+            channel.INITIAL_WIRE = saved
             out[f"layers={n}, capacity={capacity}"] = trainer.finish()["calls"]
         single = [dist.new_group([r]) for r in range(world)]
         fp8train.reset_reduction_stats()
@@ -402,7 +403,7 @@ def _exception_run(rank: int, group, fail: bool, steps: int = 6) -> dict:
             with pytest.raises(RuntimeError, match="injected failure"):
                 trainer.step(x * 100, target)
             trainer.model.fail_after = None
-            assert not REGISTRY.stack and REGISTRY.region is None
+            assert fp8train.inspection.open_regions() == 0 and fp8train.inspection.current_region() is None
             for key in trainer.log:  # forget the failed attempt's partial log entries, if any
                 trainer.log[key] = trainer.log[key][:t]
         trainer.step(*batch(rank, t), read="public")
@@ -456,7 +457,7 @@ def _worker(rank: int, world: int, names: list[str]) -> dict:
     """Run the named scenarios in order; each starts from a fresh registry and default env."""
 
     def run_one(name: str):
-        REGISTRY.__init__()
+        fp8train.inspection.reset()
         os.environ.pop(ENV_ASYNC, None)
         return SCENARIOS[name](rank, world)
 
@@ -541,7 +542,7 @@ def test_one_collective_per_region_and_direction(two_ranks):
     runs = outcome(two_ranks, "count")
     for rank_runs in runs:
         for n in (4, 64):  # every collective carries INITIAL_WIRE amaxes: one per direction, always
-            calls = rank_runs[f"layers={n}, capacity={reduction.INITIAL_WIRE}"]
+            calls = rank_runs[f"layers={n}, capacity={channel.INITIAL_WIRE}"]
             assert calls == [(1, 1)] * len(calls), (n, calls)
         # 64 modules need more than 16 values: in the first step a blocking handshake settles the new
         # size of every collective on the process group, then the amaxes (reduction.py, "The layout
@@ -615,7 +616,7 @@ def _assert_same_run(a: dict, b: dict) -> None:
 
 def test_exception_in_region_single_process():
     clean = _exception_run(0, None, fail=False)
-    REGISTRY.__init__()  # a fresh amax group for the second run
+    fp8train.inspection.reset()  # a fresh amax group for the second run
     failed = _exception_run(0, None, fail=True)
     _assert_same_run(clean, failed)
 
@@ -634,7 +635,7 @@ def test_reduction_stats_with_injected_latency(two_ranks):
     steady = 4 - 1
     launched = 2 * steady
     # every collective on a process group has one size, INITIAL_WIRE amaxes after the header
-    bytes_per_step = 4 * (2 * HEADER_LEN + 2 * reduction.INITIAL_WIRE)  # float32, both directions
+    bytes_per_step = 4 * (2 * HEADER_LEN + 2 * channel.INITIAL_WIRE)  # float32, both directions
     for rank_runs in outcome(two_ranks, "stats"):
         for stats in rank_runs.values():
             assert stats["launched"] == launched

@@ -20,12 +20,18 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from fp8train import DelayedScaling, Format, fp8_autocast
-from fp8train.checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
+from fp8train import (
+    AmaxReductionError,
+    CheckpointError,
+    DelayedScaling,
+    Format,
+    fp8_autocast,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fp8train.modules import FP8Module
 from fp8train.modules.base import decode_extra_state
-from fp8train.protocol import ENV_ASYNC, REGISTRY
-from fp8train.reduction import AmaxReductionError
+from fp8train.regions import ENV_ASYNC
 from fp8train.tools.ranks import assert_ok, run_ranks_outcomes
 from helpers import digest, fp8_state
 
@@ -404,7 +410,7 @@ def _mismatch_worker(rank: int, world_size: int) -> dict:
         out["foreign_group"] = {"error": None}
     except Exception as exc:
         out["foreign_group"] = {"error": type(exc).__name__, "message": str(exc)}
-    out["stack_empty"] = REGISTRY.stack == [] and REGISTRY.region is None
+    out["stack_empty"] = fp8train.inspection.open_regions() == 0
     return out
 
 
@@ -495,9 +501,9 @@ class TwoLayer(torch.nn.Module):
 
 
 def _clean_registry() -> None:
-    assert REGISTRY.stack == [] and REGISTRY.region is None, "a failed region stayed on the stack"
-    for fwd in (group.fwd for group in REGISTRY.groups.values()):
-        assert fwd.recorded_columns == [] and not bool(fwd.storage.recording.any()), "stale forward amaxes"
+    assert fp8train.inspection.open_regions() == 0, "a failed region stayed on the stack"
+    for fwd in (group.fwd for group in fp8train.inspection.amax_groups()):
+        assert fwd.recorded_roles == () and not bool(fwd.storage.recording.any()), "stale forward amaxes"
 
 
 def _train_with_interruption(
@@ -589,7 +595,7 @@ def test_recipe_of_the_wrong_type_is_rejected() -> None:
     with pytest.raises(ValueError, match="fp8_recipe must be a fp8train.DelayedScaling"):
         with fp8_autocast(fp8_recipe={"margin": 0}):
             pass
-    assert REGISTRY.stack == []
+    assert fp8train.inspection.open_regions() == 0
 
 
 @pytest.mark.parametrize("value", ["2", "true", "", "async", "0 1"])
@@ -599,7 +605,7 @@ def test_invalid_async_env_is_a_clear_error_and_leaves_no_region(monkeypatch, va
     monkeypatch.setenv(ENV_ASYNC, value)
     with pytest.raises(ValueError, match=f"{ENV_ASYNC}={value!r} is not valid: use 1 .* or 0"):
         train_step(model, opt, batch(0, 0))
-    assert REGISTRY.stack == [] and REGISTRY.region is None
+    assert fp8train.inspection.open_regions() == 0 and fp8train.inspection.current_region() is None
     assert all(bool((t[1] == 1).all()) for t in [fp8_state(model)[i : i + 3] for i in (0, 3, 6, 9)])
     for ok in ("0", "1", " 1 "):
         monkeypatch.setenv(ENV_ASYNC, ok)

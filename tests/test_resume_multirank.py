@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import fp8train
 from fp8train.modules.base import decode_extra_state
-from fp8train.protocol import ENV_ASYNC, REGISTRY
+from fp8train.regions import ENV_ASYNC
 from fp8train.tools.ranks import run_ranks
 from helpers import digest, fp8_state
 
@@ -55,9 +55,8 @@ def _steps(rank: int, model, opt, first: int, save_path=None) -> dict:
         opt.step()
         opt.zero_grad()
         if save_path and step == K - 1 and rank == 0:
-            group = REGISTRY.amax_group(RECIPE, model.process_group)
-            pending = [p for d in (group.fwd, group.bwd) for p in d.pending]
-            out["saved_in_flight"] = any(p.works for p in pending)
+            group = fp8train.inspection.amax_group(RECIPE, model.process_group)
+            out["saved_in_flight"] = group.fwd.in_flight + group.bwd.in_flight > 0
             state = {"model": model.module.state_dict(), "optim": opt.state_dict()}  # finishes, no collective
             torch.save(state, save_path)
         out["loss"].append(loss.item())

@@ -20,7 +20,7 @@ import torch
 import fp8train
 from fp8train import DelayedScaling, fp8_autocast
 from fp8train.modules import FP8Module
-from fp8train.protocol import ENV_ASYNC, REGISTRY
+from fp8train.regions import ENV_ASYNC
 from fp8train.tools.ranks import run_ranks
 
 STEPS = int(os.environ.get("FP8TRAIN_SOAK_STEPS", "2000"))
@@ -37,8 +37,8 @@ def _rss_mb() -> float:
 
 
 def _sample(model: torch.nn.Module, step: int) -> dict:
-    groups = [d for group in REGISTRY.groups.values() for d in (group.fwd, group.bwd)]
-    pending = sum(len(g.pending) for g in groups)  # before anything below completes them
+    groups = [d for group in fp8train.inspection.amax_groups() for d in (group.fwd, group.bwd)]
+    pending = sum(g.pending_reductions for g in groups)  # before anything below completes them
     digest = hashlib.sha256()
     for m in model.modules():
         if isinstance(m, FP8Module):
@@ -53,7 +53,7 @@ def _sample(model: torch.nn.Module, step: int) -> dict:
         "members": sum(len(g.members) for g in groups),
         "storage": sum(g.storage.history.numel() + g.storage.recording.numel() for g in groups),
         "groups": len(groups),
-        "live_regions": len(REGISTRY.regions),
+        "live_regions": fp8train.inspection.live_regions(),
         "objects": len(gc.get_objects()),
         "rss_mb": _rss_mb(),
         "checksum": digest.hexdigest(),
@@ -104,7 +104,7 @@ def test_soak_two_ranks_async_nothing_grows_and_scales_agree() -> None:
             assert {s[key] for s in samples} == {end[key]}, f"rank {rank}: {key} changed during the run"
         assert max(s["pending"] for s in samples) <= 2, f"rank {rank}: pending reductions pile up"
         # the registry keeps the most recent regions alive on purpose (a bounded deque), no more
-        kept = REGISTRY.recent_regions.maxlen + 2
+        kept = fp8train.inspection.KEPT_REGIONS + 2
         assert max(s["live_regions"] for s in samples[1:]) <= kept, f"rank {rank}: regions are kept alive"
         assert end["objects"] - warm["objects"] <= OBJECT_TOLERANCE, f"rank {rank}: Python objects grow"
         assert end["rss_mb"] - warm["rss_mb"] <= RSS_TOLERANCE_MB, f"rank {rank}: resident memory grows"

@@ -11,7 +11,6 @@ import torch
 import fp8train
 from fp8train import DelayedScaling
 from fp8train.modules.base import decode_extra_state
-from fp8train.protocol import REGISTRY
 from helpers import fp8_state
 
 RECIPE = DelayedScaling(amax_history_len=4)  # short: the window rolls over within the test
@@ -88,7 +87,7 @@ def test_resume_is_bit_identical(fresh_process: bool) -> None:
     final_state, final_params = fp8_state(model), [p.detach().clone() for p in model.parameters()]
 
     if fresh_process:
-        REGISTRY.__init__()
+        fp8train.inspection.reset()
     resumed = _model(123)
     resumed_opt = torch.optim.Adam(resumed.parameters(), lr=3e-3)
     resumed.load_state_dict(checkpoint["model"])

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.protocol import REGISTRY
 
 D, HIDDEN, OUT, BATCH, STEPS = 32, 64, 8, 64, 200
 
 
 def _train(fp8: bool) -> tuple[list[float], float, torch.nn.Module]:
     """Same init and data for both runs: a noisy teacher regression (noise floor 0.09)."""
-    REGISTRY.__init__()
+    fp8train.inspection.reset()
     g = torch.Generator().manual_seed(7)
     teacher_a = torch.randn(D, HIDDEN, generator=g) / D**0.5
     teacher_b = torch.randn(HIDDEN, OUT, generator=g) / HIDDEN**0.5

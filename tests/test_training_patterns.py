@@ -36,8 +36,7 @@ import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp8train
-from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, fp8_autocast, reduction
-from fp8train.protocol import REGISTRY
+from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, channel, fp8_autocast
 from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
 from helpers import digest, fp8_state, sgd
 
@@ -273,12 +272,12 @@ def growth(rank: int, world: int) -> dict:
     """With collectives that carry 4 amaxes at first, the model's 6 forward roles grow the size at step 0
     and `extra`'s 3 more at step 2: both growth steps settle the size in a blocking handshake."""
     out = {}
-    reduction.INITIAL_WIRE, saved = 4, reduction.INITIAL_WIRE  # read by each new Channel
+    channel.INITIAL_WIRE, saved = 4, channel.INITIAL_WIRE  # read by each new Channel
     try:
         for case, diverge_at in GROWTH_CASES.items():
             out[case] = _growth_case(rank, case, diverge_at)
     finally:
-        reduction.INITIAL_WIRE = saved
+        channel.INITIAL_WIRE = saved
     return out
 
 
@@ -345,7 +344,7 @@ SCENARIOS = {
 
 def _worker(rank: int, world: int, names: list[str], directory: str) -> dict:
     def run_one(name: str):
-        REGISTRY.__init__()
+        fp8train.inspection.reset()
         return SCENARIOS[name](rank, world, *((directory,) if name == "rank0_load" else ()))
 
     return run_scenarios(names, run_one)

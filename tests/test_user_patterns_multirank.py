@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import fp8train
-from fp8train import LayoutMismatchError, reduction
+from fp8train import LayoutMismatchError, channel
 from fp8train.tools.ranks import run_ranks, run_ranks_outcomes, run_scenarios
 from helpers import digest, fp8_state, sgd
 
@@ -167,7 +167,7 @@ def test_row_parallel_layers_and_in_place_ops_train_under_every_recipe():
 
 
 # ---- the failure flag reaches one rank's host late --------------------------------------------------------
-class _LateMirror(reduction.HostMirror):
+class _LateMirror(channel.HostMirror):
     """A host copy that arrives only when waited for: a GPU running behind on this rank."""
 
     def publish(self, value: torch.Tensor) -> None:
@@ -184,8 +184,8 @@ class _LateMirror(reduction.HostMirror):
 
 def late_flag(rank: int, world: int, lag: int) -> dict:
     if rank == 1:
-        reduction.HostMirror = _LateMirror  # StickyFlag and Channel make their mirrors through the name
-    reduction.VERDICT_LAG["cpu"] = lag
+        channel.HostMirror = _LateMirror  # StickyFlag and Channel make their mirrors through the name
+    channel.VERDICT_LAG["cpu"] = lag
     torch.manual_seed(0)
     model = _model()
     for step in range(12):

@@ -1,19 +1,22 @@
 """fp8train: FP8 training with delayed scaling and an asynchronous global amax reduction."""
 
+from . import inspection, telemetry
 from .autocast import autocast, fp8_autocast
-from .checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint_files import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
 from .distributed import broadcast_fp8_state
+from .errors import AmaxReductionError, LayoutMismatchError, StateMismatchError
+from .inspection import reduction_stats, reset_reduction_stats, synchronize
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
-from .protocol import reduction_stats, reset_reduction_stats, synchronize
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from .recompute import checkpoint
-from .reduction import AmaxReductionError, LayoutMismatchError, StateMismatchError
 from .tensor_parallel import reduce_sequence_parallel_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "inspection",
+    "telemetry",
     "DelayedScaling",
     "Float8CurrentScaling",
     "Float8BlockScaling",

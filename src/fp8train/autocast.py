@@ -1,7 +1,7 @@
 """FP8 regions, under TransformerEngine's names: `fp8_autocast` and `autocast`.
 
 What a region entry and exit do (which amax groups launch, and when they finish) is decided in
-protocol.py; this file is the public surface.
+regions.py; this file is the public surface.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from .protocol import RegionSettings, enter_region, exit_region
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .recipe import DelayedScaling, Recipe, check_recipe, quantization_of
+from .regions import RegionSettings, enter_region, exit_region
 
 __all__ = ["fp8_autocast", "autocast"]
 
@@ -27,7 +27,7 @@ def fp8_autocast(
     `fp8_recipe`: `DelayedScaling` (the default), `Float8CurrentScaling` or `Float8BlockScaling`.
     `fp8_group` is the amax group of delayed scaling: the ranks that share scales (default: the world)."""
     recipe = DelayedScaling() if fp8_recipe is None else check_recipe(fp8_recipe, "fp8_recipe")
-    settings = RegionSettings(bool(enabled), bool(calibrating), recipe, fp8_group)
+    settings = RegionSettings(bool(enabled), bool(calibrating), recipe, quantization_of(recipe), fp8_group)
     region = enter_region(settings)
     failed = False
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .recipe import fp8_dtype, fp8_max
+from .formats import fp8_dtype, fp8_max
 
 __all__ = ["amax", "quantize", "fp8_round", "cast_operand"]
 

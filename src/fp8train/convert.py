@@ -48,7 +48,7 @@ class Conv1D(FP8Module):
         torch.nn.init.normal_(self.weight, std=0.02)
         if self.bias is not None:
             torch.nn.init.zeros_(self.bias)
-        self._weight_cache.clear()
+        self.forget_cached_weights()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         # weight.t() is a view: gradients flow back into the same (in, out) Parameter.

@@ -35,13 +35,13 @@ def broadcast_fp8_state(model: torch.nn.Module, src: int = 0, group=None) -> Non
     """
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Module)]
     names = [name for name, _ in modules]
-    channels = {
-        m.fp8_meta[key].direction.channel
+    directions = {
+        id(meta.direction): meta.direction
         for _, m in modules
-        for key in ("scaling_fwd", "scaling_bwd")
-        if m.fp8_meta[key].direction is not None and m.fp8_meta[key].direction.channel is not None
+        for meta in m.fp8_meta.values()
+        if meta.direction is not None
     }
-    failures = [channel.failure_message() for channel in channels if channel.failed]
+    failures = [message for message in (d.failure_message() for d in directions.values()) if message]
     error = _agree_on_failure(failures[0] if failures else "", group)
     if error:
         raise RuntimeError(

@@ -15,17 +15,39 @@ buffers must be dropped when a weight's gather precision changes.
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Optional
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
 
-from . import protocol, tensor_parallel
+from . import tensor_parallel
 from .cast import amax, quantize
+from .plans import FWD_ROLES
+from .registry import REGISTRY
+from .torch_internals import (
+    in_backward,
+    reset_fsdp_gather_buffers,
+    set_fsdp_unsharded_buffer,
+    tree_leaves,
+    tree_map_only,
+)
 
-__all__ = ["FSDPFP8Weight", "GatheredWeight", "plain_weight", "wrap_for_fsdp"]
+if TYPE_CHECKING:
+    from .regions import Region
+
+__all__ = [
+    "FSDPFP8Weight",
+    "GatheredWeight",
+    "WeightGather",
+    "plain_weight",
+    "wrap_for_fsdp",
+    "weight_gather",
+    "is_current_gather",
+    "note_gathered_forward",
+    "gathered_backward_ran",
+]
 
 aten = torch.ops.aten
 # ops FSDP2 shards and pads with, whose results stay FP8-gatherable (the rest return plain tensors)
@@ -73,7 +95,7 @@ class FSDPFP8Weight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        wrapped = [a for a in _flat((args, kwargs)) if isinstance(a, FSDPFP8Weight)]
+        wrapped = [a for a in tree_leaves((args, kwargs)) if isinstance(a, FSDPFP8Weight)]
         unwrap = {id(w._data): w for w in wrapped}
         args, kwargs = tree_map_only(FSDPFP8Weight, lambda t: t._data, (args, kwargs or {}))
         out = func(*args, **kwargs)
@@ -89,11 +111,11 @@ class FSDPFP8Weight(torch.Tensor):
         dtype = mp_policy.param_dtype or self.dtype
         shard = self._data.to(dtype)
         ranks = dist.get_process_group_ranks(mesh.get_group())
-        gather = protocol.weight_gather(module, self.gemm_index, ranks)
+        gather = weight_gather(module, self.gemm_index, ranks)
         precision = "hp" if gather.scales is None else "fp8"
         if getattr(self, "_last_precision", precision) != precision:
             # sized and typed for the other precision: FSDP2 remakes them
-            _fsdp_param_of_caller().all_gather_outputs = []
+            reset_fsdp_gather_buffers()
         self._last_precision = precision
         shard_amax = None
         if precision == "fp8":
@@ -112,19 +134,15 @@ class FSDPFP8Weight(torch.Tensor):
         if out is not None:  # later gathers refill the weight FSDP2 already handed to the module
             out._state.__dict__.update(state.__dict__)
             # its buffers may have been remade for a new precision: FSDP2 frees what it is given here
-            _fsdp_param_of_caller()._unsharded_inner_tensors = [data]
+            set_fsdp_unsharded_buffer(data)
             return None
         return GatheredWeight(state, data.shape, param_dtype), (data,)
-
-
-def _flat(tree) -> list:
-    return torch.utils._pytree.tree_leaves(tree)
 
 
 class _Gathered:
     """What a gathered weight holds; shared by every alias FSDP2 makes of it."""
 
-    def __init__(self, gather: protocol.WeightGather, data: torch.Tensor, shard_amax, context) -> None:
+    def __init__(self, gather: WeightGather, data: torch.Tensor, shard_amax, context) -> None:
         self.gather = gather  # FP8 (with its scales and region) or the parameter dtype
         self.data = data  # FP8 values (padded rows included) or the weight in its parameter dtype
         self.shard_amax = shard_amax  # of this rank's shard, as cast (FP8 only)
@@ -148,7 +166,7 @@ class GatheredWeight(torch.Tensor):
         return self._state.gather.scales is not None
 
     @property
-    def gather(self) -> protocol.WeightGather:
+    def gather(self) -> WeightGather:
         return self._state.gather
 
     def fp8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +200,7 @@ class GatheredWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        first = next(a for a in _flat((args, kwargs)) if isinstance(a, GatheredWeight))
+        first = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GatheredWeight))
         if func in (aten.detach.default, aten.alias.default):  # FSDP2's and autograd's aliases
             return GatheredWeight(first._state, first.shape, first.dtype, first.transposed)
         if func in (aten.as_strided.default, aten.view.default) and tuple(args[1]) in (
@@ -201,20 +219,6 @@ class GatheredWeight(torch.Tensor):
             )
         args, kwargs = tree_map_only(GatheredWeight, lambda w: w.high_precision(), (args, kwargs or {}))
         return func(*args, **kwargs)
-
-
-def _fsdp_param_of_caller() -> Any:
-    """The FSDP2 `FSDPParam` that called an extension point (FSDP2 internals: torch 2.6 to 2.13)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if type(candidate).__name__ == "FSDPParam" and hasattr(candidate, "all_gather_outputs"):
-            return candidate
-        frame = frame.f_back
-    raise RuntimeError(
-        "fsdp_fp8_all_gather: FSDP2's extension points were called from outside an FSDPParam; this torch "
-        f"({torch.__version__}) changed FSDP2's internals. Build the modules without fsdp_fp8_all_gather"
-    )
 
 
 def wrap_for_fsdp(parameter: torch.nn.Parameter, gemm_index: int) -> None:
@@ -245,3 +249,105 @@ def plain_weight(tensor: torch.Tensor) -> torch.Tensor:
         local._data, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
         stride=tensor.stride(),
     )  # fmt: skip
+
+
+# ---- which gathers a weight's forward and backward need (delayed scaling's FP8 gathers) --------------
+@dataclass(frozen=True)
+class WeightGather:
+    """How FSDP2 gathers a module's weight for a forward (fsdp.py)."""
+
+    scales: Optional[tuple[torch.Tensor, torch.Tensor]]  # (scale, scale_inv) in FP8; None: parameter dtype
+    region: Optional[Region]  # the FP8 region it was gathered for
+
+
+class GatherBook:
+    """A weight's latest gather, and the training forwards that saved its FP8 values for backward
+    (their autograd nodes, weakly: a dropped graph owes nothing) until their backward runs."""
+
+    def __init__(self) -> None:
+        self.latest = WeightGather(None, None)
+        self.owed: list[tuple[weakref.ref, WeightGather]] = []
+
+    def pending(self) -> list[WeightGather]:
+        self.owed = [(node, gather) for node, gather in self.owed if node() is not None]
+        return [gather for _, gather in self.owed]
+
+
+def _gather_book(module, gemm_index: int) -> GatherBook:
+    return module.fsdp_gathers.setdefault(gemm_index, GatherBook())
+
+
+def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGather:
+    """How FSDP2 gathers `module`'s weight of GEMM `gemm_index` now: in FP8 with the weight role's
+    scale of the current region (the one its forward will cast with), or in the parameter dtype
+    outside an FP8 region of delayed scaling. A backward re-gather reproduces the gather whose FP8
+    values a forward saved, and records nothing."""
+    if not hasattr(module, "fp8_meta"):  # FSDP2 gathers a tied weight for the module that holds it
+        return _tied_weight_gather(module)
+    book = _gather_book(module, gemm_index)
+    pending = book.pending()
+    if in_backward():
+        return pending[-1] if pending else book.latest
+    settings = REGISTRY.settings
+    casts_first = settings is not None and settings.enabled and settings.quantization.casts_before_gather
+    region = REGISTRY.region if casts_first else None  # other recipes cast the whole weight: gathered as is
+    if any(gather.region is not region for gather in pending):
+        raise RuntimeError(
+            f"{module.signature} (fsdp_fp8_all_gather) ran forward in another FP8 region or precision "
+            "before the backward of its previous training forward: FSDP2's backward re-gather could not "
+            "reproduce the FP8 weight that forward used. Run that backward first (schedules with several "
+            "microbatches in flight are not supported with the option), or build the module without it"
+        )
+    scales = None
+    if region is not None:
+        group = REGISTRY.amax_group(settings.recipe, settings.group)
+        amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
+        if len(set(shard_ranks)) > 1 and not set(shard_ranks) <= set(amax_ranks):  # one shard: its own
+            raise ValueError(
+                f"{module.signature} (fsdp_fp8_all_gather): FSDP2 shards its weight over ranks "
+                f"{shard_ranks} but the amax group reduces over {amax_ranks or 'no ranks'}: each shard would "
+                "be cast with its own scale. Use an fp8_group that contains the sharding group (the default, "
+                "all ranks, does) with reduce_amax=True, or build the module without fsdp_fp8_all_gather"
+            )
+        meta = module.fp8_meta["scaling_fwd"]
+        column = meta.offset + FWD_ROLES * gemm_index + 1  # the weight's role
+        if meta.direction is None:  # not trained yet: its own scale, which joining will keep
+            scale, scale_inv = meta.own_scales(next(module.parameters()).device)
+        else:
+            scale, scale_inv = region.scales_for(meta.direction)
+        scales = (scale[column], scale_inv[column])
+    book.latest = WeightGather(scales, region)
+    return book.latest
+
+
+def _tied_weight_gather(module) -> WeightGather:
+    """A weight shared with a module that is not an FP8 module: gathered as is outside FP8 regions,
+    refused inside (only its FP8 module may use a weight gathered in FP8)."""
+    settings = REGISTRY.settings
+    if settings is not None and settings.enabled and settings.quantization.casts_before_gather:
+        raise RuntimeError(
+            f"fsdp_fp8_all_gather: FSDP2 gathers a weight for {type(module).__name__}, which shares it "
+            "with an FP8 module (tied weights, e.g. an embedding and the output head). A weight gathered "
+            "in FP8 is for its FP8 module only. Build that FP8 module without fsdp_fp8_all_gather (e.g. "
+            "leave the head out of convert_to_fp8 with its filter), or untie the weights"
+        )
+    return WeightGather(None, None)
+
+
+def is_current_gather(gather: WeightGather) -> bool:
+    """Whether a weight gathered in FP8 for `gather` may serve this call: gathered for this region,
+    or a recomputation in backward (whose re-gather reproduced the original forward's)."""
+    return gather.region is REGISTRY.region or in_backward() or REGISTRY.recompute is not None
+
+
+def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output: torch.Tensor) -> None:
+    """A training forward saved the FP8 weight gathered for `gather`: its backward re-gather must match."""
+    if output.grad_fn is not None:
+        _gather_book(module, gemm_index).owed.append((weakref.ref(output.grad_fn), gather))
+
+
+def gathered_backward_ran(handle: int, gemm_index: int, node) -> None:
+    """The backward of the forward whose autograd node is `node` ran: it owes nothing any more."""
+    book = REGISTRY.module(handle).fsdp_gathers.get(gemm_index)
+    if book is not None:
+        book.owed = [(ref, gather) for ref, gather in book.owed if ref() is not node]

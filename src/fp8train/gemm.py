@@ -14,11 +14,12 @@ host read (a Python float alpha would wait for the GPU).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["gemm", "choose_path", "PATHS"]
+__all__ = ["gemm", "matmul", "Operand", "choose_path", "PATHS"]
 
 PATHS = ("scaled_mm", "bf16", "fp32")
 ENV_PATH = "FP8TRAIN_GEMM"
@@ -76,4 +77,55 @@ def gemm(
     # product is computed in fp32 and written in one pass, with the bias added in the same one.
     scale = (a_scale_inv * b_scale_inv).reshape(1)
     y = torch.mul(y, scale) if bias is None else torch.addcmul(bias.to(torch.float32), y, scale)
+    return y.to(out_dtype)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A GEMM operand quantized to FP8: its values (an FP8 dtype, or bf16/fp32 holding FP8 values
+    exactly) and the inverse scale that dequantizes them, one for the whole tensor (`block` None) or
+    one per `block` = (rows, columns) of the values as stored. `transposed` operands are used as the
+    transpose of what is stored (a view: nothing is copied or requantized)."""
+
+    values: torch.Tensor
+    scale_inv: torch.Tensor
+    block: Optional[tuple[int, int]] = None
+    transposed: bool = False
+
+    def t(self) -> Operand:
+        return Operand(self.values, self.scale_inv, self.block, not self.transposed)
+
+    def oriented(self) -> torch.Tensor:
+        return self.values.t() if self.transposed else self.values
+
+    def dequantize(self) -> torch.Tensor:
+        """The values times their scale_inv, in fp32 (exact where the scales are powers of 2)."""
+        values = self.values.float()
+        if self.block is None:
+            values = values * self.scale_inv
+        else:
+            rows, cols = self.block
+            r, c = values.shape
+            values = values * self.scale_inv.repeat_interleave(rows, 0)[:r].repeat_interleave(cols, 1)[:, :c]
+        return values.t() if self.transposed else values
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.values, self.scale_inv
+
+    @property
+    def layout(self) -> tuple[Optional[tuple[int, int]], bool]:
+        """(block, transposed): with `tensors()`, what makes the operand again (Operand(*t, *layout))."""
+        return self.block, self.transposed
+
+
+def matmul(
+    a: Operand, b: Operand, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """a @ b (+ bias) for quantized operands: `gemm` when both have one scale each (the hardware FP8
+    GEMM where it applies), else both dequantized block by block and multiplied in fp32."""
+    if a.block is None and b.block is None:
+        return gemm(a.oriented(), a.scale_inv, b.oriented(), b.scale_inv, out_dtype, bias)
+    y = a.dequantize() @ b.dequantize()
+    if bias is not None:
+        y = y + bias.float()
     return y.to(out_dtype)

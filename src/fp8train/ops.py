@@ -1,23 +1,101 @@
-"""The protocol's per-call work as custom ops, so that torch.compile graphs call it at run time.
+"""What each FP8 call asks of the protocol, eagerly and as custom ops that torch.compile graphs call at
+run time (docs/design.md, section 6).
 
-A compiled graph holds the FP8 math (casts, GEMMs) as ordinary ops that inductor fuses. What each
-call asks of the protocol (make the call's plan, record amaxes, hand out the region's frozen
-scales; in backward: wait for earlier reductions, record, arrange the end-of-pass launch) is Python
-state, run here as two custom ops. They are registered as ordered side effects, so a compiled graph
-neither drops nor reorders them, and eager code calls the same functions directly.
+A compiled graph holds the FP8 math (casts, GEMMs) as ordinary ops that inductor fuses. What a call
+asks of the protocol is Python state: make the call's plan, record amaxes, hand out the region's
+frozen scales; in backward, wait for earlier reductions, record, arrange the end-of-pass launch;
+refuse a recipe kind the module did not train with. Those run here, as custom ops registered as
+ordered side effects (so a compiled graph neither drops nor reorders them); eager code calls the same
+functions directly.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from . import protocol
+from .plans import BWD_ROLES, FWD_ROLES, plan_forward
+from .quantization.base import Quantization
+from .regions import current_backward_pass
+from .registry import REGISTRY
+from .torch_internals import register_ordered_effects
 
-__all__ = ["forward_scales", "backward_scales", "check_recipe_kind"]
+__all__ = ["CallPrecision", "call_precision", "forward_scales", "backward_scales", "check_recipe_kind"]
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 0  # role of each tensor within its GEMM's columns
 
 
+class CallPrecision(NamedTuple):
+    fp8: bool  # the GEMM runs in FP8
+    record: bool  # its amaxes are recorded (training, or calibrating)
+    quantization: Optional[Quantization] = None  # the recipe's, when the call runs in FP8 or records
+
+
+def call_precision(module, gemm_index: int) -> CallPrecision:
+    """How GEMM `gemm_index` of `module`'s current forward call runs.
+
+    Eager, the call's plan is made here (at its first GEMM). Under torch.compile the answer comes from
+    the region settings and grad mode, which dynamo guards, and the plan is made at run time by the
+    forward_scales op: the same rules, since a compiled graph is never a recomputation.
+    """
+    if torch.compiler.is_compiling():
+        settings = REGISTRY.settings
+        if settings is None or not settings.active:
+            return CallPrecision(False, False)
+        record = settings.quantization.reduces_amax and (settings.calibrating or torch.is_grad_enabled())
+        return CallPrecision(settings.enabled, record, settings.quantization)
+    REGISTRY.register_module(module, module.fp8_handle)  # (again: the registry may have been reset)
+    if gemm_index == 0:
+        REGISTRY.set_plan(module, plan_forward(module, torch.is_grad_enabled()))
+    plan = REGISTRY.plan_of(module)
+    if plan is None:
+        return CallPrecision(False, False)
+    return CallPrecision(plan.fp8, plan.records_into is not None, plan.quantization)
+
+
+def _forward_scales(
+    module, gemm_index: int, x_amax: Optional[torch.Tensor], w_amax: Optional[torch.Tensor], training=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record this GEMM's amaxes; return its scales [[x, w], [x_inv, w_inv]] and its region's token.
+
+    The scales are the region's frozen ones (a copy); the token (a CPU int64 scalar) names the
+    region to the backward of a training call, -1 otherwise. With `training` given (the op under
+    torch.compile), the call's plan is made here; otherwise `call_precision` made it."""
+    if training is not None and gemm_index == 0:
+        plan = plan_forward(module, training)
+        REGISTRY.set_plan(module, plan)
+        if plan is not None and plan.region is not None:
+            plan.region.compiled_calls = True
+    plan = REGISTRY.plan_of(module)
+    base = plan.fwd_offset + FWD_ROLES * gemm_index
+    if plan.records_into is not None:
+        if x_amax is not None:
+            plan.records_into.record(base + INPUT, x_amax)
+        if w_amax is not None:
+            plan.records_into.record(base + WEIGHT, w_amax)
+    scales = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]])
+    token = torch.tensor(plan.serial)
+    token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+    return scales, token
+
+
+def _backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Record this backward GEMM's grad_output amax; return [scale, scale_inv] for it.
+
+    Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
+    launches the group's backward reduction when it ends."""
+    meta = module.fp8_meta["scaling_bwd"]
+    direction = meta.direction
+    direction.finish()
+    direction.check()
+    column = meta.offset + BWD_ROLES * gemm_index + GRAD_OUTPUT
+    direction.record(column, g_amax)
+    current_backward_pass().note(direction.group, REGISTRY.region_by_serial(int(token)))
+    return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
+
+
+# ---- the custom ops ---------------------------------------------------------------------------------
 @torch.library.custom_op("fp8train::forward_scales", mutates_args=())
 def _forward_scales_op(
     handle: int,
@@ -27,8 +105,7 @@ def _forward_scales_op(
     like: torch.Tensor,
     training: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    module = protocol.REGISTRY.modules[handle]
-    return protocol.forward_scales(module, gemm_index, x_amax, w_amax, training)
+    return _forward_scales(REGISTRY.module(handle), gemm_index, x_amax, w_amax, training)
 
 
 @_forward_scales_op.register_fake
@@ -40,8 +117,7 @@ def _(handle, gemm_index, x_amax, w_amax, like, training):
 def _backward_scales_op(
     handle: int, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
 ) -> torch.Tensor:
-    module = protocol.REGISTRY.modules[handle]
-    return protocol.backward_scales(module, gemm_index, g_amax, token)
+    return _backward_scales(REGISTRY.module(handle), gemm_index, g_amax, token)
 
 
 @_backward_scales_op.register_fake
@@ -51,7 +127,7 @@ def _(handle, gemm_index, g_amax, token):
 
 @torch.library.custom_op("fp8train::check_recipe_kind", mutates_args=())
 def _check_recipe_kind_op(handle: int, kind: str) -> None:
-    protocol.check_recipe_kind(protocol.REGISTRY.modules[handle], kind)
+    REGISTRY.module(handle).claim_recipe_kind(kind)
 
 
 @_check_recipe_kind_op.register_fake
@@ -59,25 +135,17 @@ def _(handle, kind):
     return None
 
 
-def _register_ordered_effects() -> bool:
-    """Mark the ops as side effects (private torch API, the one place this module relies on one)."""
-    try:
-        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
-    except ImportError:  # torch without it: compiled graphs could drop an op whose outputs go unused
-        return False
-    ops = (
+ORDERED_EFFECTS = register_ordered_effects(
+    op.default
+    for op in (
         torch.ops.fp8train.forward_scales,
         torch.ops.fp8train.backward_scales,
         torch.ops.fp8train.check_recipe_kind,
     )
-    for op in (o.default for o in ops):
-        _register_effectful_op(op, _EffectType.ORDERED)
-    return True
+)
 
 
-ORDERED_EFFECTS = _register_ordered_effects()
-
-
+# ---- what FP8 GEMM calls use: the op while torch.compile traces, the function otherwise -------------------
 def forward_scales(
     module,
     gemm_index: int,
@@ -85,11 +153,18 @@ def forward_scales(
     w_amax: Optional[torch.Tensor],
     like: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """protocol.forward_scales: through the custom op while torch.compile traces, directly otherwise."""
     if torch.compiler.is_compiling():  # the graph runs without grad: whether the call trains is passed
         training = torch.is_grad_enabled()
-        return _forward_scales_op(module._fp8_handle, gemm_index, x_amax, w_amax, like, training)
-    return protocol.forward_scales(module, gemm_index, x_amax, w_amax)
+        return _forward_scales_op(module.fp8_handle, gemm_index, x_amax, w_amax, like, training)
+    return _forward_scales(module, gemm_index, x_amax, w_amax)
+
+
+def backward_scales(
+    module_handle: int, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _backward_scales_op(module_handle, gemm_index, g_amax, token)
+    return _backward_scales(REGISTRY.module(module_handle), gemm_index, g_amax, token)
 
 
 def check_recipe_kind(module, kind: str) -> None:
@@ -97,15 +172,6 @@ def check_recipe_kind(module, kind: str) -> None:
     loaded) with another kind. Under torch.compile the check runs in the graph, at run time, so that its
     error reaches the caller as it is (raised while tracing, dynamo would hide it)."""
     if torch.compiler.is_compiling():
-        _check_recipe_kind_op(module._fp8_handle, kind)
+        _check_recipe_kind_op(module.fp8_handle, kind)
     else:
-        protocol.check_recipe_kind(module, kind)
-
-
-def backward_scales(
-    module_handle: int, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
-) -> torch.Tensor:
-    """protocol.backward_scales: through the custom op while torch.compile traces, directly otherwise."""
-    if torch.compiler.is_compiling():
-        return _backward_scales_op(module_handle, gemm_index, g_amax, token)
-    return protocol.backward_scales(protocol.REGISTRY.modules[module_handle], gemm_index, g_amax, token)
+        module.claim_recipe_kind(kind)

@@ -2,17 +2,17 @@
 
 `fp8train.checkpoint` is *activation checkpointing* (TransformerEngine's name, after
 `torch.utils.checkpoint`): it saves no file. Checkpoint files are `fp8train.save_checkpoint` /
-`load_checkpoint` (checkpoint_io.py).
+`load_checkpoint` (checkpoint_files.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch.utils.checkpoint
 
-from .protocol import REGISTRY, RegionSettings
+from .regions import RegionSettings
+from .registry import REGISTRY
 
 __all__ = ["checkpoint", "CallRecord"]
 
@@ -42,30 +42,22 @@ class CallRecord:
         return plans[index]
 
 
-@contextlib.contextmanager
-def _noting(call: CallRecord) -> Iterator[None]:
-    REGISTRY.checkpoints.append(call)
-    try:
-        yield
-    finally:
-        REGISTRY.checkpoints.remove(call)
-
-
 class _Replaying:
     """Context of every recomputation of one checkpoint call (torch enters it again for each one, e.g.
     with retain_graph): replay under the regions that were active at the original call."""
 
     def __init__(self, call: CallRecord) -> None:
         self.call = call
-        self.saved: list = []
+        self.active: list = []
 
     def __enter__(self) -> None:
-        self.saved.append((REGISTRY.recompute, REGISTRY.stack))
-        REGISTRY.recompute, REGISTRY.stack = self.call, list(self.call.stack)
+        replaying = REGISTRY.replaying(self.call, list(self.call.stack))
+        replaying.__enter__()
+        self.active.append(replaying)
         self.call.cursor = {}
 
     def __exit__(self, *exc) -> None:
-        REGISTRY.recompute, REGISTRY.stack = self.saved.pop()
+        self.active.pop().__exit__(*exc)
 
 
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -87,7 +79,7 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     call = CallRecord(tuple(REGISTRY.stack))
 
     def context_fn():
-        return _noting(call), _Replaying(call)
+        return REGISTRY.noting(call), _Replaying(call)
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=context_fn, **kwargs

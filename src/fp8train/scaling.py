@@ -11,15 +11,17 @@ carries a digest of every rank's state, and ranks whose histories differ fail it
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .recipe import DelayedScaling
+from .formats import FLOAT32_MAX
+
+if TYPE_CHECKING:
+    from .quantization.delayed import DelayedScaling
 
 __all__ = ["DIGEST_PRIME", "ScalingStorage", "bits_mod_p", "history_digest", "update_scaling"]
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 DIGEST_PRIME = 16_777_213  # the largest prime below 2**24: a digest is exact in float32
 _ROW_BASE = 1_000_003  # the digest weighs history row h by _ROW_BASE**h (mod DIGEST_PRIME)
 
@@ -123,7 +125,7 @@ def update_scaling(
         new_scale = torch.full_like(amax, fp8_max).div_(amax).div_(2.0**recipe.margin)
     else:
         new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
-    new_scale = torch.nan_to_num(new_scale, nan=0.0, posinf=_FLOAT32_MAX)
+    new_scale = torch.nan_to_num(new_scale, nan=0.0, posinf=FLOAT32_MAX)
     usable = rolled & torch.isfinite(amax) & (amax > 0) & (new_scale > 0)
     scale.copy_(torch.where(usable, new_scale, scale))
     torch.reciprocal(scale, out=scale_inv)

@@ -38,9 +38,9 @@ from typing import Optional
 
 import torch
 
+from .inspection import DirectionView, counters
 from .modules.base import BWD_ROLES, FWD_ROLES, FP8Module
-from .protocol import REGISTRY, settle
-from .reduction import HostMirror
+from .stats import HostMirror
 
 __all__ = ["Telemetry", "role_names", "read_metrics", "METRICS_FILE"]
 
@@ -74,7 +74,7 @@ def role_names(model: torch.nn.Module) -> list[tuple[str, FP8Module, str, int]]:
 class _GroupView:
     """The roles of one amax group direction that belong to the model: storage columns and names."""
 
-    direction: object  # fp8train.reduction.Direction
+    direction: DirectionView
     columns: torch.Tensor  # int64 indices into the storage, on its device (which never changes)
     names: list[str]
     last_scale: Optional[torch.Tensor] = None  # scale of `columns` after the previous logged update
@@ -126,7 +126,7 @@ class Telemetry:
         self.views: list[_GroupView] = []
         self._registered = -1  # number of registered roles the views were built for
         self._roles: Optional[list] = None
-        self._last_stats = REGISTRY.stats.as_dict(wait=False)
+        self._last_stats = counters()
         self._last_time = time.perf_counter()
         self._pending: collections.deque[_PendingRecord] = collections.deque()  # in step order
         self._spares: list[HostMirror] = []  # host buffers of completed records, for reuse
@@ -151,7 +151,7 @@ class Telemetry:
             return
         by_direction: dict[int, tuple[object, list[int], list[str]]] = {}
         for name, meta, col in joined:
-            entry = by_direction.setdefault(id(meta.direction), (meta.direction, [], []))
+            entry = by_direction.setdefault(id(meta.direction), (DirectionView(meta.direction), [], []))
             entry[1].append(meta.offset + col)
             entry[2].append(name)
         self.views = [
@@ -181,7 +181,7 @@ class Telemetry:
             if spares:
                 self._spares.remove(copy)
             copy.publish(payload)
-        stats = REGISTRY.stats.as_dict(wait=False)  # host counters only: nothing here waits
+        stats = counters()  # host counters only: nothing here waits
         record = {
             "kind": "step",
             "run": self.run,
@@ -201,7 +201,7 @@ class Telemetry:
     def _recipe_kind(self) -> Optional[str]:
         """The recipe kind the model's FP8 modules trained with ("delayed", "current", "block";
         "mixed" if they differ; None before any trained)."""
-        kinds = {m._fp8_recipe_kind for m in self.model.modules() if isinstance(m, FP8Module)} - {None}
+        kinds = {m.recipe_kind for m in self.model.modules() if isinstance(m, FP8Module)} - {None}
         return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else None)
 
     def flush(self) -> Optional[dict]:
@@ -222,13 +222,13 @@ class Telemetry:
         cols = view.columns
         # While this step's reductions are pending, the storage still holds the scale the step used:
         # only finish() writes it. If something already finished them, use the scale we saw last time.
-        if direction.pending:
+        if direction.pending_reductions:
             used = storage.scale[cols]
         elif view.last_scale is not None:
             used = view.last_scale
         else:  # finished by someone else before the first log: the scale used is not known any more
             used = torch.full((len(view.names),), float("nan"), device=storage.device)
-        settle(direction)
+        direction.complete()
         view.last_scale = storage.scale[cols]
         return torch.stack([used, storage.history[0, cols], view.last_scale]).flatten()
 

@@ -82,8 +82,8 @@ class TensorParallel:
             return _CopyToGroup.apply(x, self.group)
         return x
 
-    def gather_group(self) -> Optional[dist.ProcessGroup]:
-        """The group over which a column GEMM all-gathers its input's tokens (sequence parallelism)."""
+    def sp_group(self) -> Optional[dist.ProcessGroup]:
+        """The TP group over which a column GEMM all-gathers its input's tokens (sequence parallelism)."""
         return self.group if self.mode == "column" and self.sequence_parallel else None
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ class LayerNormLinear(FP8Module):
         """The initialisation of construction, again (norm, then the GEMM, from the current seed)."""
         self.norm.reset_parameters()
         reset_gemm_params(self.weight, self.bias, self.tp, "LayerNormLinear")
-        self._weight_cache.clear()
+        self.forget_cached_weights()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return parallel_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch, self.tp)
@@ -114,7 +114,7 @@ class LayerNormMLP(FP8Module):
         halves = 2 if self.activation == "swiglu" else 1
         reset_gemm_params(self.fc1_weight, self.fc1_bias, self.tp, "LayerNormMLP", halves)
         reset_gemm_params(self.fc2_weight, self.fc2_bias, self.tp_fc2, "LayerNormMLP")
-        self._weight_cache.clear()
+        self.forget_cached_weights()
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":

@@ -133,7 +133,7 @@ class Linear(FP8Module):
     def reset_parameters(self) -> None:
         """The initialisation of construction, again (torch.nn.Linear's, from the current seed)."""
         reset_gemm_params(self.weight, self.bias, self.tp, "Linear")
-        self._weight_cache.clear()
+        self.forget_cached_weights()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         return parallel_linear(self, x, self.weight, self.bias, 0, is_first_microbatch, self.tp)

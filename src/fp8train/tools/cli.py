@@ -140,7 +140,7 @@ def _info() -> int:
 
     from fp8train import __version__
     from fp8train.gemm import ENV_PATH, choose_path
-    from fp8train.protocol import ENV_ASYNC, async_amax_reduction
+    from fp8train.regions import ENV_ASYNC, async_amax_reduction
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

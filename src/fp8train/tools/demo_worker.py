@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 import fp8train
 from fp8train.modules import FP8Module
-from fp8train.protocol import ENV_ASYNC, async_amax_reduction
 from fp8train.recipe import Recipe, recipe_kind
+from fp8train.regions import ENV_ASYNC, async_amax_reduction
 from fp8train.telemetry import Telemetry
 
 from .data import TEXT_SOURCE, MarkovTask, stdlib_text, text_batches

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 
 import fp8train as ft
-from fp8train.protocol import REGISTRY
 from fp8train.scaling import update_scaling
 
 from .common import OpCounter, interleaved_medians
 
 
 def _model(n_modules: int, history_len: int) -> tuple[torch.nn.Module, object]:
-    REGISTRY.__init__()  # a fresh amax group holding exactly these modules
+    ft.inspection.reset()  # a fresh amax group holding exactly these modules
     model = torch.nn.Sequential(*[ft.Linear(16, 16) for _ in range(n_modules)])
     recipe = ft.DelayedScaling(amax_history_len=history_len)
     with ft.fp8_autocast(fp8_recipe=recipe):
@@ -24,15 +23,15 @@ def _model(n_modules: int, history_len: int) -> tuple[torch.nn.Module, object]:
 def run(module_counts=(4, 64, 512), history_len: int = 1024, repeats: int = 30) -> dict:
     rows = []
     for n in module_counts:
-        model, group = _model(n, history_len)
-        storage = group.storage
+        model, direction = _model(n, history_len)
+        storage = direction.storage
         amaxes = torch.rand(storage.num_roles)
 
         def fused():
             storage.recording.copy_(amaxes)
-            group.recorded_columns.append(0)
-            group.launch(async_op=True, region_index=0)
-            group.finish()
+            direction.record(0, amaxes[0])  # one recorded role: what a training call leaves
+            direction.launch(async_op=True, region_index=0)
+            direction.finish()
 
         def per_module():  # what a library without contiguous storage does: one update per module
             for m in model:
@@ -43,8 +42,8 @@ def run(module_counts=(4, 64, 512), history_len: int = 1024, repeats: int = 30) 
                     storage.scale[cols],
                     storage.scale_inv[cols],
                     amaxes[cols],
-                    group.recipe,
-                    group.fp8_max,
+                    direction.recipe,
+                    direction.fp8_max,
                 )
 
         with OpCounter() as fused_ops:

@@ -1,0 +1,182 @@
+"""`fp8_meta["scaling_fwd"|"scaling_bwd"]`: a module's delayed-scaling state (amax histories, scales,
+scale_inv), its own before the module first trains and views of its amax group's storage after; and
+that state in checkpoints (docs/design.md, sections 2 and 5)."""
+
+from __future__ import annotations
+
+import io
+from typing import Optional
+
+import torch
+
+from ..reduction import Direction
+
+__all__ = ["ScalingMeta", "decode_extra_state"]
+
+
+class ScalingMeta:
+    """`fp8_meta["scaling_fwd"|"scaling_bwd"]`: views of this module's columns in its amax group.
+
+    Before the module first trains in a region it owns its state; afterwards the state lives in the
+    group's contiguous storage. Reading an attribute first completes in-flight reductions; read it
+    again after other modules join the group (the storage is reallocated then, old views go stale).
+    """
+
+    def __init__(self, num_roles: int) -> None:
+        self.num_roles = num_roles
+        self.direction: Optional[Direction] = None
+        self.offset = 0
+        self.own_history: Optional[torch.Tensor] = None  # set by load_state_dict before joining
+        # host tensors, whatever device is in effect (a module built under torch.device("meta") too):
+        # they are copied to the module's device when it joins its amax group
+        self.own_scale = torch.ones(num_roles, device="cpu")
+        self.own_scale_inv = torch.ones(num_roles, device="cpu")
+        self._own_on_device: dict = {}  # device -> (own_scale, own_scale_inv) there: copied once
+
+    def own_scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) of a module that has not trained yet, on `device` (cached: a copy from
+        host memory each call would wait for the GPU)."""
+        if device not in self._own_on_device:
+            self._own_on_device[device] = (self.own_scale.to(device), self.own_scale_inv.to(device))
+        return self._own_on_device[device]
+
+    def _as_own(self) -> dict:
+        """The attributes of this direction holding its current state as its own (a copy, not a view)."""
+        return {
+            "direction": None,
+            "offset": 0,
+            "own_history": self.amax_history.detach().clone(),
+            "own_scale": self.scale.detach().clone(),
+            "own_scale_inv": self.scale_inv.detach().clone(),
+            "_own_on_device": {},
+        }
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) owns its state: it must neither share nor drag along the group."""
+        state = dict(self.__dict__)
+        if self.direction is not None:
+            state.update(self._as_own())
+        return state
+
+    def leave(self) -> None:
+        """Own the current state again (the module moved to another device): it rejoins a group of
+        that device when it next trains."""
+        if self.direction is not None:
+            self.__dict__.update(self._as_own())
+
+    def _columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[..., self.offset : self.offset + self.num_roles]
+
+    def _settled(self, name: str) -> torch.Tensor:
+        self.direction.settle()
+        return self._columns(getattr(self.direction.storage, name))
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        if self.direction is None:
+            return self.own_history if self.own_history is not None else torch.zeros(0, self.num_roles)
+        return self._settled("history")
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.own_scale if self.direction is None else self._settled("scale")
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self.own_scale_inv if self.direction is None else self._settled("scale_inv")
+
+    def join(self, direction: Direction, signature: str, device: torch.device) -> None:
+        history = self.own_history
+        if history is None:
+            history = torch.zeros(direction.recipe.amax_history_len, self.num_roles)
+        self.offset = direction.register(
+            signature, history.to(device), self.own_scale.to(device), self.own_scale_inv.to(device)
+        )
+        self.direction = direction
+        self.own_history = None
+
+    def state(self) -> dict:
+        """This direction's state, for a checkpoint: a host point (mismatches seen so far are raised)."""
+        if self.direction is not None:
+            self.direction.settle(host_point=True)
+        return {
+            "amax_history": self.amax_history.detach().clone().cpu(),
+            "scale": self.scale.detach().clone().cpu(),
+            "scale_inv": self.scale_inv.detach().clone().cpu(),
+        }
+
+    def load(self, state: dict, where: str) -> None:
+        history, scale, scale_inv = _checked_state(state, where)
+        n = self.num_roles
+        if scale.shape != (n,) or scale_inv.shape != (n,) or history.dim() != 2 or history.shape[1] != n:
+            raise ValueError(
+                f"{where}: checkpoint FP8 state has scale {tuple(scale.shape)} and amax_history "
+                f"{tuple(history.shape)}, but this module has {n} roles (expected scale ({n},) and "
+                f"amax_history (H, {n})); the checkpoint belongs to a different model"
+            )
+        if history.shape[0] == 0:  # saved before the module ever trained: no history yet
+            history = None if self.direction is None else torch.zeros_like(self._settled("history"))
+        if self.direction is None:
+            self.own_history = None if history is None else history.clone().float()
+            self.own_scale = scale.clone().float()
+            self.own_scale_inv = scale_inv.clone().float()
+            self._own_on_device.clear()
+            return
+        if history.shape[0] != self.direction.recipe.amax_history_len:
+            raise ValueError(
+                f"{where}: checkpoint amax history length {history.shape[0]} differs from this run's "
+                f"amax_history_len={self.direction.recipe.amax_history_len}; use the recipe the checkpoint "
+                "was trained with"
+            )
+        self.direction.settle()
+        storage = self.direction.storage
+        self._columns(storage.history).copy_(history)
+        self._columns(storage.scale).copy_(scale)
+        self._columns(storage.scale_inv).copy_(scale_inv)
+        storage.refresh_digest()
+
+
+def _checked_state(state, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(amax_history, scale, scale_inv) of a saved direction, refusing values training never produces.
+
+    torch.save stores no checksum, so a damaged file can load "fine": a negative, zero or non-finite
+    scale, or a NaN/negative amax, would then silently poison every later step.
+    """
+    keys = ("amax_history", "scale", "scale_inv")
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), torch.Tensor) for k in keys):
+        raise ValueError(
+            f"{where}: checkpoint FP8 state must hold tensors {', '.join(keys)}; it is not fp8train's"
+        )
+    history, scale, scale_inv = (state[k] for k in keys)
+    for name, t in (("scale", scale), ("scale_inv", scale_inv)):
+        if not bool(torch.all(torch.isfinite(t) & (t > 0))):
+            raise ValueError(
+                f"{where}: checkpoint {name} {t.tolist()} has non-finite, zero or negative values, which "
+                "training never produces; the checkpoint file is corrupted"
+            )
+    if bool(torch.any(torch.isnan(history) | (history < 0))):
+        raise ValueError(
+            f"{where}: checkpoint amax_history holds NaN or negative values, which training never "
+            "produces; the checkpoint file is corrupted"
+        )
+    return history, scale, scale_inv
+
+
+def decode_extra_state(state, where: str = "FP8 module") -> dict:
+    """{"scaling_fwd": {...}, "scaling_bwd": {...}} from a module's extra state: the bytes written by
+    `get_extra_state`, or the dict that version 1 checkpoints hold."""
+    if isinstance(state, (bytes, bytearray)):
+        try:
+            state = torch.load(io.BytesIO(state), weights_only=True)
+        except Exception:
+            state = None
+    if (
+        not isinstance(state, dict)
+        or state.get("version") not in (1, 2)
+        or not {"scaling_fwd", "scaling_bwd"} <= set(state)
+    ):
+        raise ValueError(
+            f"{where}: the checkpoint's FP8 extra state is not an fp8train state; "
+            "load a checkpoint saved by fp8train's state_dict()"
+        )
+    return state

@@ -1,0 +1,1 @@
+"""How each recipe quantizes a linear layer: one file per recipe family, registered in recipe.py."""

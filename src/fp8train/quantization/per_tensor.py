@@ -1,0 +1,34 @@
+"""What delayed and current scaling share: one scale per tensor, operands for the per-tensor GEMM
+(torch._scaled_mm on GPUs that have it, else the exact emulation in bf16 or fp32)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cast import cast_operand
+from ..formats import fp8_dtype
+from ..gemm import Operand
+from .base import GemmCall, GradOperands, Quantization, WeightOperands
+
+__all__ = ["TensorQuantization"]
+
+
+class TensorQuantization(Quantization):
+    """A recipe with one scale per tensor: each tensor's one operand serves both of its GEMMs."""
+
+    @staticmethod
+    def cast(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, encoding: str, dtype) -> Operand:
+        return Operand(cast_operand(x, scale, encoding, dtype), scale_inv)
+
+    def reuse_weight(self, cached: WeightOperands, call: GemmCall) -> WeightOperands:
+        # FP8 values convert exactly between the operand dtypes of the GEMM paths
+        operand = cached.forward
+        return WeightOperands.same(Operand(operand.values.to(call.operand_dtype), operand.scale_inv))
+
+    def grad_operands(self, g2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, call: GemmCall):
+        """The gradient cast once for both backward GEMMs: FP8 in the gradient encoding's dtype for
+        the hardware GEMM, else in the emulation's operand dtype."""
+        encoding = self.grad_encoding
+        dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
+        operand = self.cast(g2d, scale, scale_inv, encoding, dtype)
+        return GradOperands(operand, operand)
