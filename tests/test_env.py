@@ -15,7 +15,9 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling
-from fp8train.regions import ENV_ASYNC
+
+ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"  # the documented variable (README)
+
 
 RECIPE = DelayedScaling(amax_history_len=4)
 

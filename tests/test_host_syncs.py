@@ -16,11 +16,12 @@ import torch
 
 import fp8train
 from fp8train.header import HEADER_LEN, Header
-from fp8train.regions import ENV_ASYNC
 from fp8train.scaling import ScalingStorage
 from fp8train.telemetry import Telemetry
 from fp8train.tools.ranks import run_ranks
 from host_reads import HostReadCounter
+
+ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"  # the documented variable (README)
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 WARMUP, STEADY = 3, 5

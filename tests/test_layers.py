@@ -165,3 +165,10 @@ def test_the_readme_layout_lists_every_file() -> None:
     assert len(files) > 80 and pathlib.Path("src/fp8train/registry.py") in files
     missing = [str(f) for f in files if f.name not in layout]
     assert not missing, "README.md's layout section does not list: " + ", ".join(sorted(missing))
+
+
+def test_telemetry_and_inspection_are_attributes_after_import_fp8train() -> None:
+    """As documented (design section 10, telemetry.py's example): no further import is needed."""
+    code = "import fp8train; fp8train.telemetry.Telemetry; fp8train.inspection.amax_groups(); print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

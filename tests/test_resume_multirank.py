@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 import fp8train
 from fp8train.modules.base import decode_extra_state
-from fp8train.regions import ENV_ASYNC
 from fp8train.tools.ranks import run_ranks
 from helpers import digest, fp8_state
+
+ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"  # the documented variable (README)
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=8)
 STEPS, K = 6, 3

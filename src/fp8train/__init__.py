@@ -1,4 +1,6 @@
-"""fp8train: FP8 training with delayed scaling and an asynchronous global amax reduction."""
+"""fp8train: FP8 training for PyTorch under TransformerEngine's recipes (delayed, current and block
+scaling), with delayed scaling's global amax reduction asynchronous by default and correct by
+construction."""
 
 from . import inspection, telemetry
 from .autocast import autocast, fp8_autocast

@@ -1,3 +1,5 @@
+"""The FP8 modules: TransformerEngine's names, every recipe through the same modules."""
+
 from .base import FP8Module
 from .layernorm_linear import LayerNormLinear, LayerNormMLP
 from .linear import Linear
