@@ -6,7 +6,9 @@ that a vectorisation or storage bug in the library cannot hide behind the same b
 
 from __future__ import annotations
 
+import bisect
 import math
+import struct
 from typing import Optional, Sequence
 
 import torch
@@ -119,3 +121,99 @@ def quant_error_bound(x: torch.Tensor, scale: float, mantissa_bits: int, min_exp
     rel = 2.0 ** -(mantissa_bits + 1)
     absolute = 2.0 ** (min_exponent - mantissa_bits - 1) / scale
     return x.detach().double().abs() * rel + absolute
+
+
+# ---- microscaling (docs/design.md, section 13): one block at a time, Python floats -------------------
+
+
+def _grid(exponent_bits: int, mantissa_bits: int, max_code: int) -> list[float]:
+    """The non-negative values of a small float format, by code (0 .. max_code), decoded by hand:
+    subnormals m * 2**(1 - bias - mantissa_bits), normals (1 + m / 2**mantissa_bits) * 2**(e - bias)."""
+    bias = 2 ** (exponent_bits - 1) - 1
+    values = []
+    for code in range(max_code + 1):
+        e, m = code >> mantissa_bits, code & (2**mantissa_bits - 1)
+        if e == 0:
+            values.append(m * 2.0 ** (1 - bias - mantissa_bits))
+        else:
+            values.append((1 + m / 2**mantissa_bits) * 2.0 ** (e - bias))
+    return values
+
+
+E4M3_GRID = _grid(4, 3, 126)  # 0x7F is NaN
+E5M2_GRID = _grid(5, 2, 123)  # 0x7C is inf
+E2M1_GRID = _grid(2, 1, 7)
+
+
+def f32_fast(x: float) -> float:
+    """`f32` through the C cast (struct), for the per-element microscaling references: the same
+    correctly rounded float32 (subnormals kept), inf where it rounds beyond the float32 maximum."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def round_to_grid(x: float, grid: list[float]) -> float:
+    """x (|x| <= grid max) to the nearest value of `grid` (increasing by code), ties to the even code;
+    sign kept (-0.0 too); NaN stays NaN."""
+    if math.isnan(x):
+        return x
+    a = abs(x)
+    hi = min(bisect.bisect_left(grid, a), len(grid) - 1)
+    lo = max(hi - 1, 0)
+    d_lo, d_hi = a - grid[lo], grid[hi] - a  # exact in doubles wherever a is near a midpoint
+    best = lo if d_lo < d_hi or (d_lo == d_hi and lo % 2 == 0) else hi
+    return math.copysign(grid[best], x)
+
+
+def mx_block_ref(block: Sequence[float], fmax: float, grid: list[float]) -> tuple[int, list[float]]:
+    """(E8M0 byte, values) of one MX block: byte = ceil(log2(f32(amax / fmax))) + 127 from the exact
+    binary exponent (math.frexp), clamped to [0, 254]; NaN 255, inf 254; values rounded from
+    x * 2**(127 - byte) (times 1 for byte 0) after saturation."""
+    values = [f32_fast(v) for v in block]
+    if any(math.isnan(v) for v in values):
+        return 255, [math.nan] * len(values)
+    amax = max(abs(v) for v in values)
+    descale = f32_fast(amax / fmax)
+    if math.isinf(descale):
+        byte = 254
+    elif descale == 0.0:
+        byte = 0
+    else:
+        mantissa, exponent = math.frexp(descale)  # descale = mantissa * 2**exponent, mantissa in [0.5, 1)
+        byte = min(max((exponent - 1 if mantissa == 0.5 else exponent) + 127, 0), 254)
+    multiplier = 1.0 if byte == 0 else 2.0 ** (127 - byte)
+    out = []
+    for v in values:
+        scaled = f32_fast(v * multiplier)
+        out.append(round_to_grid(min(max(scaled, -fmax), fmax), grid))
+    return byte, out
+
+
+def nvfp4_tensor_scale_ref(amax: float) -> float:
+    if math.isnan(amax):
+        return math.nan
+    if amax == 0.0:
+        return 1.0
+    s = f32_fast(E4M3_MAX * 6.0 / amax)  # f32 operands: one rounding of the double quotient is exact
+    return 1.0 if s == 0.0 else min(s, FLOAT32_MAX)
+
+
+def nvfp4_block_ref(block: Sequence[float], s_enc: float) -> tuple[float, list[float]]:
+    """(E4M3 block scale, E2M1 values) of one NVFP4 block, each float32 operation rounded explicitly
+    (f = f32_fast): S_dec = e4m3(min(f(f(amax * S_enc) / 6), 448)); enc = min(f(1 / f(S_dec / S_enc)),
+    FLT_MAX), FLT_MAX for S_dec = 0; value = e2m1(clamp(f(x * enc), -6, 6)), 0 in a NaN block."""
+    values = [f32_fast(v) for v in block]
+    amax = math.nan if any(math.isnan(v) for v in values) else max(abs(v) for v in values)
+    pre = f32_fast(f32_fast(amax * s_enc) / 6.0)
+    s_dec = round_to_grid(min(pre, E4M3_MAX), E4M3_GRID) if not math.isnan(pre) else math.nan
+    if math.isnan(s_dec) or math.isnan(s_enc):
+        return math.nan, [0.0] * len(values)
+    quotient = f32_fast(s_dec / s_enc)
+    enc = FLOAT32_MAX if quotient == 0.0 else min(f32_fast(1.0 / quotient), FLOAT32_MAX)
+    out = []
+    for v in values:
+        scaled = f32_fast(v * enc)
+        out.append(round_to_grid(min(max(scaled, -6.0), 6.0), E2M1_GRID))
+    return s_dec, out
