@@ -241,17 +241,22 @@ def _train_gpt(recipe, steps: int = 120) -> list[float]:
     return losses
 
 
-def test_each_recipe_trains_a_small_gpt_within_2_percent_of_fp32() -> None:
+def test_each_recipe_trains_a_small_gpt_within_its_gap_of_fp32() -> None:
+    """Final loss (mean of the last 10 of 120 steps) within 2% of fp32 for the FP8 recipes and 5% for
+    NVFP4 (4-bit values: measured 0.6%, 1.5% without the Hadamard transform; this machine, seed 0).
+    The gaps are those the issues set (13: 2%; 22: NVFP4 larger than FP8, stated here)."""
     fp32 = _train_gpt(None)
     final = sum(fp32[-10:]) / 10
     assert final < 0.5 * fp32[0]  # it learns the language
-    for recipe in (
-        fp8train.DelayedScaling(amax_history_len=16),
-        fp8train.Float8CurrentScaling(),
-        fp8train.Float8BlockScaling(),
+    for recipe, gap in (
+        (fp8train.DelayedScaling(amax_history_len=16), 0.02),
+        (fp8train.Float8CurrentScaling(), 0.02),
+        (fp8train.Float8BlockScaling(), 0.02),
+        (fp8train.MXFP8BlockScaling(), 0.02),
+        (fp8train.NVFP4BlockScaling(), 0.05),
     ):
         losses = _train_gpt(recipe)
-        assert abs(sum(losses[-10:]) / 10 - final) <= 0.02 * final, (recipe, losses[-10:], fp32[-10:])
+        assert abs(sum(losses[-10:]) / 10 - final) <= gap * final, (recipe, losses[-10:], fp32[-10:])
 
 
 @pytest.mark.parametrize("recipe", [fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()])

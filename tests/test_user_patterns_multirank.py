@@ -28,6 +28,8 @@ RECIPES = {
     "delayed": RECIPE,
     "current": fp8train.Float8CurrentScaling(),
     "block": fp8train.Float8BlockScaling(),
+    "mxfp8": fp8train.MXFP8BlockScaling(),
+    "nvfp4": fp8train.NVFP4BlockScaling(disable_stochastic_rounding=True),  # replicated outputs
 }
 
 

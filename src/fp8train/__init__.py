@@ -10,7 +10,14 @@ from .distributed import broadcast_fp8_state
 from .errors import AmaxReductionError, LayoutMismatchError, StateMismatchError
 from .inspection import reduction_stats, reset_reduction_stats, synchronize
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from .recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from .recompute import checkpoint
 from .tensor_parallel import reduce_sequence_parallel_grads
 
@@ -22,6 +29,8 @@ __all__ = [
     "DelayedScaling",
     "Float8CurrentScaling",
     "Float8BlockScaling",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "Format",
     "fp8_autocast",
     "autocast",

@@ -1,8 +1,8 @@
 """The recipes (TransformerEngine's names) and the registry that maps each to its quantization.
 
 A recipe is a frozen dataclass that validates itself; its behaviour lives in one file of
-`quantization/` (delayed.py, current.py, block.py). Adding a recipe is that one file plus one line
-in RECIPES (and its export in `fp8train/__init__.py`).
+`quantization/` (delayed.py, current.py, block.py, mxfp8.py, nvfp4.py). Adding a recipe is that one
+file plus one line in RECIPES (and its export in `fp8train/__init__.py`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from .quantization.base import Quantization
 from .quantization.block import BlockQuantization, Float8BlockScaling
 from .quantization.current import CurrentQuantization, Float8CurrentScaling
 from .quantization.delayed import DelayedQuantization, DelayedScaling
+from .quantization.mxfp8 import MXFP8BlockScaling, MXFP8Quantization
+from .quantization.nvfp4 import NVFP4BlockScaling, NVFP4Quantization
 
 __all__ = [
     "Format",
     "DelayedScaling",
     "Float8CurrentScaling",
     "Float8BlockScaling",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "Recipe",
     "RECIPES",
     "check_recipe",
@@ -33,8 +37,10 @@ RECIPES: dict[type, type[Quantization]] = {
     DelayedScaling: DelayedQuantization,
     Float8CurrentScaling: CurrentQuantization,
     Float8BlockScaling: BlockQuantization,
+    MXFP8BlockScaling: MXFP8Quantization,
+    NVFP4BlockScaling: NVFP4Quantization,
 }
-Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling]
+Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
 
 
 def check_recipe(recipe, where: str) -> Recipe:

@@ -4,12 +4,12 @@ with, cached FP8 weights, and its state in checkpoints and copies."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from ..fsdp import plain_weight
-from ..gemm import Operand
 from ..plans import BWD_ROLES, FWD_ROLES
 from ..quantization.base import WeightOperands
 from ..registry import REGISTRY
@@ -64,9 +64,7 @@ class FP8Module(torch.nn.Module):
         someone else refills (FSDP2's gather), so keep a copy of them."""
         if copy and operands.forward.values.dtype.itemsize == 1:
             forward = operands.forward
-            operands = WeightOperands.same(
-                Operand(forward.values.clone(), forward.scale_inv, *forward.layout)
-            )
+            operands = WeightOperands.same(replace(forward, values=forward.values.clone()))
         self._weight_cache[(gemm_index, kind)] = operands
 
     def forget_cached_weights(self) -> None:

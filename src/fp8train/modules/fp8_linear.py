@@ -54,13 +54,17 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_values, x_scale_inv, w_values, w_scale_inv, weight, token = ctx.saved_tensors
-        x_wgrad = Operand(x_values, x_scale_inv, *ctx.layouts[0])
-        w_dgrad = Operand(w_values, w_scale_inv, *ctx.layouts[1])
+        *operands, weight, token = ctx.saved_tensors
+        x_wgrad = Operand.rebuild(operands[:3], ctx.layouts[0])
+        w_dgrad = Operand.rebuild(operands[3:], ctx.layouts[1])
         call = replace(ctx.call, token=token)
         create_graph = torch.is_grad_enabled()
-        if create_graph and (ctx.sp_group is not None or isinstance(weight, GatheredWeight)):
-            second_order.refuse_create_graph("a sequence-parallel or FSDP2-FP8-gathered layer's gradients")
+        if create_graph and (
+            ctx.sp_group is not None or isinstance(weight, GatheredWeight) or x_wgrad.rotated
+        ):
+            second_order.refuse_create_graph(
+                "a sequence-parallel, FSDP2-FP8-gathered or Hadamard-transformed layer's gradients"
+            )
         needs = ctx.needs_input_grad[:2]
         g2d = grad_y.reshape(-1, grad_y.shape[-1])
         grad_bias = g2d.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None

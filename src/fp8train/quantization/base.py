@@ -17,6 +17,7 @@ uses; a block-scaled recipe quantizes each use along its own GEMM's reduction di
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
@@ -101,3 +102,15 @@ class Quantization:
     def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
         """The output gradient's operands for dgrad and wgrad (`needs`: which of them are needed)."""
         raise NotImplementedError
+
+
+def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
+    """Block-scaled recipes run an emulated GEMM on every device: say so once on CUDA, where a user
+    may expect tensor-core speed (Python's default warning filter shows it once per place)."""
+    if x.is_cuda:
+        warnings.warn(
+            f"fp8train.{recipe_name} on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
+            "matmul): the numerics of the recipe without its speed. Use DelayedScaling or "
+            "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
+            stacklevel=5,
+        )

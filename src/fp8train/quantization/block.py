@@ -8,7 +8,6 @@ scales) and multiplied in fp32 (`gemm.matmul`); torch's block-scaled `_scaled_mm
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from ..cast import cast_operand
 from ..formats import Format, fp8_max
 from ..gemm import Operand
-from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands
+from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
 from .current import scale_from_amax
 
 __all__ = ["Float8BlockScaling", "BlockQuantization", "TILE", "quantize_tiles", "dequantize_tiles"]
@@ -79,13 +78,7 @@ class BlockQuantization(Quantization):
 
     def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
         """Along in_features for the forward; along the tokens, 1-byte, for the weight gradient."""
-        if x2d.is_cuda:  # shown once per process by Python's default warning filter
-            warnings.warn(
-                "fp8train.Float8BlockScaling on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
-                "matmul): the numerics of block scaling without its speed. Use DelayedScaling or "
-                "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
-                stacklevel=4,
-            )
+        warn_emulated_on_cuda(x2d, "Float8BlockScaling")
         power_2 = self.recipe.power_2_scale
         return InputOperands(_tiles(x2d, power_2), _tiles(x2d, power_2, transposed=True, fp8=True))
 

@@ -1,0 +1,75 @@
+"""MXFP8 (`MXFP8BlockScaling`, the OCP MX format; TransformerEngine's recipe): blocks of 32 consecutive
+values along each GEMM's reduction dimension, E4M3 values (E5M2 gradients with HYBRID), one E8M0
+(power-of-two) scale per block rounded up from the block's amax (microscaling.py; docs/design.md,
+sections 9 and 13).
+
+Every use of a tensor is quantized from the high-precision tensor along its own GEMM's reduction
+dimension: a row-wise (1x32) copy for one GEMM and a column-wise (32x1) copy for the other, or one
+32x32-block copy of a weight for both with `enable_2d_quantization`. The GEMM is emulated: operands
+dequantized block by block (exact: powers of two) and multiplied in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import Format
+from ..gemm import Operand
+from ..microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
+from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
+
+__all__ = ["MXFP8BlockScaling", "MXFP8Quantization"]
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """MXFP8: one E8M0 scale per 32 consecutive values along the reduction dimension.
+
+    `fp8_format`: E4M3 everywhere, or HYBRID (E5M2 gradients). `enable_2d_quantization`: weights in
+    32x32 blocks (one copy serves w and w.T). `margin` is accepted for TransformerEngine's signature
+    and, as there, does not change MX scales (each is rounded up to the next power of two)."""
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    enable_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"MXFP8BlockScaling.margin must be an integer >= 0, got {self.margin!r}")
+        if self.fp8_format not in (Format.E4M3, Format.HYBRID):
+            raise ValueError(
+                f"MXFP8BlockScaling.fp8_format must be Format.E4M3 or Format.HYBRID, got {self.fp8_format!r}"
+            )
+        if not isinstance(self.enable_2d_quantization, bool):
+            raise ValueError(
+                "MXFP8BlockScaling.enable_2d_quantization must be True or False, "
+                f"got {self.enable_2d_quantization!r}"
+            )
+
+
+def _mx(x: torch.Tensor, dim: int, encoding: str, two_d: bool = False) -> Operand:
+    """`x` in MX blocks along `dim` (0: 32x1, 1: 1x32) or 32x32 squares, as an operand of x's shape."""
+    values, scales = mx_quantize(x, dim, MX_BLOCK, encoding, two_d)
+    block = (MX_BLOCK, MX_BLOCK) if two_d else ((1, MX_BLOCK) if dim == 1 else (MX_BLOCK, 1))
+    return Operand(values, e8m0_to_float(scales), block)
+
+
+class MXFP8Quantization(Quantization):
+    kind = "mxfp8"
+
+    def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+        if self.recipe.enable_2d_quantization:
+            return WeightOperands.same(_mx(weight, 0, "e4m3", two_d=True))
+        return WeightOperands(_mx(weight, 1, "e4m3"), _mx(weight, 0, "e4m3"))  # along in; along out
+
+    def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
+        warn_emulated_on_cuda(x2d, "MXFP8BlockScaling")
+        return InputOperands(_mx(x2d, 1, "e4m3"), _mx(x2d, 0, "e4m3"))  # along in; along the tokens
+
+    def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
+        encoding = self.grad_encoding
+        dgrad = _mx(g2d, 1, encoding) if needs[0] else None  # along out
+        wgrad = _mx(g2d, 0, encoding) if needs[1] else None  # along the tokens
+        return GradOperands(dgrad, wgrad)

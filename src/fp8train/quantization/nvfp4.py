@@ -1,0 +1,77 @@
+"""NVFP4 (`NVFP4BlockScaling`, TransformerEngine's recipe): E2M1 values in blocks of 16 along each
+GEMM's reduction dimension with an E4M3 scale per block and one FP32 scale per tensor
+(microscaling.py; docs/design.md, sections 9 and 13).
+
+As TransformerEngine's recipe: weights in 16x16 blocks (one copy serves w and w.T), a 16-point random
+Hadamard transform with one fixed sign vector on both operands of the weight-gradient GEMM (which
+spreads outliers over a block; the product is unchanged because the transform is orthogonal), and
+stochastic rounding of gradients only. Each quantized tensor takes its per-tensor scale from its own
+amax, where it is whole: sequence-parallel inputs and FSDP2 weights are gathered in high precision
+first, so no amax needs reducing. The GEMM is emulated: (E2M1 x E4M3) / S_enc per element, exact
+products, then an fp32 matmul; values are kept as float8_e4m3fn (every E2M1 value is one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..gemm import Operand
+from ..microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
+from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
+
+__all__ = ["NVFP4BlockScaling", "NVFP4Quantization"]
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling:
+    """NVFP4: E2M1 values, an E4M3 scale per 16 values and an FP32 scale per tensor.
+
+    `disable_rht`: no Hadamard transform of the weight-gradient operands; `disable_stochastic_rounding`:
+    gradients rounded to nearest even like everything else; `disable_2d_quantization`: weights in
+    1x16 blocks along each GEMM's reduction dimension (two copies) instead of 16x16 blocks."""
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"NVFP4BlockScaling.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+
+
+def _nvfp4(x: torch.Tensor, dim: int, two_d: bool = False, stochastic: bool = False, rotate: bool = False):
+    """`x` in NVFP4 blocks along `dim` (0: 16x1, 1: 1x16) or 16x16 squares, as an operand of x's shape;
+    `rotate`: the random Hadamard transform along `dim` first (only where that dimension is a whole
+    number of 16-blocks, as TransformerEngine requires; otherwise the operand is not rotated)."""
+    rotate = rotate and x.shape[dim] % NVFP4_BLOCK == 0
+    if rotate:
+        x = random_hadamard_transform(x.float(), RHT_SIGNS, dim)
+    values, block_scales, tensor_scale = nvfp4_quantize(x, dim, two_d=two_d, stochastic=stochastic)
+    block = (NVFP4_BLOCK, NVFP4_BLOCK) if two_d else ((1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
+    fp8_values = values.to(torch.float8_e4m3fn)  # exact: every E2M1 value is an E4M3 value
+    return Operand(fp8_values, block_scales.float(), block, tensor_scale=tensor_scale, rotated=rotate)
+
+
+class NVFP4Quantization(Quantization):
+    kind = "nvfp4"
+
+    def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+        if not self.recipe.disable_2d_quantization:
+            return WeightOperands.same(_nvfp4(weight, 0, two_d=True))
+        return WeightOperands(_nvfp4(weight, 1), _nvfp4(weight, 0))  # along in; along out
+
+    def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
+        warn_emulated_on_cuda(x2d, "NVFP4BlockScaling")
+        rotate = not self.recipe.disable_rht
+        return InputOperands(_nvfp4(x2d, 1), _nvfp4(x2d, 0, rotate=rotate))  # along in; along the tokens
+
+    def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
+        stochastic, rotate = not self.recipe.disable_stochastic_rounding, not self.recipe.disable_rht
+        dgrad = _nvfp4(g2d, 1, stochastic=stochastic) if needs[0] else None
+        wgrad = _nvfp4(g2d, 0, stochastic=stochastic, rotate=rotate) if needs[1] else None
+        return GradOperands(dgrad, wgrad)
