@@ -19,6 +19,7 @@ from .recipe import (
     NVFP4BlockScaling,
 )
 from .recompute import checkpoint
+from .steps import end_step, end_step_on
 from .tensor_parallel import reduce_sequence_parallel_grads
 
 __version__ = "0.1.0"
@@ -50,6 +51,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "checkpoint",
+    "end_step",
+    "end_step_on",
     "convert_to_fp8",
     "broadcast_fp8_state",
     "reduce_sequence_parallel_grads",

@@ -19,6 +19,7 @@ from .quantization.base import Quantization
 from .reduction import Direction
 from .regions import Region, RegionSettings, current_backward_pass
 from .registry import REGISTRY
+from .steps import check_step_open
 from .tensor_parallel import check_amax_group
 from .torch_internals import ddp_join_that_does_not_throw, in_backward, inside_reentrant_checkpoint
 
@@ -101,6 +102,8 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
                 "group). Use the same fp8_recipe and fp8_group for every training region of a module"
             )
         region.trained.setdefault(group, -1)  # only once the module is a member: it can launch
+        if group.recipe.per_step and training:
+            check_step_open(module)
     if fwd_meta.direction is None:  # not trained yet (evaluation): its own scales, on its device
         (scale, scale_inv), offset = fwd_meta.own_scales(next(module.parameters()).device), 0
     else:

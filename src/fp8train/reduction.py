@@ -64,6 +64,7 @@ class Direction:
         self.header = Header(name, self.recipe_key)
         self._recording_task = -1  # autograd graph task of the amaxes in the recording slot
         self.recorded_columns: list[int] = []
+        self.accumulated_columns: set[int] = set()  # per-step reduction: columns the step recorded
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self.group: Optional[AmaxGroup] = None  # set by the AmaxGroup that holds this direction
 
@@ -113,6 +114,33 @@ class Direction:
         if self.storage is not None:
             self.storage.recording.zero_()
         self.recorded_columns.clear()
+
+    # ---- per-step reduction -----------------------------------------------------------------------
+    def accumulate(self) -> None:
+        """A completed region or backward pass of a per-step group: MAX its amaxes into the step's."""
+        if self.recorded_columns:
+            storage = self.storage
+            torch.maximum(storage.accumulated, storage.recording, out=storage.accumulated)
+            storage.recording.zero_()
+            self.accumulated_columns.update(self.recorded_columns)
+            self.recorded_columns.clear()
+
+    def restore_accumulated(self, offset: int, amaxes: torch.Tensor) -> None:
+        """A checkpoint saved mid-step: the step's amaxes so far of the columns from `offset` on."""
+        self.storage.accumulated[offset : offset + amaxes.numel()].copy_(amaxes)
+        self.accumulated_columns.update(offset + i for i in amaxes.nonzero().flatten().tolist())
+
+    def launch_step(self, async_op: bool, step_index: int) -> None:
+        """The step boundary: launch the step's accumulated amaxes as one reduction."""
+        self.accumulate()
+        if not self.accumulated_columns:
+            return
+        storage = self.storage
+        storage.recording.copy_(storage.accumulated)
+        storage.accumulated.zero_()
+        self.recorded_columns = sorted(self.accumulated_columns)
+        self.accumulated_columns.clear()
+        self.launch(async_op, step_index)
 
     # ---- the collective -------------------------------------------------------------------------
     def launch(self, async_op: bool, region_index: int) -> None:
@@ -252,7 +280,7 @@ class AmaxGroup:
         self.fwd = Direction("fwd", recipe, channel, stats)
         self.bwd = Direction("bwd", recipe, channel, stats)
         self.fwd.group = self.bwd.group = self
-        self.training_regions = 0
+        self.training_regions = 0  # (per-step reduction: its steps)
         self.latest_region = None  # the latest region that launched its forward reduction
 
     def next_region_index(self) -> int:

@@ -125,7 +125,10 @@ class BackwardPass:
 
     def end(self) -> None:
         for group, region in self.groups.items():
-            if group.bwd.recorded_columns:
+            if group.recipe.per_step:  # kept for the step boundary (steps.py)
+                group.bwd.accumulate()
+                REGISTRY.note_step_group(group)
+            elif group.bwd.recorded_columns:
                 group.bwd.launch(region.async_op, region.index_of(group))
         for region in self.regions:
             region.backward_done = True
@@ -162,4 +165,8 @@ def exit_region(region: Optional[Region], failed: bool) -> None:
         if failed:
             group.fwd.discard_recording()
         group.latest_region = region
-        group.fwd.launch(region.async_op, region.index_of(group))
+        if group.recipe.per_step:  # kept for the step boundary (steps.py)
+            group.fwd.accumulate()
+            REGISTRY.note_step_group(group)
+        else:
+            group.fwd.launch(region.async_op, region.index_of(group))

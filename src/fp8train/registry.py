@@ -70,6 +70,8 @@ class Registry:
         self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self.plans: weakref.WeakKeyDictionary[torch.nn.Module, Plan] = weakref.WeakKeyDictionary()
         self._backward_pass: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
+        self.step_groups: dict[AmaxGroup, None] = {}  # per-step groups that trained since the boundary
+        self.step_parameters: dict[int, tuple] = {}  # module id -> its parameters' versions this step
         self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
         self.checkpoints: list = []  # fp8train.checkpoint calls whose forward is running: they note plans
 
@@ -111,6 +113,11 @@ class Registry:
                 channel = self.channels.setdefault(process_group, Channel(process_group))
             group = self.groups[key] = AmaxGroup(recipe, process_group, channel, self.stats)
         return group
+
+    def note_step_group(self, group: AmaxGroup) -> None:
+        """A per-step group that trained: launched at the next step boundary, in this order (the
+        order of training, the same on every rank)."""
+        self.step_groups.setdefault(group, None)
 
     # ---- modules and their calls ---------------------------------------------------------------------
     def register_module(self, module: torch.nn.Module, handle: Optional[int] = None) -> int:

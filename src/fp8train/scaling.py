@@ -51,7 +51,8 @@ def _roll_digest(
 
 
 class ScalingStorage:
-    """amax_history (H x N), scale (N), scale_inv (N), the recording slot (N) and the history digest
+    """amax_history (H x N), scale (N), scale_inv (N), the recording slot (N), the step's accumulated
+    amaxes (N, per-step reduction) and the history digest
     (N, int64) of one direction."""
 
     def __init__(self, history_len: int, device: torch.device) -> None:
@@ -59,6 +60,7 @@ class ScalingStorage:
         self.scale = torch.ones(0, device=device)
         self.scale_inv = torch.ones(0, device=device)
         self.recording = torch.zeros(0, device=device)
+        self.accumulated = torch.zeros(0, device=device)  # per-step reduction: the step's amaxes so far
         self.digest = torch.zeros(0, dtype=torch.int64, device=device)
 
     @property
@@ -77,7 +79,9 @@ class ScalingStorage:
         self.history = torch.cat([self.history, history], dim=1)
         self.scale = torch.cat([self.scale, scale.to(dev, torch.float32)])
         self.scale_inv = torch.cat([self.scale_inv, scale_inv.to(dev, torch.float32)])
-        self.recording = torch.cat([self.recording, torch.zeros_like(scale, device=dev, dtype=torch.float32)])
+        zeros = torch.zeros_like(scale, device=dev, dtype=torch.float32)
+        self.recording = torch.cat([self.recording, zeros])
+        self.accumulated = torch.cat([self.accumulated, zeros])
         self.digest = torch.cat([self.digest, history_digest(history)])
         return offset
 

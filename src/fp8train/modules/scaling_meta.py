@@ -27,6 +27,7 @@ class ScalingMeta:
         self.direction: Optional[Direction] = None
         self.offset = 0
         self.own_history: Optional[torch.Tensor] = None  # set by load_state_dict before joining
+        self.own_step_amax: Optional[torch.Tensor] = None  # likewise: a per-step checkpoint saved mid-step
         # host tensors, whatever device is in effect (a module built under torch.device("meta") too):
         # they are copied to the module's device when it joins its amax group
         self.own_scale = torch.ones(num_roles, device="cpu")
@@ -94,16 +95,31 @@ class ScalingMeta:
         )
         self.direction = direction
         self.own_history = None
+        if self.own_step_amax is not None and direction.recipe.per_step:
+            direction.restore_accumulated(self.offset, self.own_step_amax.to(device))
+        self.own_step_amax = None
 
     def state(self) -> dict:
         """This direction's state, for a checkpoint: a host point (mismatches seen so far are raised)."""
         if self.direction is not None:
             self.direction.settle(host_point=True)
-        return {
+        state = {
             "amax_history": self.amax_history.detach().clone().cpu(),
             "scale": self.scale.detach().clone().cpu(),
             "scale_inv": self.scale_inv.detach().clone().cpu(),
         }
+        step_amax = self._step_amax()
+        if step_amax is not None:  # per-step reduction, saved mid-step: the step's amaxes so far
+            state["step_amax"] = step_amax.cpu()
+        return state
+
+    def _step_amax(self) -> Optional[torch.Tensor]:
+        if self.direction is None:
+            return self.own_step_amax
+        if not self.direction.recipe.per_step:
+            return None
+        self.direction.accumulate()
+        return self._columns(self.direction.storage.accumulated).clone()
 
     def load(self, state: dict, where: str) -> None:
         history, scale, scale_inv = _checked_state(state, where)
@@ -114,12 +130,20 @@ class ScalingMeta:
                 f"{tuple(history.shape)}, but this module has {n} roles (expected scale ({n},) and "
                 f"amax_history (H, {n})); the checkpoint belongs to a different model"
             )
+        step_amax = state.get("step_amax")
+        if step_amax is not None and (
+            step_amax.shape != (n,) or bool((torch.isnan(step_amax) | (step_amax < 0)).any())
+        ):
+            raise ValueError(
+                f"{where}: checkpoint step_amax is not {n} amaxes >= 0; the checkpoint file is corrupted"
+            )
         if history.shape[0] == 0:  # saved before the module ever trained: no history yet
             history = None if self.direction is None else torch.zeros_like(self._settled("history"))
         if self.direction is None:
             self.own_history = None if history is None else history.clone().float()
             self.own_scale = scale.clone().float()
             self.own_scale_inv = scale_inv.clone().float()
+            self.own_step_amax = None if step_amax is None else step_amax.clone().float()
             self._own_on_device.clear()
             return
         if history.shape[0] != self.direction.recipe.amax_history_len:
@@ -134,6 +158,8 @@ class ScalingMeta:
         self._columns(storage.scale).copy_(scale)
         self._columns(storage.scale_inv).copy_(scale_inv)
         storage.refresh_digest()
+        if step_amax is not None:
+            self.direction.restore_accumulated(self.offset, step_amax)
 
 
 def _checked_state(state, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

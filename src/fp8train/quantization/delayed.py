@@ -35,6 +35,12 @@ class DelayedScaling:
     Callables are applied once to the whole contiguous storage of a group (one column per tensor
     role), so they must work column-wise: ``amax_compute_algo(history[H, N]) -> amax[N]`` and
     ``scaling_factor_compute_algo(amax[N], scale[N], fp8_max, recipe) -> scale[N]``.
+
+    `amax_reduction`: "region" (TransformerEngine's behaviour: every FP8 region's amaxes are reduced
+    and rolled into the history when it ends, and its backward's when that ends) or "step": the
+    amaxes of all regions of an optimizer step are MAX-accumulated locally and reduced once per
+    direction at the step boundary (`fp8train.end_step()`), so scales are constant within a step
+    (docs/design.md, section 14).
     """
 
     margin: int = 0
@@ -43,6 +49,7 @@ class DelayedScaling:
     amax_compute_algo: AmaxAlgo = "max"
     scaling_factor_compute_algo: Optional[ScaleAlgo] = None
     reduce_amax: bool = True
+    amax_reduction: str = "region"
 
     def __post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
@@ -69,6 +76,15 @@ class DelayedScaling:
             )
         if not isinstance(self.reduce_amax, bool):
             raise ValueError(f"DelayedScaling.reduce_amax must be True or False, got {self.reduce_amax!r}")
+        if self.amax_reduction not in ("region", "step"):
+            raise ValueError(
+                f"DelayedScaling.amax_reduction must be 'region' (per FP8 region) or 'step' (once per "
+                f"optimizer step, at fp8train.end_step()), got {self.amax_reduction!r}"
+            )
+
+    @property
+    def per_step(self) -> bool:
+        return self.amax_reduction == "step"
 
     def key(self) -> str:
         """The fields every rank of an amax group must agree on, as text that is the same in every
@@ -81,6 +97,7 @@ class DelayedScaling:
             f"margin={self.margin}, fp8_format={self.fp8_format.name}, "
             f"amax_history_len={self.amax_history_len}, amax_compute_algo={name(self.amax_compute_algo)}, "
             f"scaling_factor_compute_algo={name(self.scaling_factor_compute_algo)}"
+            + (", amax_reduction=step" if self.per_step else "")
         )
 
 
