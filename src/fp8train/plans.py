@@ -20,8 +20,13 @@ from .reduction import Direction
 from .regions import Region, RegionSettings, current_backward_pass
 from .registry import REGISTRY
 from .steps import check_step_open
-from .tensor_parallel import check_amax_group
-from .torch_internals import ddp_join_that_does_not_throw, in_backward, inside_reentrant_checkpoint
+from .tensor_parallel import check_amax_group, check_stage_group
+from .torch_internals import (
+    ddp_join_that_does_not_throw,
+    in_backward,
+    inside_reentrant_checkpoint,
+    pipeline_group_of_caller,
+)
 
 __all__ = ["Plan", "plan_forward", "note_training_output", "FWD_ROLES", "BWD_ROLES"]
 
@@ -91,7 +96,11 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
         if group not in region.trained and group.fwd.channel is not None:
             _refuse_ddp_join()
         if fwd_meta.direction is None:
-            check_amax_group(module, group.process_group, group.fwd.channel is not None)
+            reduces = group.fwd.channel is not None
+            check_amax_group(module, group.process_group, reduces)
+            pipeline_group = pipeline_group_of_caller()
+            if pipeline_group is not False:  # inside a torch.distributed.pipelining stage
+                check_stage_group(module.signature, group.process_group, reduces, pipeline_group)
             device = next(module.parameters()).device
             fwd_meta.join(group.fwd, module.signature, device)
             bwd_meta.join(group.bwd, module.signature, device)

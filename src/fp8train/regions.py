@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -26,7 +26,7 @@ import torch
 from .quantization.base import Quantization
 from .reduction import AmaxGroup, Direction
 from .registry import REGISTRY
-from .torch_internals import in_backward
+from .torch_internals import in_backward, in_pipeline_shape_inference
 
 __all__ = [
     "ENV_ASYNC",
@@ -142,6 +142,8 @@ def current_backward_pass() -> BackwardPass:
 def enter_region(settings: RegionSettings) -> Optional[Region]:
     """Push `settings`; return the new Region when this entry is outermost (None otherwise)."""
     replaying = REGISTRY.recompute is not None or in_backward()
+    if settings.active and not REGISTRY.stack and in_pipeline_shape_inference():
+        settings = replace(settings, enabled=False, calibrating=False)  # shapes only: high precision
     region = None
     if not REGISTRY.stack and not replaying:
         region = Region(REGISTRY.regions_entered + 1, async_amax_reduction())

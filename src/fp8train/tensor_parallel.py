@@ -208,6 +208,27 @@ def reduce_sequence_parallel_grads(model: torch.nn.Module, tp_group) -> None:
         g.copy_(part.view_as(g))
 
 
+def check_stage_group(where: str, amax_process_group, reduces: bool, pipeline_group) -> None:
+    """The amax group must stay inside one pipeline stage: stages run different modules, at different
+    times, so a group spanning them would pair one stage's reductions with another's (or wait for a
+    stage that waits for this one's activations). `pipeline_group`: the process group of the
+    pipeline (torch.distributed.pipelining's stage group; None: the world), whose other ranks hold
+    the other stages. Local and the same on every rank: every rank raises, before any collective."""
+    if not reduces:
+        return
+    me = dist.get_rank()
+    stages = set(dist.get_process_group_ranks(pipeline_group or dist.group.WORLD)) - {me}
+    shared = sorted(stages & set(dist.get_process_group_ranks(amax_process_group)))
+    if shared:
+        raise ValueError(
+            f"{where}: the amax group (fp8_group / amax_reduction_group) holds ranks {shared} of other "
+            f"pipeline stages (rank {me}'s pipeline group: {sorted(stages | {me})}). An amax group must not "
+            "span pipeline stages: give each stage its own amax group, the data- and tensor-parallel ranks "
+            "of that stage (e.g. dist.new_group(ranks_of_my_stage); fp8train.pipeline.prepare_stage checks "
+            "this when the stage is built)"
+        )
+
+
 def check_amax_group(module: torch.nn.Module, amax_process_group, reduces: bool) -> None:
     """The amax group must contain the module's TP group: else the TP ranks would cast the shards of
     one tensor with different scales. Local and the same on every rank (no collective): every rank

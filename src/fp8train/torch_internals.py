@@ -25,6 +25,8 @@ __all__ = [
     "inside_reentrant_checkpoint",
     "ddp_join_that_does_not_throw",
     "fsdp_param_of_caller",
+    "pipeline_group_of_caller",
+    "in_pipeline_shape_inference",
 ]
 
 
@@ -111,6 +113,34 @@ def ddp_join_that_does_not_throw() -> bool:
             config = getattr(frame.f_locals.get("self"), "_join_config", None)
             return config is not None and config.enable and not config.throw_on_early_termination
     return False
+
+
+def pipeline_group_of_caller() -> Optional[Any]:
+    """The process group of the `torch.distributed.pipelining` stage whose forward is running below us
+    (a `_PipelineStageBase` found on the call stack: its `group`, None for the world), or False when
+    no stage is running. Lets a module check, alone, that its amax group stays inside its stage."""
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:
+        return False
+    for frame in _caller_frames(1):
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, _PipelineStageBase):
+            return candidate.group
+    return False
+
+
+_PIPELINE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+
+
+def in_pipeline_shape_inference() -> bool:
+    """Whether a `torch.distributed.pipelining` stage is running its one-time metadata (shape)
+    inference below us: a forward on uninitialised tensors (torch.empty) of the right shapes, with
+    grad enabled. FP8 regions entered there must neither cast nor record (the garbage would poison the
+    amax histories for a whole history window). Checked only once pipelining has been imported."""
+    if "torch.distributed.pipelining" not in sys.modules:
+        return False
+    return any(frame.f_code.co_name in _PIPELINE_INFERENCE for frame in _caller_frames(1))
 
 
 def fsdp_param_of_caller() -> Any:
