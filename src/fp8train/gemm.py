@@ -14,10 +14,12 @@ host read (a Python float alpha would wait for the GPU).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .torch_internals import has_scaled_mm, scaled_mm
 
 __all__ = ["gemm", "matmul", "Operand", "choose_path", "PATHS"]
 
@@ -34,7 +36,7 @@ def _forced() -> str:
 
 
 def _scaled_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
-    if not hasattr(torch, "_scaled_mm") or any(d % 16 or d == 0 for d in (m, k, n)):
+    if not has_scaled_mm(device.type) or any(d % 16 or d == 0 for d in (m, k, n)):
         return False
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -64,12 +66,12 @@ def gemm(
                 f"FP8 operands of shape {tuple(a.shape)} x {tuple(b.shape)} on {a.device} cannot take "
                 "torch._scaled_mm (every dimension must be a multiple of 16); set FP8TRAIN_GEMM=bf16"
             )
-        y = torch._scaled_mm(
+        y = scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),
-            scale_a=a_scale_inv.reshape(()).float(),
-            scale_b=b_scale_inv.reshape(()).float(),
-            out_dtype=out_dtype,
+            a_scale_inv.reshape(()).float(),
+            b_scale_inv.reshape(()).float(),
+            out_dtype,
         )
         return y if bias is None else y + bias.to(out_dtype)
     y = torch.mm(a, b.to(a.dtype))
@@ -98,7 +100,10 @@ class Operand:
     rotated: bool = False
 
     def t(self) -> Operand:
-        return replace(self, transposed=not self.transposed)
+        # built field by field: dataclasses.replace is not traceable by dynamo in every torch
+        return Operand(
+            self.values, self.scale_inv, self.block, not self.transposed, self.tensor_scale, self.rotated
+        )
 
     def oriented(self) -> torch.Tensor:
         return self.values.t() if self.transposed else self.values

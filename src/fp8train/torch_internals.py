@@ -7,6 +7,7 @@ says how). When a torch upgrade breaks fp8train, this is the file to read first.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Iterable, Optional
 
@@ -63,8 +64,21 @@ def register_ordered_effects(ops: Iterable) -> bool:
 
 
 # ---- ops --------------------------------------------------------------------------------------------
-def has_scaled_mm() -> bool:
-    return hasattr(torch, "_scaled_mm")
+@functools.cache
+def has_scaled_mm(device_type: str) -> bool:
+    """Whether `torch._scaled_mm` runs on this device type: CUDA had it from torch 2.1; the CPU
+    kernel came later (absent in 2.6), so a 16x16 product is tried once on the CPU."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device_type != "cpu":
+        return True
+    try:
+        one = torch.ones((), dtype=torch.float32)
+        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:

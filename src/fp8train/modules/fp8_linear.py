@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -47,7 +46,7 @@ class _LinearFn(torch.autograd.Function):
         # the weight itself only for a double backward (create_graph): a reference, not a copy
         ctx.save_for_backward(*x_ops.wgrad.tensors(), *w_ops.dgrad.tensors(), weight, call.token)
         ctx.layouts = (x_ops.wgrad.layout, w_ops.dgrad.layout)
-        ctx.call, ctx.sp_group = replace(call, scales=None, token=None), sp_group  # tensors: saved above
+        ctx.call, ctx.sp_group = call.without_tensors(), sp_group  # its tensors: saved above
         ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
         # not a view of y: FSDP2 warns on (and in-place ops would bypass hooks of) a view output
         return unsafe_view(y, (*shape[:-1], y.shape[-1]))
@@ -57,7 +56,7 @@ class _LinearFn(torch.autograd.Function):
         *operands, weight, token = ctx.saved_tensors
         x_wgrad = Operand.rebuild(operands[:3], ctx.layouts[0])
         w_dgrad = Operand.rebuild(operands[3:], ctx.layouts[1])
-        call = replace(ctx.call, token=token)
+        call = ctx.call.with_token(token)
         create_graph = torch.is_grad_enabled()
         if create_graph and (
             ctx.sp_group is not None or isinstance(weight, GatheredWeight) or x_wgrad.rotated

@@ -58,6 +58,16 @@ class GemmCall:
     scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
     token: Optional[torch.Tensor] = None  # delayed scaling: names the call's region to its backward
 
+    def without_tensors(self) -> GemmCall:
+        """What backward keeps on its context (the tensors travel through save_for_backward). Built
+        field by field: dataclasses.replace is not traceable by dynamo in every torch."""
+        return GemmCall(self.quantization, self.module_handle, self.gemm_index, self.operand_dtype)
+
+    def with_token(self, token: Optional[torch.Tensor]) -> GemmCall:
+        return GemmCall(
+            self.quantization, self.module_handle, self.gemm_index, self.operand_dtype, None, token
+        )
+
 
 class Quantization:
     """How one recipe quantizes a linear layer's operands. Subclasses: one per recipe family, each in
