@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import fp8train
 from fp8train.cast import amax, cast_operand, quantize
-from fp8train.gemm import choose_path, gemm
+from fp8train.gemm import choose_path, cpu_bf16_instructions, gemm
 from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -138,6 +142,70 @@ def test_gemm_paths_agree_with_each_other() -> None:
     assert ((outs["scaled_mm"] - outs["fp32"]).abs() <= tol).all()
     assert ((outs["bf16"] - outs["fp32"]).abs() <= tol + 2.0**-8 * outs["fp32"].abs()).all()
     assert not torch.equal(outs["bf16"], outs["fp32"])  # bf16 output rounding is visible
+
+
+@pytest.mark.parametrize(
+    "flags,isa,native",
+    [
+        ("fpu avx2 fma", None, False),  # an AVX2-only CPU (AMD EPYC before Zen 4): fp32 kernel
+        ("fpu avx2 avx512f avx512_bf16", None, True),
+        ("fpu avx2 amx_bf16 avx512_bf16", "AVX2", False),  # oneDNN kept below the CPU
+        ("fpu avx2 amx_bf16 avx512_bf16", "AVX512_CORE_AMX", True),
+        ("fp asimd bf16", None, True),  # Arm's "Features" line
+    ],
+)
+def test_bf16_kernel_follows_the_cpus_instructions(tmp_path, monkeypatch, flags, isa, native) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\n{'Features' if 'asimd' in flags else 'flags'}\t\t: {flags}\n")
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    found, why = cpu_bf16_instructions(str(info))
+    assert found is native and (isa in why if isa and not native else True)
+    assert cpu_bf16_instructions(str(tmp_path / "absent")) == (
+        False, f"the CPU's instructions are unknown here (no {tmp_path / 'absent'})"
+    )  # fmt: skip
+
+
+_EITHER_KERNEL = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[2])
+from fp8train.gemm import bf16_kernel, gemm
+from test_cast_gemm import _operands
+a, a_sinv, b, b_sinv = _operands(64, 256, 96, path="bf16")
+out = {"kernel": bf16_kernel(torch.device("cpu"))}
+out["auto"] = gemm(a, a_sinv, b, b_sinv, torch.float32)
+os.environ["FP8TRAIN_GEMM"] = "bf16"
+out["forced"] = (bf16_kernel(torch.device("cpu")), gemm(a, a_sinv, b, b_sinv, torch.float32))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_bf16_path_has_the_same_numerics_on_either_kernel(tmp_path) -> None:
+    """On a CPU without bf16 instructions (here: oneDNN limited to AVX2, which makes torch's bf16 GEMM
+    ~200x slower than fp32, as on such a CPU) the bf16 path multiplies in fp32 and rounds the output
+    to bf16: the same exact products, fp32 accumulation and one bf16 rounding, so it differs from the
+    bf16 kernel only where the two accumulation orders straddle a bf16 rounding boundary."""
+    env = {k: v for k, v in os.environ.items() if k != "FP8TRAIN_GEMM"}
+    env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    path = tmp_path / "out.pt"
+    subprocess.run(
+        [sys.executable, "-c", _EITHER_KERNEL, str(path), os.path.dirname(__file__)],
+        env=env,
+        check=True,
+        timeout=120,
+    )
+    out = torch.load(path)
+    assert out["kernel"][0] == "fp32" and "ONEDNN_MAX_CPU_ISA=AVX2" in out["kernel"][1]
+    (forced_kernel, _), native = out["forced"]
+    assert forced_kernel == "bf16"
+    step = 2.0**-7 * native.abs()  # one bf16 step (8 significant bits), at most
+    assert ((native - out["auto"]).abs() <= step).all()
+    assert (native != out["auto"]).float().mean() < 0.01  # accumulation-order differences only
+    a, a_sinv, b, b_sinv = _operands(64, 256, 96, path="fp32")
+    fp32 = gemm(a, a_sinv, b, b_sinv, torch.float32)
+    assert ((out["auto"] - fp32).abs() > 0).float().mean() > 0.5  # rounded to bf16, unlike fp32
 
 
 def test_choose_path_defaults_and_fallback(monkeypatch) -> None:

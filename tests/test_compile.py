@@ -8,7 +8,8 @@ The FP8 math traces as ordinary ops; what each call asks of the amax protocol ru
   amax history, scale and scale_inv, parameters; on 2 ranks as well, with one amax all-reduce per
   step and direction (the launches at region exit and at the end of backward still happen);
 - inductor (generated kernels, which round high-precision ops such as layer norm differently in the
-  last bit) stays close, and every scale is still exactly fp8_max / amax of its own history;
+  last bit, differently on each CPU) stays close step by step, measured against FP8's own error, and
+  every scale is still exactly fp8_max / amax of its own history;
 - evaluation, calibration, gradient accumulation with `is_first_microbatch` and activation
   checkpointing inside the compiled model also equal eager bit for bit.
 """
@@ -122,16 +123,46 @@ def test_checkpointing_inside_the_compiled_model(checkpoint: str) -> None:
     _assert_bitwise(compiled, _train(None, steps=3))
 
 
+def _inductor_training(steps: int) -> tuple[list[float], list[torch.Tensor]]:
+    """Train the inductor-compiled model; before each of its steps, run the same module eagerly, in FP8
+    and in high precision, from the same state and on the same input. Per step: the distance of the
+    compiled output from eager FP8, relative to FP8's own error (eager FP8 vs high precision)."""
+    fp8train.inspection.reset()
+    torch._dynamo.reset()
+    model = Net()
+    run = torch.compile(model, backend="inductor", fullgraph=True)
+    ratios = []
+    for step in range(steps):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step))
+        with torch.no_grad():  # records nothing, launches nothing: the compiled step sees the same state
+            with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+                eager = model(x)
+            high = model(x)
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            y = run(x)
+        y.float().square().mean().backward()
+        sgd(model, LR)
+        ratios.append(float((y.detach() - eager).norm() / (eager - high).norm()))
+    return ratios, fp8_state(model)
+
+
 @pytest.mark.slow
 def test_inductor_stays_close_and_scales_follow_their_histories() -> None:
-    eager, inductor = _train(None, steps=8), _train("inductor", steps=8)
-    assert abs(inductor["loss"][0] - eager["loss"][0]) <= 1e-4 * abs(eager["loss"][0])
-    for a, b in zip(inductor["loss"], eager["loss"]):
-        assert abs(a - b) <= 1e-3 * abs(b)
-    for got, want in zip(inductor["state"][-1], eager["state"][-1]):
-        assert torch.allclose(got, want, rtol=0.1, atol=0)
+    """Inductor's kernels round high-precision ops (layer norm, GELU, the cast's arithmetic) differently
+    in the last bit, and how differs between CPUs. A cast turns such a difference into a change of one
+    FP8 step only for a value within that distance of a rounding boundary; compounded over training
+    steps, those flips become any difference at all (a fixed trajectory tolerance failed on another
+    CPU). So each step is compared from the same state, against FP8's own error as the noise floor:
+    FP8 moves every element by up to half a step (an rms of ~0.29 steps), a flip moves one element by a
+    whole step, so the ratio is about sqrt(12 x the fraction of elements flipped). fp32 reassociation
+    (~2**-20 relative) flips at most ~2**-15 of the elements of each cast (within 2**-20 of a boundary,
+    E4M3's relative step being at least 2**-4); the bound 0.25 allows 0.5%, 160 times that, layer
+    amplification included, and is still far below what a real fault gives
+    (an output computed without FP8: 1; with wrong scales: more). Measured on an Intel Xeon: <= 1e-6.
+    """
+    ratios, state = _inductor_training(steps=8)
+    assert max(ratios) <= 0.25, ratios
     # every scale is exactly fp8_max / amax of its own (max over the) history, where it has one
-    state = inductor["state"][-1]
     for history, scale, fp8_max in zip(state[0::3], state[1::3], [448.0, 57344.0] * 3):
         amax = history.amax(dim=0)
         seen = amax > 0

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from fp8train.gemm import choose_path
+from fp8train.gemm import bf16_kernel, choose_path
 from fp8train.telemetry import read_metrics
 from fp8train.tools import cli
 from fp8train.tools.report import load_run
@@ -128,6 +128,9 @@ def test_info_prints_the_gemm_path(monkeypatch, capsys):
     out = capsys.readouterr().out
     expected = choose_path(device, 1024, 1024, 1024)
     assert f"FP8 GEMM path for a 1024x1024x1024 GEMM on {device.type}: {expected}\n" in out
+    if expected == "bf16":  # and which kernel computes it, and why
+        kernel, why = bf16_kernel(device)
+        assert f"  computed by the {kernel} GEMM kernel: {why}\n" in out
     assert "NVTE_ASYNC_AMAX_REDUCTION=(unset): asynchronous" in out
     assert f"torch {torch.__version__}" in out
     monkeypatch.setenv("FP8TRAIN_GEMM", "fp32")

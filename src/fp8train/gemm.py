@@ -2,13 +2,16 @@
 
 Paths, all computing (a @ b) * a_scale_inv * b_scale_inv (+ bias) from FP8-valued operands:
 - "scaled_mm": the hardware FP8 GEMM (Ada, Hopper and newer), scales applied on the device.
-- "bf16": FP8 values are exact in bf16, so a bf16 GEMM multiplies them exactly and accumulates in
-  fp32; its output is rounded once to bf16, then scaled in fp32. Several times faster than fp32 on
-  CPU: the CPU default.
-- "fp32": the same in fp32: exact products, fp32 accumulation, fp32 output.
-`FP8TRAIN_GEMM` = auto (default) | scaled_mm | bf16 | fp32 overrides the choice; a shape the forced
-path cannot take falls back to emulation. The scales stay tensors on the device throughout: no
-host read (a Python float alpha would wait for the GPU).
+- "bf16": FP8 values are exact in bf16, so a GEMM multiplies them exactly and accumulates in fp32;
+  its output is rounded once to bf16, then scaled in fp32. The CPU default. Its kernel is a bf16
+  GEMM where the CPU has bf16 instructions (AVX512-BF16, AMX, Arm BF16), else an fp32 GEMM of the
+  same values whose output is rounded to bf16 (`bf16_kernel`): the same numerics up to the order of
+  fp32 accumulation, and never the 50-100x slowdown of bf16 GEMMs on CPUs without them.
+- "fp32": exact products, fp32 accumulation, fp32 output.
+`FP8TRAIN_GEMM` = auto (default) | scaled_mm | bf16 | fp32 overrides the choice (bf16: the bf16
+kernel itself, whatever the CPU); a shape the forced path cannot take falls back to emulation. The
+scales stay tensors on the device throughout: no host read (a Python float alpha would wait for the
+GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 
 from .torch_internals import has_scaled_mm, scaled_mm
 
-__all__ = ["gemm", "matmul", "Operand", "choose_path", "PATHS"]
+__all__ = ["gemm", "matmul", "Operand", "choose_path", "bf16_kernel", "cpu_bf16_instructions", "PATHS"]
 
 PATHS = ("scaled_mm", "bf16", "fp32")
 ENV_PATH = "FP8TRAIN_GEMM"
@@ -51,6 +54,37 @@ def choose_path(device: torch.device, m: int, k: int, n: int) -> str:
     return "bf16" if forced == "auto" else forced
 
 
+def cpu_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> tuple[bool, str]:
+    """Whether this CPU multiplies bf16 natively (a fact of the machine, read once), and why. Not a
+    timing, so every process of a job makes the same choice. oneDNN, which runs torch's bf16 GEMMs
+    on the CPU, can be limited below the CPU (ONEDNN_MAX_CPU_ISA): then it has no bf16 either."""
+    try:
+        with open(cpuinfo) as f:
+            flags = {w for line in f if line.startswith(("flags", "Features")) for w in line.split()}
+    except OSError:
+        return False, f"the CPU's instructions are unknown here (no {cpuinfo})"
+    found = sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    if not found:
+        return False, "this CPU has no bf16 instructions (no avx512_bf16, amx_bf16 or bf16 flag)"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if isa != "ALL" and "BF16" not in isa and "AMX" not in isa:
+        return False, f"ONEDNN_MAX_CPU_ISA={isa} keeps oneDNN below this CPU's {', '.join(found)}"
+    return True, f"this CPU has {', '.join(found)}"
+
+
+_CPU_BF16 = cpu_bf16_instructions()  # read at import: traced code (torch.compile) only looks it up
+
+
+def bf16_kernel(device: torch.device) -> tuple[str, str]:
+    """The kernel that computes the "bf16" path on `device` ("bf16" or "fp32"), and why."""
+    if device.type != "cpu":
+        return "bf16", f"{device.type} GEMMs multiply bf16 natively"
+    if _forced() == "bf16":
+        return "bf16", f"{ENV_PATH}=bf16 asks for the bf16 kernel"
+    native, why = _CPU_BF16
+    return ("bf16" if native else "fp32"), why
+
+
 def gemm(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -74,7 +108,10 @@ def gemm(
             out_dtype,
         )
         return y if bias is None else y + bias.to(out_dtype)
-    y = torch.mm(a, b.to(a.dtype))
+    if a.dtype == torch.bfloat16 and bf16_kernel(a.device)[0] == "fp32":
+        y = torch.mm(a.float(), b.float()).to(torch.bfloat16)  # the bf16 path's rounding, fp32 speed
+    else:
+        y = torch.mm(a, b.to(a.dtype))
     # The scale as a 1-element tensor takes part in type promotion (a 0-dim one would not): the
     # product is computed in fp32 and written in one pass, with the bias added in the same one.
     scale = (a_scale_inv * b_scale_inv).reshape(1)

@@ -139,7 +139,7 @@ def _info() -> int:
     import torch
 
     from fp8train import __version__
-    from fp8train.gemm import ENV_PATH, choose_path
+    from fp8train.gemm import ENV_PATH, bf16_kernel, choose_path
     from fp8train.regions import ENV_ASYNC, async_amax_reduction
 
     cuda = torch.cuda.is_available()
@@ -155,6 +155,9 @@ def _info() -> int:
     try:
         path = choose_path(device, 1024, 1024, 1024)
         print(f"FP8 GEMM path for a 1024x1024x1024 GEMM on {device.type}: {path}")
+        if path == "bf16":
+            kernel, why = bf16_kernel(device)
+            print(f"  computed by the {kernel} GEMM kernel: {why}")
     except ValueError as err:
         print(f"FP8 GEMM path: invalid setting: {err}")
         status = 2

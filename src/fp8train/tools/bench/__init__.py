@@ -56,7 +56,11 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return step_time.run(64, 128, 64, repeats=2, threads=1, compiled=False)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        runs = [step_time.run(device=device, threads=t) for t in (2, 1)]  # 1 thread: stabler timings
+        native_bf16 = step_time.bf16_kernel(torch.device(device))[0] == "bf16"
+        print(f"bf16 path's GEMM kernel: {step_time.bf16_kernel(torch.device(device))}")
+        runs = [  # 1 thread: stabler timings
+            step_time.run(device=device, threads=t, bf16_baselines=native_bf16) for t in (2, 1)
+        ]
         rows = [{"threads": r["threads"], **row} for r in runs for row in r["rows"]]
         return {**runs[0], "threads": [2, 1], "rows": rows}
     if suite == "reduction":
