@@ -41,6 +41,7 @@ def test_step_time_runs_each_configuration_in_its_own_precision(tmp_path) -> Non
     )
     for r in rows.values():  # ratios side by side, against the same bf16 and FP8 eager medians
         assert r["vs_bf16"] == pytest.approx(r["ms"] / rows["bf16 torch.nn"]["ms"])
+        assert r["vs_fp32"] == pytest.approx(r["ms"] / rows["fp32 torch.nn"]["ms"])
         assert r["vs_fp8_eager"] == pytest.approx(r["ms"] / rows["fp8 fp8train"]["ms"])
 
 

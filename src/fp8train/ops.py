@@ -9,8 +9,6 @@ ordered side effects (so a compiled graph neither drops nor reorders them); eage
 functions directly.
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple, Optional
 
 import torch

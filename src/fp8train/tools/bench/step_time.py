@@ -1,6 +1,6 @@
 """Step time (forward + backward) of an MLP block: FP8 with each recipe (delayed scaling eager and
 under torch.compile, current and block scaling) vs fp32 and bf16 torch.nn, and torchao.float8
-where installed. All run round-robin in one process. Each configuration's output error against a
+where installed, on CUDA. All run round-robin in one process. Each configuration's output error against a
 float64 copy says what precision it really ran in. Where the CPU has no bf16 instructions, torch's
 bf16 GEMM is 50-100x slower than fp32 and the bf16 baselines are left out (`bf16_baselines`)."""
 
@@ -60,7 +60,7 @@ def run(
         configs["fp8 fp8train, torch.compile(fullgraph=True)"] = (compiled_fp8, x, delayed)
         if bf16_baselines:
             configs["bf16 torch.nn, torch.compile"] = (torch.compile(copy.deepcopy(bf16)), x_bf16, None)
-    peer = _torchao(fp32)
+    peer = _torchao(fp32) if device == "cuda" else None  # on CPU: > 5 min a step (torchao 0.18)
     if peer is not None:
         configs["fp8 torchao.float8 (dynamic)"] = (peer, x, None)
 
