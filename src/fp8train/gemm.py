@@ -24,7 +24,16 @@ import torch
 
 from .torch_internals import has_scaled_mm, scaled_mm
 
-__all__ = ["gemm", "matmul", "Operand", "choose_path", "bf16_kernel", "cpu_bf16_instructions", "PATHS"]
+__all__ = [
+    "gemm",
+    "matmul",
+    "Operand",
+    "choose_path",
+    "bf16_kernel",
+    "cpu_bf16_instructions",
+    "has_scaled_mm",
+    "PATHS",
+]
 
 PATHS = ("scaled_mm", "bf16", "fp32")
 ENV_PATH = "FP8TRAIN_GEMM"
@@ -96,9 +105,14 @@ def gemm(
     """(a @ b) * a_scale_inv * b_scale_inv (+ bias) for FP8-valued `a` (m x k) and `b` (k x n)."""
     if a.dtype in _FP8_DTYPES:
         if not _scaled_mm_fits(a.device, a.shape[0], a.shape[1], b.shape[1]):
+            why = (
+                "every dimension must be a multiple of 16"
+                if has_scaled_mm(a.device.type)
+                else f"torch {torch.__version__} has no such kernel on {a.device.type}"
+            )
             raise ValueError(
                 f"FP8 operands of shape {tuple(a.shape)} x {tuple(b.shape)} on {a.device} cannot take "
-                "torch._scaled_mm (every dimension must be a multiple of 16); set FP8TRAIN_GEMM=bf16"
+                f"torch._scaled_mm ({why}); set FP8TRAIN_GEMM=bf16"
             )
         y = scaled_mm(
             a.contiguous(),

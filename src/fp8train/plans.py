@@ -204,7 +204,7 @@ def note_training_output(plan: Optional[Plan], output: torch.Tensor) -> None:
     """An FP8 training call's output: its region owes a backward while this graph lives. Recipes that
     record nothing in backward get a hook on the node that marks their region's backward as run (for
     plain torch.utils.checkpoint's recomputations to find the regions still pending)."""
-    if torch.compiler.is_compiling() or plan is None or plan.region is None or output.grad_fn is None:
+    if plan is None or plan.region is None or output.grad_fn is None:
         return
     region = plan.region
     region.outputs.append(weakref.ref(output.grad_fn))

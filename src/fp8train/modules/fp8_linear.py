@@ -162,8 +162,8 @@ def fp8_linear(
     if is_first_microbatch is not None and cached is None:  # kept across microbatches
         module.cache_weight(gemm_index, quantization.kind, w_ops, copy=gathered)  # not FSDP2's buffer
     y = _LinearFn.apply(x, weight, bias, w_ops, call, sp_group)
-    plan = REGISTRY.plan_of(module)
-    note_training_output(plan, y)
+    if not torch.compiler.is_compiling():  # the plan lookup (a weak dict) is not traceable in every torch
+        note_training_output(REGISTRY.plan_of(module), y)
     if gathered:
         fsdp.note_gathered_forward(module, gemm_index, weight.gather, y)
     return y
