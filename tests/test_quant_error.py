@@ -213,6 +213,15 @@ def test_interleaved_times_alternate_blocks_and_rotate_the_order() -> None:
     assert all(t == 1.0 for v in times.values() for t in v)  # one tick per timed call: no warm-up
 
 
+def test_the_telemetry_overhead_measurement_runs_its_steps_in_interleaved_blocks() -> None:
+    from fp8train.tools.demo_worker import measure_telemetry_overhead
+
+    r = measure_telemetry_overhead("tiny", steps=12, block=2)
+    assert r["steps"] == 12  # one warm-up block of each, then 2 rounds of a block of each
+    assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("median_step_ms_off", "median_step_ms_on"))
+    assert r["median_log_step_ms"] > 0
+
+
 def test_the_demo_offers_every_recipe_of_the_worker() -> None:
     assert set(demo.RECIPES) == set(DEMO_RECIPES) == {"delayed", "current", "block", "mxfp8", "nvfp4"}
     assert isinstance(DEMO_RECIPES["mxfp8"], fp8train.MXFP8BlockScaling)
