@@ -279,3 +279,11 @@ def test_a_missing_extra_is_named(monkeypatch, capsys, tmp_path, command):
     assert cli.main([command] + ([str(tmp_path)] if command == "report" else [])) == 1
     err = capsys.readouterr().err
     assert "matplotlib" in err and 'pip install "fp8train[demo]"' in err
+
+
+def test_the_example_report_stays_small():
+    """docs/report-example.png is shown in the README: a palette PNG under 500 KB."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "report-example.png")
+    assert os.path.getsize(path) < 500_000
+    width, height = _png_size(path)
+    assert width > 1000 and height > 2000
