@@ -181,6 +181,34 @@ def test_demo_times_every_configuration_in_an_interleaved_pass(demo_run):
 
 
 @pytest.mark.multirank
+def test_without_a_timed_pass_the_report_says_its_times_are_sequential(demo_run, tmp_path):
+    """--timing-rounds 0 (summary.json's step_timing null): the sequential medians, labelled as such."""
+    import shutil
+
+    from fp8train.tools.demo import format_summary
+    from fp8train.tools.report import render
+
+    rc, run_dir, _ = demo_run
+    assert rc == 0
+    copy = str(tmp_path / "run")
+    shutil.copytree(run_dir, copy)
+    with open(os.path.join(copy, "summary.json")) as f:
+        summary = json.load(f)
+    summary["step_timing"] = None
+    with open(os.path.join(copy, "summary.json"), "w") as f:
+        json.dump(summary, f)
+    outputs = render(copy)
+    with open(outputs["markdown"]) as f:
+        md = f.read()
+    assert "No interleaved pass was run (--timing-rounds 0)" in md and "bf16-autocast" not in md
+    seq = summary["phases"]["fp8-mxfp8"]["median_step_s"] * 1e3
+    assert "| fp8-mxfp8 | mxfp8 | 5 | " in md and f"|  |  | {seq:.1f} |" in md
+    printed = format_summary(summary, outputs)
+    assert "medians of the training runs, which ran one after another (sequential)" in printed
+    assert f"step {seq:7.1f} ms" in printed
+
+
+@pytest.mark.multirank
 def test_report_regenerates_the_png(demo_run, capsys):
     rc, run_dir, _ = demo_run
     assert rc == 0
