@@ -26,8 +26,8 @@ from fp8train.quantization.delayed import DelayedQuantization
 from fp8train.recipe import Recipe, quantization_of
 
 __all__ = [
-    "ROLES", "TensorTap", "DelayedScales", "sample_gemms", "quantization_errors", "relative_error",
-    "mean_errors",
+    "ROLES", "Captured", "TensorTap", "DelayedScales", "sample_gemms", "quantization_errors",
+    "relative_error", "mean_errors",
 ]  # fmt: skip
 
 ROLES = ("input", "weight", "grad_output")
