@@ -24,7 +24,7 @@ from fp8train.tools.quant_error import (
     quantization_errors,
     sample_gemms,
 )
-from fp8train.tools.timing import interleaved_times
+from fp8train.tools.timing import interleaved_times, quartiles, slowest_rank
 
 CFG = MODEL_SIZES["tiny"]
 
@@ -211,6 +211,13 @@ def test_interleaved_times_alternate_blocks_and_rotate_the_order() -> None:
     assert calls == warm + rounds
     assert {n: len(v) for n, v in times.items()} == {"a": 6, "b": 6, "c": 6}
     assert all(t == 1.0 for v in times.values() for t in v)  # one tick per timed call: no warm-up
+
+
+def test_a_steps_time_is_its_slowest_ranks_and_quartiles_bracket_the_median() -> None:
+    ranks = [{"a": [1.0, 5.0, 2.0], "b": [3.0]}, {"a": [2.0, 1.0, 2.5], "b": [4.0]}]
+    assert slowest_rank(ranks) == {"a": [2.0, 5.0, 2.5], "b": [4.0]}
+    assert quartiles([4.0]) == (4.0, 4.0, 4.0)
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
 
 
 def test_the_telemetry_overhead_measurement_runs_its_steps_in_interleaved_blocks() -> None:

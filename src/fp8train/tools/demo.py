@@ -91,13 +91,13 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
         "last (default 10; 0: never)",
     )  # fmt: skip
     p.add_argument(
-        "--timing-rounds", type=non_negative_int, default=4, metavar="R",
-        help="after training, time every configuration in R rounds of interleaved blocks (default 4; "
+        "--timing-rounds", type=non_negative_int, default=10, metavar="R",
+        help="after training, time every configuration in R rounds of interleaved blocks (default 10; "
         "0: no timed pass, the report shows the training runs' sequential medians)",
     )  # fmt: skip
     p.add_argument(
-        "--timing-block", type=positive_int, default=5, metavar="STEPS",
-        help="steps per block of the timed pass (default 5)",
+        "--timing-block", type=positive_int, default=2, metavar="STEPS",
+        help="steps per block of the timed pass (default 2)",
     )  # fmt: skip
     p.add_argument(
         "--timeout", type=positive_int, default=None, metavar="SECONDS",
@@ -235,10 +235,11 @@ def format_summary(summary: dict, outputs: dict) -> str:
         )
     if timing:
         lines.append(
-            f"  step times: medians (slowest rank) of a separate pass after training that alternates the "
-            f"configurations in blocks of {timing['block']} steps ({timing['rounds']} rounds after one "
-            "warm-up block each), so that every configuration sees the same machine load; the training "
-            "runs' own medians (sequential, in report.md) are not comparable on a shared machine"
+            f"  step times: medians of a separate pass after training that alternates the configurations "
+            f"in blocks of {timing['block']} steps ({timing['rounds']} rounds after one warm-up block each; "
+            "a step's time is its slowest rank's; quartiles in report.md), so that every configuration "
+            "sees the same machine load; the training runs' own medians (sequential, in report.md) are not "
+            "comparable on a shared machine"
         )
     else:
         lines.append(

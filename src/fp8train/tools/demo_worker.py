@@ -33,7 +33,7 @@ from fp8train.telemetry import Telemetry
 from .data import TEXT_SOURCE, MarkovTask, stdlib_text, text_batches
 from .models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
 from .quant_error import DelayedScales, TensorTap, mean_errors, quantization_errors, sample_gemms
-from .timing import interleaved_times, medians
+from .timing import interleaved_times, medians, quartiles, slowest_rank
 
 __all__ = ["train_phase", "timed_pass", "main", "measure_telemetry_overhead", "DEMO_RECIPES"]
 
@@ -231,9 +231,10 @@ def timed_pass(
 ) -> Optional[dict]:
     """Median step time of each recipe (its first run), the fp32 reference and bf16 autocast, from a
     pass after training that alternates them in blocks of `--timing-block` steps (one untimed block
-    each, then `--timing-rounds` rounds): the training runs follow one another, so a change of
-    machine load between them would pass for a difference of recipe. Fresh models, same step as
-    training, no telemetry. None with --timing-rounds 0."""
+    each, then `--timing-rounds` rounds; each step's time is its slowest rank's): the training runs
+    follow one another, so a change of machine load between them would pass for a difference of
+    recipe. Short blocks and many rounds spread every configuration's samples over the whole pass.
+    Fresh models, same step as training, no telemetry. None with --timing-rounds 0."""
     if args.timing_rounds == 0:
         return None
     trainers: dict[str, _Trainer] = {}
@@ -259,11 +260,11 @@ def timed_pass(
 
     times = interleaved_times({n: step_of(n) for n in trainers}, args.timing_rounds, args.timing_block)
     fp8train.synchronize()
-    local = medians(times)
-    per_rank = [local]
+    per_rank = [times]
     if dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, local)
+        dist.all_gather_object(per_rank, times)
+    stats = {n: quartiles(v) for n, v in slowest_rank(per_rank).items()}
     return {
         "method": "interleaved",
         "block": args.timing_block,
@@ -273,8 +274,9 @@ def timed_pass(
             n: (recipe_kind(t.recipe) if t.fp8 else ("bf16" if t.bf16 else "fp32"))
             for n, t in trainers.items()
         },  # fmt: skip
-        "median_ms": {n: 1e3 * max(r[n] for r in per_rank) for n in trainers},  # the slowest rank's
-        "median_ms_per_rank": [{n: 1e3 * v for n, v in r.items()} for r in per_rank],
+        "median_ms": {n: 1e3 * q[1] for n, q in stats.items()},
+        "quartiles_ms": {n: [1e3 * q[0], 1e3 * q[2]] for n, q in stats.items()},
+        "median_ms_per_rank": [{n: 1e3 * statistics.median(v) for n, v in r.items()} for r in per_rank],
     }
 
 
@@ -304,8 +306,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--tensorboard", action="store_true")
     p.add_argument("--quant-error-every", type=int, default=10)
-    p.add_argument("--timing-rounds", type=int, default=4)
-    p.add_argument("--timing-block", type=int, default=5)
+    p.add_argument("--timing-rounds", type=int, default=10)
+    p.add_argument("--timing-block", type=int, default=2)
     return p.parse_args(argv)
 
 

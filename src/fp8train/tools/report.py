@@ -290,17 +290,23 @@ def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData], timing: Optio
         ref_ms = times.get("reference")
         labels = [f"{t:.1f} ms" + (f"\n{t / ref_ms:.2f}x" if ref_ms else "") for t in times.values()]
         title = (
-            f"Step time: interleaved pass (median of {timing['rounds']} rounds x {timing['block']} steps, "
-            "slowest rank)"
+            f"Step time: interleaved pass ({timing['rounds']} rounds x {timing['block']} steps; median, "
+            "quartiles)"
         )
     else:
         times = {r.name: r.median_step_ms() or 0.0 for r in shown}
         labels = [f"{t:.1f} ms" for t in times.values()]
         title = "Step time: median of each run (sequential runs: noisy on a shared machine)"
-    bars = ax_time.bar(
-        [_short(n) for n in times], list(times.values()), color=[color.get(n, "0.7") for n in times]
-    )
-    ax_time.bar_label(bars, labels, fontsize=7)
+    q = (timing or {}).get("quartiles_ms", {})
+    err = None
+    if q and all(n in q for n in times):  # the interquartile range around each median
+        err = [[t - q[n][0] for n, t in times.items()], [q[n][1] - t for n, t in times.items()]]
+    bars = ax_time.bar([_short(n) for n in times], list(times.values()), yerr=err, capsize=3,
+                       error_kw={"elinewidth": 0.8, "ecolor": "0.3"},
+                       color=[color.get(n, "0.7") for n in times])  # fmt: skip
+    tops = [q[n][1] if err else t for n, t in times.items()]  # labels above the error bars
+    for bar, top, label in zip(bars, tops, labels):
+        ax_time.text(bar.get_x() + bar.get_width() / 2, top, label, ha="center", va="bottom", fontsize=7)
     ax_time.set_ylabel("median step (ms)")
     ax_time.set_title(title, fontsize=10)
     for ax in (ax_loss, ax_time):
@@ -466,12 +472,13 @@ def _markdown(
     if data:
         out += [f"Data: {data}.", ""]
     interleaved = timing["median_ms"] if timing else {}
+    spread = (timing or {}).get("quartiles_ms", {})
     ref_ms = interleaved.get("reference")
     out += [
-        "| run | recipe | steps | final loss | vs reference | step ms (interleaved) | vs fp32 "
+        "| run | recipe | steps | final loss | vs reference | step ms (interleaved) | vs fp32 | quartiles ms "
         "| step ms (sequential) | amax reductions | exposed ms/step | hidden ms/step | saturated "
         "| non-finite |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs.values():
         if not run.steps:
@@ -484,14 +491,15 @@ def _markdown(
         saturated = {"delayed": ev["overflow"], None: ""}.get(run.recipe_kind, "none (own amax)")
         out.append(
             f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss:.4f} | {rel} "
-            f"| {_interleaved_cells(interleaved.get(run.name), ref_ms)} "
+            f"| {_interleaved_cells(interleaved.get(run.name), ref_ms, spread.get(run.name))} "
             f"| {'' if step_ms is None else f'{step_ms:.1f}'} | {launched} | {exposed:.4f} | {hidden:.4f} "
             f"| {saturated} | {ev['nonfinite']} |"
         )
     for name, ms in interleaved.items():
         if name not in runs:  # timed only (bf16 autocast)
             kind = timing["recipe_kind"].get(name, "")
-            out.append(f"| {name} | {kind} | | | | {_interleaved_cells(ms, ref_ms)} | | | | | | |")
+            cells = _interleaved_cells(ms, ref_ms, spread.get(name))
+            out.append(f"| {name} | {kind} | | | | {cells} | | | | | | |")
     out.append("")
     out.append(_timing_text(timing))
     out.append("")
@@ -538,10 +546,12 @@ def _markdown(
     return "\n".join(out)
 
 
-def _interleaved_cells(ms: Optional[float], ref_ms: Optional[float]) -> str:
+def _interleaved_cells(ms: Optional[float], ref_ms: Optional[float], q: Optional[list]) -> str:
+    """The cells median | ratio to fp32 | quartiles of a configuration's interleaved step times."""
     if ms is None:
-        return " | "
-    return f"{ms:.1f} | " + (f"{ms / ref_ms:.2f}x" if ref_ms else "")
+        return " |  | "
+    ratio = f"{ms / ref_ms:.2f}x" if ref_ms else ""
+    return f"{ms:.1f} | {ratio} | " + (f"{q[0]:.1f} - {q[1]:.1f}" if q else "")
 
 
 def _timing_text(timing: Optional[dict]) -> str:
@@ -555,9 +565,10 @@ def _timing_text(timing: Optional[dict]) -> str:
     return (
         f"Step ms (interleaved): measured after training in a separate pass that alternates every "
         f"configuration (fresh models, the training step without telemetry) in blocks of {timing['block']} "
-        f"steps, one untimed block each, then {timing['rounds']} rounds with the order rotated; the median "
-        "step of each configuration on the slowest rank. Every configuration sees the same load, so these "
-        "are the ones to compare; vs fp32 is their ratio to the reference's. " + sequential
+        f"steps, one untimed block each, then {timing['rounds']} rounds with the order rotated; a step's "
+        "time is that of its slowest rank; the median and quartiles of each configuration's steps. Every "
+        "configuration sees the same load, so these are the ones to compare (the quartiles say how much "
+        "the load moved them); vs fp32 is the ratio of medians. " + sequential
     )
 
 

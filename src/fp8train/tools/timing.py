@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Callable
 
-__all__ = ["interleaved_times", "medians"]
+__all__ = ["interleaved_times", "medians", "slowest_rank", "quartiles"]
 
 
 def interleaved_times(
@@ -45,3 +45,19 @@ def interleaved_times(
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Each step's time as the job sees it: the slowest rank's, step by step (every rank ran the
+    same sequence of calls, so the i-th times of the ranks belong to the same step)."""
+    return {
+        name: [max(r[name][i] for r in per_rank) for i in range(len(v))] for name, v in per_rank[0].items()
+    }
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile); all three the value itself for a single sample."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
