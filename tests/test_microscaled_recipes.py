@@ -310,3 +310,38 @@ def test_fsdp2_gathers_in_high_precision_under_these_recipes_and_trains_alike() 
     for out in run_ranks(_fsdp_runs, 2, timeout_s=120, pg_timeout_s=30):
         for name in ("mx", "nv"):
             assert out[(name, True)] == out[(name, False)]
+
+
+def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monkeypatch) -> None:
+    """MXFP8, NVFP4 and block scaling call the warning with their own name when quantizing an input
+    (it fires for CUDA tensors only); the per-tensor recipes, whose GEMM is torch._scaled_mm on GPUs,
+    do not. Python's default filter shows it once per place."""
+    import types
+    import warnings
+
+    from fp8train.quantization import base, block, mxfp8, nvfp4
+    from fp8train.quantization.base import GemmCall
+
+    seen = []
+    for module in (block, mxfp8, nvfp4):
+        monkeypatch.setattr(module, "warn_emulated_on_cuda", lambda x, name: seen.append(name))
+    x = torch.randn(32, 64)
+    for recipe in (
+        fp8train.Float8BlockScaling(),
+        MX,
+        NV,
+        fp8train.DelayedScaling(),
+        fp8train.Float8CurrentScaling(),
+    ):
+        q = quantization_of(recipe)
+        scales = torch.ones(2, 2) if isinstance(recipe, fp8train.DelayedScaling) else None
+        q.quantize_input(x, GemmCall(q, -1, 0, torch.float32, scales))
+    assert seen == ["Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        base.warn_emulated_on_cuda(x, "NVFP4BlockScaling")  # a CPU tensor: nothing to say
+        for _ in range(3):
+            base.warn_emulated_on_cuda(types.SimpleNamespace(is_cuda=True), "NVFP4BlockScaling")
+    assert len(caught) == 1 and "fp8train.NVFP4BlockScaling on CUDA runs an emulated GEMM" in str(
+        caught[0].message
+    )

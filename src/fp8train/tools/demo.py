@@ -17,7 +17,27 @@ from typing import Optional
 
 from .ranks import free_port
 
-__all__ = ["add_arguments", "run", "launch_command", "format_summary"]
+__all__ = ["add_arguments", "run", "launch_command", "format_summary", "RECIPES"]
+
+# the demo's recipes (fp8train.tools.demo_worker.DEMO_RECIPES; named here so the parser needs no torch)
+RECIPES = ("delayed", "current", "block", "mxfp8", "nvfp4")
+RECIPE_TEXT = {
+    "delayed": "delayed scaling",
+    "current": "current scaling",
+    "block": "block scaling",
+    "mxfp8": "MXFP8",
+    "nvfp4": "NVFP4",
+}
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
@@ -48,9 +68,10 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
         "(default on; --no-compare-modes skips it)",
     )  # fmt: skip
     p.add_argument(
-        "--recipe", choices=("delayed", "current", "block", "all"), default="delayed",
+        "--recipe", choices=(*RECIPES, "all"), default="delayed",
         help="FP8 recipe: delayed scaling (the default, with the amax reduction), per-tensor current "
-        "scaling, 1x128/128x128 block scaling, or all three side by side on the same model and data",
+        "scaling, 1x128/128x128 block scaling, MXFP8 (1x32 blocks, E8M0 scales), NVFP4 (E2M1 in 16-blocks, "
+        "E4M3 block scales), or all five side by side on the same model and data",
     )  # fmt: skip
     p.add_argument(
         "--data", choices=("text", "markov"), default="text",
@@ -64,6 +85,20 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
         "--log-every", type=positive_int, default=1, help="telemetry interval in steps (default 1)"
     )
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard logs (if installed)")
+    p.add_argument(
+        "--quant-error-every", type=non_negative_int, default=10, metavar="N",
+        help="measure each recipe's quantization error on sampled GEMMs' tensors every N steps and at the "
+        "last (default 10; 0: never)",
+    )  # fmt: skip
+    p.add_argument(
+        "--timing-rounds", type=non_negative_int, default=10, metavar="R",
+        help="after training, time every configuration in R rounds of interleaved blocks (default 10; "
+        "0: no timed pass, the report shows the training runs' sequential medians)",
+    )  # fmt: skip
+    p.add_argument(
+        "--timing-block", type=positive_int, default=2, metavar="STEPS",
+        help="steps per block of the timed pass (default 2)",
+    )  # fmt: skip
     p.add_argument(
         "--timeout", type=positive_int, default=None, metavar="SECONDS",
         help="stop the workers and fail after this many seconds (default: no limit)",
@@ -80,6 +115,8 @@ def launch_command(args: argparse.Namespace, run_dir: str) -> list[str]:
         "--steps", str(args.steps), "--model-size", args.model_size, "--batch-size", str(args.batch_size),
         "--seed", str(args.seed), "--device", args.device, "--run-dir", run_dir,
         "--log-every", str(args.log_every), "--recipe", args.recipe, "--data", args.data,
+        "--quant-error-every", str(args.quant_error_every), "--timing-rounds", str(args.timing_rounds),
+        "--timing-block", str(args.timing_block),
     ]  # fmt: skip
     if args.compare_modes:
         cmd.append("--compare-modes")
@@ -136,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     mode = "asynchronous" if args.async_mode else "blocking"
     backend = "nccl" if args.device == "cuda" else "gloo"
-    recipes = "delayed, current and block scaling" if args.recipe == "all" else f"{args.recipe} scaling"
+    recipes = ", ".join(RECIPE_TEXT.values()) if args.recipe == "all" else RECIPE_TEXT[args.recipe]
     print(
         f"fp8train demo: {_ranks(args.world_size)} ({backend}, {args.device}), {args.model_size} GPT on "
         f"{'real text' if args.data == 'text' else 'a synthetic language'}, {args.steps} steps, {recipes}, "
@@ -168,22 +205,46 @@ def format_summary(summary: dict, outputs: dict) -> str:
         f"Summary: {_ranks(summary['world_size'])} ({summary['backend']} on {summary['device']}), "
         f"{summary['model_size']} GPT ({summary['params']:,} params), {summary['steps']} steps",
         f"  data: {summary['data']}",
-        "  final loss (mean of the last 10% of steps), median step time, saturated casts:",
+        "  final loss (mean of the last 10% of steps), step time, quantization error (mean relative error "
+        "on sampled GEMMs' input / weight / grad_output), saturated casts:",
     ]
+    timing = summary.get("step_timing")
+    times = timing["median_ms"] if timing else {}
+    ref_ms = times.get("reference", 1e3 * ref["median_step_s"] if ref else None)
     for p in fp8:
-        line = f"    {p['run']:<13} {p['final_loss']:.4f}  median step {1e3 * p['median_step_s']:7.1f} ms"
+        line = f"    {p['run']:<13} {p['final_loss']:.4f}"
         if ref:
             rel = 100 * (p["final_loss"] - ref["final_loss"]) / ref["final_loss"]
-            line += f"  ({rel:+.2f}% vs the reference)"
+            line += f" ({rel:+.2f}% vs fp32)"
+        line += "  " + _step_text(times.get(p["run"], None if timing else 1e3 * p["median_step_s"]), ref_ms)
+        errors = p.get("quant_error_mean")
+        if errors:
+            line += "  error " + " / ".join(f"{errors[r]:.4f}" for r in ("input", "weight", "grad_output"))
         lines.append(line + f"  {_saturation(p)}")
     if ref:
         lines.append(
-            f"    {'reference':<13} {ref['final_loss']:.4f}  median step {1e3 * ref['median_step_s']:7.1f} ms"
-            "  (same model and data, FP8 off, fp32)"
+            f"    {'reference':<13} {ref['final_loss']:.4f}{'':17}  {_step_text(ref_ms, None)}  "
+            "(same model and data, FP8 off, fp32)"
         )
+    if "bf16-autocast" in times:
+        bf16 = _step_text(times["bf16-autocast"], ref_ms)
+        lines.append(f"    {'bf16-autocast':<13} {'':23}  {bf16}  (bf16 autocast, FP8 off: timing only)")
     if summary.get("loss_floor") is not None:
         lines.append(
             f"    {'loss floor':<13} {summary['loss_floor']:.4f}  (entropy of the synthetic language)"
+        )
+    if timing:
+        lines.append(
+            f"  step times: medians of a separate pass after training that alternates the configurations "
+            f"in blocks of {timing['block']} steps ({timing['rounds']} rounds after one warm-up block each; "
+            "a step's time is its slowest rank's; quartiles in report.md), so that every configuration "
+            "sees the same machine load; the training runs' own medians (sequential, in report.md) are not "
+            "comparable on a shared machine"
+        )
+    else:
+        lines.append(
+            "  step times: medians of the training runs, which ran one after another (sequential): with "
+            "other jobs on the machine they are not comparable (--timing-rounds > 0 interleaves them)"
         )
     delayed = [p for p in fp8 if p.get("recipe_kind", "delayed") == "delayed"]
     if len(delayed) == 2:
@@ -205,7 +266,7 @@ def format_summary(summary: dict, outputs: dict) -> str:
             )
         lines.append(
             "  saturated casts: role-steps whose amax x scale used > fp8_max (delayed scaling casts with "
-            "earlier steps' amaxes; current and block scaling scale each tensor or tile by its own amax)"
+            "earlier steps' amaxes; the other recipes scale each tensor or block by its own amax)"
         )
     if summary["device"] == "cpu":
         lines.append(
@@ -215,6 +276,13 @@ def format_summary(summary: dict, outputs: dict) -> str:
         if key in outputs:
             lines.append(f"  {label:<8} {outputs[key]}")
     return "\n".join(lines)
+
+
+def _step_text(ms: Optional[float], ref_ms: Optional[float]) -> str:
+    if ms is None:  # not in the timed pass (delayed scaling's second reduction mode)
+        return f"step {'-':>7}    {'':12}"
+    ratio = f"({ms / ref_ms:.2f}x fp32)" if ref_ms else ""
+    return f"step {ms:7.1f} ms {ratio:<12}"
 
 
 def _saturation(phase: dict) -> str:

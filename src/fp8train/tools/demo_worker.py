@@ -32,13 +32,17 @@ from fp8train.telemetry import Telemetry
 
 from .data import TEXT_SOURCE, MarkovTask, stdlib_text, text_batches
 from .models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
+from .quant_error import DelayedScales, TensorTap, mean_errors, quantization_errors, sample_gemms
+from .timing import interleaved_times, medians, quartiles, slowest_rank
 
-__all__ = ["train_phase", "main", "measure_telemetry_overhead", "DEMO_RECIPES"]
+__all__ = ["train_phase", "timed_pass", "main", "measure_telemetry_overhead", "DEMO_RECIPES"]
 
 DEMO_RECIPES = {
     "delayed": fp8train.DelayedScaling(amax_history_len=16),  # short window: scales visibly follow amaxes
     "current": fp8train.Float8CurrentScaling(),
     "block": fp8train.Float8BlockScaling(),
+    "mxfp8": fp8train.MXFP8BlockScaling(),
+    "nvfp4": fp8train.NVFP4BlockScaling(),
 }
 
 
@@ -62,6 +66,55 @@ def fp8_state_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+class _Trainer:
+    """One configuration's model, optimizer and training step (FP8 with `recipe`, or high precision:
+    fp32, or bf16 autocast with `bf16`), shared by the training runs and the timed pass."""
+
+    def __init__(
+        self,
+        recipe: Optional[Recipe],
+        cfg: GPTConfig,
+        args: argparse.Namespace,
+        device: torch.device,
+        steps: int,
+        bf16: bool = False,
+    ) -> None:
+        self.recipe, self.fp8, self.bf16 = recipe, recipe is not None, bf16
+        self.steps, self.lr, self.device = steps, args.lr, device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = dist.new_group() if dist.is_initialized() else None  # a fresh amax group per run
+        torch.manual_seed(args.seed)
+        self.model = GPT(cfg).to(device)
+        self.net = self.model
+        if self.world > 1:
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=self.group)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def step(self, step: int, tokens: torch.Tensor) -> float:
+        """One optimizer step on `tokens`; the loss averaged over ranks."""
+        for pg in self.opt.param_groups:
+            pg["lr"] = _lr(step, self.steps, self.lr)
+        tokens = tokens.to(self.device, non_blocking=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            with fp8train.fp8_autocast(enabled=self.fp8, fp8_recipe=self.recipe, fp8_group=self.group):
+                logits = self.net(tokens[:, :-1])
+        loss = next_token_loss(logits, tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        mean_loss = loss.detach().clone()
+        work = dist.all_reduce(mean_loss, async_op=True) if self.world > 1 else None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if work is not None:
+            work.wait()
+        return float(mean_loss) / self.world
+
+
+def _quant_error_steps(steps: int, every: int) -> set[int]:
+    """The steps whose quantization error is measured: every `every`-th and the last (none if 0)."""
+    return set(range(0, steps, every)) | {steps - 1} if every > 0 else set()
+
+
 def train_phase(
     name: str,
     recipe: Optional[Recipe],
@@ -75,13 +128,8 @@ def train_phase(
     high-precision reference); return this rank's figures."""
     fp8 = recipe is not None
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    group = dist.new_group() if dist.is_initialized() else None  # a fresh amax group per phase
-    torch.manual_seed(args.seed)
-    model = GPT(cfg).to(device)
-    net = model
-    if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    trainer = _Trainer(recipe, cfg, args, device, len(data))
+    model = trainer.model
     fp8train.synchronize()
     fp8train.reset_reduction_stats()  # before the telemetry takes its baseline
     delayed = isinstance(recipe, fp8train.DelayedScaling)
@@ -95,29 +143,24 @@ def train_phase(
         "recipe_kind": recipe_kind(recipe) if fp8 else None, "data": args.data,
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
     })  # fmt: skip
+    measured = _quant_error_steps(len(data), args.quant_error_every) if fp8 else set()
+    tap = TensorTap(model, sample_gemms(model)) if measured else None
     tokens_per_step = world * data.shape[1] * (data.shape[2] - 1)
     bar = _progress(name, len(data), rank)
-    losses, step_times = [], []
+    losses, step_times, errors = [], [], []
     start = time.perf_counter()
     for step in range(len(data)):
+        scales = None
+        if step in measured:  # before the step's forward: the scales delayed scaling casts with
+            scales = {n: DelayedScales.read(m) for n, m in tap.modules.items()} if delayed else None
+            tap.arm()
         t0 = time.perf_counter()
-        for pg in opt.param_groups:
-            pg["lr"] = _lr(step, len(data), args.lr)
-        tokens = data[step].to(device, non_blocking=True)
-        with fp8train.fp8_autocast(enabled=fp8, fp8_recipe=recipe, fp8_group=group):
-            logits = net(tokens[:, :-1])
-        loss = next_token_loss(logits, tokens)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        mean_loss = loss.detach().clone()
-        work = dist.all_reduce(mean_loss, async_op=True) if world > 1 else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if work is not None:
-            work.wait()
-        global_loss = float(mean_loss) / world
+        global_loss = trainer.step(step, data[step])
         step_s = time.perf_counter() - t0
         record = tel.log_step(step, loss=global_loss, tokens_per_s=tokens_per_step / step_s, step_s=step_s)
+        if step in measured:
+            errors.append(_quant_error_record(name, step, recipe, tap.disarm(), scales))
+            tel.write(errors[-1])
         losses.append(global_loss)
         step_times.append(step_s)
         if bar is not None:
@@ -126,6 +169,8 @@ def train_phase(
                 f"loss {global_loss:.3f}  {tokens_per_step / step_s:,.0f} tok/s  amax wait {wait_ms:.3f} ms"
             )
             bar.update(1)
+    if tap is not None:
+        tap.remove()
     tel.flush()  # the last step's record (records are completed one logged step late)
     fp8train.synchronize()
     wall = time.perf_counter() - start
@@ -155,12 +200,84 @@ def train_phase(
         "events": tel.totals,
         "loss_digest": hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16],
         "fp8_state_digest": fp8_state_digest(model) if delayed else None,
+        "quant_error_mean": mean_errors(errors),
     }
     tel.write(result)
     tel.close()
     if world > 1:
         dist.barrier()
     return result
+
+
+def _quant_error_record(name: str, step: int, recipe: Recipe, captured: dict, scales: Optional[dict]) -> dict:
+    """The `quant_error` record of one measured step: relative error per sampled GEMM and role."""
+    errors = {
+        gemm: quantization_errors(recipe, tensors, scales[gemm] if scales else None)
+        for gemm, tensors in captured.items()
+    }
+    return {"kind": "quant_error", "run": name, "step": step, "recipe": recipe_kind(recipe),
+            "rel_error": errors}  # fmt: skip
+
+
+BF16_RUN = "bf16-autocast"
+
+
+def timed_pass(
+    phases: list[tuple[str, Optional[Recipe], Optional[bool]]],
+    cfg: GPTConfig,
+    data: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> Optional[dict]:
+    """Median step time of each recipe (its first run), the fp32 reference and bf16 autocast, from a
+    pass after training that alternates them in blocks of `--timing-block` steps (one untimed block
+    each, then `--timing-rounds` rounds; each step's time is its slowest rank's): the training runs
+    follow one another, so a change of machine load between them would pass for a difference of
+    recipe. Short blocks and many rounds spread every configuration's samples over the whole pass.
+    Fresh models, same step as training, no telemetry. None with --timing-rounds 0."""
+    if args.timing_rounds == 0:
+        return None
+    trainers: dict[str, _Trainer] = {}
+    kinds = set()
+    for name, recipe, async_mode in phases:
+        kind = recipe_kind(recipe) if recipe is not None else "fp32"
+        if kind in kinds:
+            continue  # delayed scaling's second run differs only in the reduction mode
+        kinds.add(kind)
+        if async_mode is not None:
+            os.environ[ENV_ASYNC] = "1" if async_mode else "0"
+        trainers[name] = _Trainer(recipe, cfg, args, device, len(data))
+    trainers[BF16_RUN] = _Trainer(None, cfg, args, device, len(data), bf16=True)
+    counters = dict.fromkeys(trainers, 0)
+
+    def step_of(name: str):
+        def fn() -> None:
+            i = counters[name] % len(data)
+            counters[name] += 1
+            trainers[name].step(i, data[i])
+
+        return fn
+
+    times = interleaved_times({n: step_of(n) for n in trainers}, args.timing_rounds, args.timing_block)
+    fp8train.synchronize()
+    per_rank = [times]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, times)
+    stats = {n: quartiles(v) for n, v in slowest_rank(per_rank).items()}
+    return {
+        "method": "interleaved",
+        "block": args.timing_block,
+        "rounds": args.timing_rounds,
+        "warmup_blocks": 1,
+        "recipe_kind": {
+            n: (recipe_kind(t.recipe) if t.fp8 else ("bf16" if t.bf16 else "fp32"))
+            for n, t in trainers.items()
+        },  # fmt: skip
+        "median_ms": {n: 1e3 * q[1] for n, q in stats.items()},
+        "quartiles_ms": {n: [1e3 * q[0], 1e3 * q[2]] for n, q in stats.items()},
+        "median_ms_per_rank": [{n: 1e3 * statistics.median(v) for n, v in r.items()} for r in per_rank],
+    }
 
 
 def _progress(name: str, total: int, rank: int):
@@ -188,6 +305,9 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--data", choices=("text", "markov"), default="text")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--tensorboard", action="store_true")
+    p.add_argument("--quant-error-every", type=int, default=10)
+    p.add_argument("--timing-rounds", type=int, default=10)
+    p.add_argument("--timing-block", type=int, default=2)
     return p.parse_args(argv)
 
 
@@ -240,10 +360,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
     results = []
-    for name, recipe, async_mode in _phases(args):
+    phases = _phases(args)
+    for name, recipe, async_mode in phases:
         if async_mode is not None:
             os.environ[ENV_ASYNC] = "1" if async_mode else "0"
         results.append(train_phase(name, recipe, cfg, data, args, device, run_dir))
+    timing = timed_pass(phases, cfg, data, args, device)
     if rank == 0:
         summary = {
             "world_size": world,
@@ -256,6 +378,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "data": source,
             "loss_floor": floor,
             "phases": {r["run"]: {k: v for k, v in r.items() if k != "losses"} for r in results},
+            "step_timing": timing,
         }
         with open(os.path.join(args.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
@@ -267,7 +390,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def measure_telemetry_overhead(
     model_size: str = "small", steps: int = 60, seed: int = 0, block: int = 5
 ) -> dict:
-    """Median step time of the demo model on one process with telemetry off vs on (interleaved blocks).
+    """Median step time of the demo model on one process with telemetry off vs on (interleaved blocks
+    of `block` steps, `steps` in all, the first block of each untimed).
 
     Also times `log_step` itself, which does not depend on how noisy the machine is.
     """
@@ -279,29 +403,33 @@ def measure_telemetry_overhead(
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = MarkovTask(cfg.vocab_size, cfg.seq_len, seed).sample(steps * 8, seed + 1).view(steps, 8, -1)
-    times: dict[bool, list[float]] = {False: [], True: []}
     log_times: list[float] = []
+    step = 0
+
+    def train_step() -> torch.Tensor:
+        nonlocal step
+        with fp8train.fp8_autocast(fp8_recipe=DEMO_RECIPES["delayed"]):
+            loss = model.loss(data[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        return loss
+
     with tempfile.TemporaryDirectory() as tmp, Telemetry(model, tmp) as tel:
-        for step in range(steps):
-            on = (step // block) % 2 == 1
-            t0 = time.perf_counter()
-            with fp8train.fp8_autocast(fp8_recipe=DEMO_RECIPES["delayed"]):
-                loss = model.loss(data[step])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if on:
-                t1 = time.perf_counter()
-                tel.log_step(step, loss=loss.item())
-                log_times.append(time.perf_counter() - t1)
-            else:
-                loss.item()
-            if step >= block:  # the first block warms up
-                times[on].append(time.perf_counter() - t0)
-    off, on = statistics.median(times[False]), statistics.median(times[True])
+
+        def logged() -> None:
+            loss = train_step()
+            t1 = time.perf_counter()
+            tel.log_step(step - 1, loss=loss.item())
+            log_times.append(time.perf_counter() - t1)
+
+        rounds = max(1, steps // (2 * block) - 1)  # a round: a block of each; one round's worth warms up
+        times = medians(interleaved_times({"off": lambda: train_step().item(), "on": logged}, rounds, block))
+    off, on = times["off"], times["on"]
     return {
         "model_size": model_size,
-        "steps": steps,
+        "steps": step,
         "median_step_ms_off": 1e3 * off,
         "median_step_ms_on": 1e3 * on,
         "overhead_pct": 100 * (on - off) / off,

@@ -15,10 +15,14 @@ from typing import Optional
 
 from fp8train.telemetry import METRICS_FILE, read_metrics
 
+from .quant_error import ROLES
+
 __all__ = ["load_run", "render", "RunData"]
 
 _LAYER = re.compile(r"^(?:.*\.)?(?:blocks|layers|h)\.(\d+)\.")
 _STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "v", "D", "x")
+ROLE_TEXT = {"input": "GEMM input", "weight": "weight", "grad_output": "output gradient"}
 
 
 class RunData:
@@ -29,6 +33,7 @@ class RunData:
         self.meta: dict = {}
         self.end: Optional[dict] = None
         self.steps: list[dict] = []
+        self.quant_errors: list[dict] = []  # the demo's "quant_error" records
 
     @property
     def fp8(self) -> bool:
@@ -79,6 +84,16 @@ class RunData:
                 ys.append(values[key])
         return out
 
+    def quant_error_series(self, role: str) -> tuple[list[int], list[float]]:
+        """(steps, relative error of `role` averaged over the sampled GEMMs) of the measured steps."""
+        xs, ys = [], []
+        for rec in self.quant_errors:
+            values = [r[role] for r in rec["rel_error"].values() if _is_finite(r.get(role))]
+            if values:
+                xs.append(rec["step"])
+                ys.append(statistics.fmean(values))
+        return xs, ys
+
     def events(self) -> dict:
         total = {"overflow": 0, "nonfinite": 0}
         for r in self.steps:
@@ -105,6 +120,8 @@ def load_run(run_dir: str) -> dict[str, RunData]:
             run.end = rec
         elif kind == "step":
             run.steps.append(rec)
+        elif kind == "quant_error":
+            run.quant_errors.append(rec)
     if not any(r.steps for r in runs.values()):
         raise ValueError(f"{path} holds no step records")
     return runs
@@ -182,10 +199,11 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
     delayed = [r for r in fp8_runs if r.recipe_kind == "delayed"]
     primary = (delayed or fp8_runs or [next(r for r in runs.values() if r.steps)])[0]
     floor = _loss_floor(run_dir)
+    timing = _summary(run_dir).get("step_timing")
 
-    fig = plt.figure(figsize=(13, 23), dpi=100)
-    grid = fig.add_gridspec(5, 2, height_ratios=[1, 0.8, 1, 1, 1.7], hspace=0.35, wspace=0.2,
-                            top=0.955)  # fmt: skip
+    fig = plt.figure(figsize=(13, 27), dpi=100)
+    grid = fig.add_gridspec(6, 2, height_ratios=[1, 0.8, 0.8, 1, 1, 1.7], hspace=0.35, wspace=0.2,
+                            top=0.96)  # fmt: skip
     title = f"fp8train report: {os.path.basename(os.path.normpath(run_dir))}"
     meta = primary.meta
     if meta:
@@ -194,9 +212,9 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
             f"{meta.get('world_size')} ranks on {meta.get('device')}, {meta.get('steps')} steps, "
             f"{_recipe_text(meta.get('recipe', ''))}"
         )
-        others = [r.recipe_kind for r in fp8_runs if r.recipe_kind != "delayed"]
+        others = list(dict.fromkeys(r.recipe_kind for r in fp8_runs if r.recipe_kind != "delayed"))
         if others:
-            title += " and " + ", ".join(others) + " scaling"
+            title += "; also " + ", ".join(others)
         if meta.get("data"):
             data = "real text (stdlib source, bytes)" if meta["data"] == "text" else meta["data"]
             title += f"; data: {data}"
@@ -204,24 +222,25 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
 
     _plot_losses(fig.add_subplot(grid[0, 0]), runs, floor)
     _plot_reduction(fig.add_subplot(grid[0, 1]), delayed)
-    _plot_side_by_side(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), runs)
+    _plot_side_by_side(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), runs, timing)
+    _plot_quant_errors([fig.add_subplot(cell) for cell in grid[2, :].subgridspec(1, 3, wspace=0.3)], runs)
 
     for row, (suffix, what) in enumerate(
-        (("input", "forward input"), ("grad_output", "gradient (grad_output)")), 2
+        (("input", "forward input"), ("grad_output", "gradient (grad_output)")), 3
     ):
         _plot_roles(fig.add_subplot(grid[row, 0]), primary.role_series("amax"), suffix, "amax (reduced)",
                     f"{primary.name}: amax history, {what} roles")  # fmt: skip
         _plot_roles(fig.add_subplot(grid[row, 1]), primary.role_series("scale"), suffix, "scale",
                     f"{primary.name}: scale history, {what} roles")  # fmt: skip
 
-    _plot_utilisation(fig.add_subplot(grid[4, :]), primary)
+    _plot_utilisation(fig.add_subplot(grid[5, :]), primary)
 
     png = os.path.join(run_dir, out_name)
     fig.savefig(png, bbox_inches="tight")
     plt.close(fig)
     md = os.path.join(run_dir, "report.md")
     with open(md, "w", encoding="utf-8") as f:
-        f.write(_markdown(run_dir, runs, fp8_runs, floor, out_name))
+        f.write(_markdown(run_dir, runs, fp8_runs, floor, out_name, timing))
     return {"png": png, "markdown": md, "metrics": os.path.join(run_dir, METRICS_FILE)}
 
 
@@ -243,40 +262,104 @@ def _plot_losses(ax, runs: dict[str, RunData], floor: Optional[float]) -> None:
     ax.legend(fontsize=8)
 
 
-def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData]) -> None:
-    """Per run: final loss relative to the reference, and median step time with saturated casts."""
+def _colors(runs: dict[str, RunData]) -> dict[str, str]:
+    """One colour per run, the same in every panel (the reference grey)."""
+    return {name: "0.45" if name == "reference" else f"C{i}" for i, name in enumerate(runs)}
+
+
+def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData], timing: Optional[dict]) -> None:
+    """Per run: final loss relative to the reference; step time (the timed pass's interleaved medians
+    when the run has one, else each run's own sequential median) with saturated casts."""
     shown = [r for r in runs.values() if r.steps]
     ref = runs.get("reference")
     ref_loss = ref.final_loss() if ref is not None else None
     names = [r.name for r in shown]
-    colors = ["0.45" if r.name == "reference" else f"C{i}" for i, r in enumerate(shown)]
+    color = _colors(runs)
     if ref_loss:
         rel = [100 * (r.final_loss() - ref_loss) / ref_loss for r in shown]
-        bars = ax_loss.bar(names, rel, color=colors)
+        ticks = [f"{_short(r.name)}\n{_saturation_text(r)}" for r in shown]
+        bars = ax_loss.bar(ticks, rel, color=[color[n] for n in names])
         ax_loss.bar_label(bars, fmt="%+.2f%%", fontsize=8)
         ax_loss.axhline(0, color="k", linewidth=0.8)
         ax_loss.set_ylabel("final loss vs reference (%)")
     else:
         ax_loss.text(0.5, 0.5, "no reference run", ha="center", va="center", transform=ax_loss.transAxes)
-    ax_loss.set_title("Final loss relative to the fp32 reference", fontsize=10)
-    times = [r.median_step_ms() or 0.0 for r in shown]
-    bars = ax_time.bar(names, times, color=colors)
-    labels = [f"{t:.1f} ms\n{_saturation_text(r)}" for t, r in zip(times, shown)]
-    ax_time.bar_label(bars, labels, fontsize=7)
+    ax_loss.set_title("Final loss relative to the fp32 reference (and saturated casts)", fontsize=10)
+    if timing:
+        times = dict(timing["median_ms"])
+        ref_ms = times.get("reference")
+        labels = [f"{t:.1f} ms" + (f"\n{t / ref_ms:.2f}x" if ref_ms else "") for t in times.values()]
+        title = (
+            f"Step time: interleaved pass ({timing['rounds']} rounds x {timing['block']} steps; median, "
+            "quartiles)"
+        )
+    else:
+        times = {r.name: r.median_step_ms() or 0.0 for r in shown}
+        labels = [f"{t:.1f} ms" for t in times.values()]
+        title = "Step time: median of each run (sequential runs: noisy on a shared machine)"
+    q = (timing or {}).get("quartiles_ms", {})
+    err = None
+    if q and all(n in q for n in times):  # the interquartile range around each median
+        err = [[t - q[n][0] for n, t in times.items()], [q[n][1] - t for n, t in times.items()]]
+    bars = ax_time.bar([_short(n) for n in times], list(times.values()), yerr=err, capsize=3,
+                       error_kw={"elinewidth": 0.8, "ecolor": "0.3"},
+                       color=[color.get(n, "0.7") for n in times])  # fmt: skip
+    tops = [q[n][1] if err else t for n, t in times.items()]  # labels above the error bars
+    for bar, top, label in zip(bars, tops, labels):
+        ax_time.text(bar.get_x() + bar.get_width() / 2, top, label, ha="center", va="bottom", fontsize=7)
     ax_time.set_ylabel("median step (ms)")
-    ax_time.set_title("Step time and saturated casts (role-steps)", fontsize=10)
+    ax_time.set_title(title, fontsize=10)
     for ax in (ax_loss, ax_time):
-        ax.tick_params(axis="x", labelsize=8)
-        ax.margins(y=0.25)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.margins(y=0.3)
         ax.grid(True, axis="y", alpha=0.3)
+
+
+def _plot_quant_errors(axes: list, runs: dict[str, RunData]) -> None:
+    """Per role, each recipe's relative quantization error on the sampled GEMMs' tensors over the
+    steps (one run per recipe kind: delayed scaling's second reduction mode is the same)."""
+    color = _colors(runs)
+    kinds, chosen = set(), []
+    for run in runs.values():
+        if run.quant_errors and run.recipe_kind not in kinds:
+            kinds.add(run.recipe_kind)
+            chosen.append(run)
+    gemms = sorted({g for run in chosen for rec in run.quant_errors for g in rec["rel_error"]})
+    for ax, role in zip(axes, ROLES):
+        for i, run in enumerate(chosen):
+            xs, ys = run.quant_error_series(role)
+            snr = [-20 * math.log10(e) if e > 0 else float("nan") for e in ys]
+            ax.plot(xs, snr, marker=_MARKERS[i % len(_MARKERS)], markersize=4, markerfacecolor="none",
+                    linewidth=1.2, linestyle=_STYLES[i % len(_STYLES)], color=color[run.name],
+                    label=run.recipe_kind)  # fmt: skip
+        ax.set_title(f"Quantization SNR: {ROLE_TEXT[role]}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    if not chosen:
+        for ax in axes:
+            ax.text(
+                0.5, 0.5, "no quantization error measured", ha="center", va="center", transform=ax.transAxes
+            )
+        return
+    axes[0].set_ylabel("-20 log10(||dequant(quant(t)) - t|| / ||t||)  (dB)", fontsize=8)
+    axes[0].legend(fontsize=7, loc="best")
+    what = ", ".join(gemms) if len(gemms) <= 4 else f"{len(gemms)} GEMMs"
+    axes[1].text(0.5, -0.22, f"higher is better; relative error averaged over the sampled GEMMs ({what}), "
+                 "each recipe on its own run's tensors",
+                 ha="center", va="top", fontsize=7, transform=axes[1].transAxes)  # fmt: skip
+
+
+def _short(name: str) -> str:
+    """A run's name for a crowded axis: without the "fp8-" every FP8 run has."""
+    return name.removeprefix("fp8-").removesuffix("-autocast")
 
 
 def _saturation_text(run: RunData) -> str:
     if not run.fp8:
         return "no FP8"
     if run.recipe_kind != "delayed":
-        return "own amax: none"
-    return f"{run.events()['overflow']} saturated"
+        return "0 sat."  # own amax
+    return f"{run.events()['overflow']} sat."
 
 
 def _plot_reduction(ax, fp8_runs: list[RunData]) -> None:
@@ -379,17 +462,23 @@ def _loss_floor(run_dir: str) -> Optional[float]:
     return _summary(run_dir).get("loss_floor")
 
 
-def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], png: str) -> str:
+def _markdown(
+    run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], png: str, timing: Optional[dict]
+) -> str:
     ref = runs.get("reference")
     ref_loss = ref.final_loss() if ref is not None else None
     out = [f"# fp8train run report: `{os.path.normpath(run_dir)}`", "", f"![report]({png})", ""]
     data = _summary(run_dir).get("data")
     if data:
         out += [f"Data: {data}.", ""]
+    interleaved = timing["median_ms"] if timing else {}
+    spread = (timing or {}).get("quartiles_ms", {})
+    ref_ms = interleaved.get("reference")
     out += [
-        "| run | recipe | steps | final loss | vs reference | median step ms | amax reductions "
-        "| exposed ms/step | hidden ms/step | saturated | non-finite |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | recipe | steps | final loss | vs reference | step ms (interleaved) | vs fp32 | quartiles ms "
+        "| step ms (sequential) | amax reductions | exposed ms/step | hidden ms/step | saturated "
+        "| non-finite |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs.values():
         if not run.steps:
@@ -402,10 +491,21 @@ def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], 
         saturated = {"delayed": ev["overflow"], None: ""}.get(run.recipe_kind, "none (own amax)")
         out.append(
             f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss:.4f} | {rel} "
+            f"| {_interleaved_cells(interleaved.get(run.name), ref_ms, spread.get(run.name))} "
             f"| {'' if step_ms is None else f'{step_ms:.1f}'} | {launched} | {exposed:.4f} | {hidden:.4f} "
             f"| {saturated} | {ev['nonfinite']} |"
         )
+    for name, ms in interleaved.items():
+        if name not in runs:  # timed only (bf16 autocast)
+            kind = timing["recipe_kind"].get(name, "")
+            cells = _interleaved_cells(ms, ref_ms, spread.get(name))
+            out.append(f"| {name} | {kind} | | | | {cells} | | | | | | |")
     out.append("")
+    out.append(_timing_text(timing))
+    out.append("")
+    table = _quant_error_table(runs)
+    if table:
+        out.append(table)
     out.append(
         "Final loss: mean over the last 10% of steps. Reduction times: mean over ranks. Exposed = time "
         "blocked waiting for the all-reduce (in blocking mode this includes waiting for the slowest rank, "
@@ -423,9 +523,10 @@ def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], 
         )
     if any(r.recipe_kind not in (None, "delayed") for r in fp8_runs):
         out.append(
-            "Saturated: role-steps whose amax x scale used exceeded fp8_max. Current and block scaling "
-            "scale each tensor (or 1x128 tile, 128x128 block) by its own amax just before the cast, so "
-            "nothing saturates by construction; delayed scaling uses earlier steps' amaxes."
+            "Saturated: role-steps whose amax x scale used exceeded fp8_max. The other recipes scale each "
+            "tensor (current scaling), 1x128 tile or 128x128 block (block scaling), 32-block (MXFP8) or "
+            "16-block and tensor (NVFP4) by its own amax just before the cast, so nothing saturates by "
+            "construction; delayed scaling uses earlier steps' amaxes."
         )
     delayed = [r for r in fp8_runs if r.recipe_kind == "delayed"]
     if delayed:
@@ -443,6 +544,65 @@ def _markdown(run_dir: str, runs: dict, fp8_runs: list, floor: Optional[float], 
         out += ["", _overflow_table(run)]
     out.append("")
     return "\n".join(out)
+
+
+def _interleaved_cells(ms: Optional[float], ref_ms: Optional[float], q: Optional[list]) -> str:
+    """The cells median | ratio to fp32 | quartiles of a configuration's interleaved step times."""
+    if ms is None:
+        return " |  | "
+    ratio = f"{ms / ref_ms:.2f}x" if ref_ms else ""
+    return f"{ms:.1f} | {ratio} | " + (f"{q[0]:.1f} - {q[1]:.1f}" if q else "")
+
+
+def _timing_text(timing: Optional[dict]) -> str:
+    """How the step times were measured (so that a reader knows which column to compare)."""
+    sequential = (
+        "Step ms (sequential): the median step of each training run; the runs follow one another, so a "
+        "change of machine load between them (another job) shows as a difference of recipe."
+    )
+    if not timing:
+        return sequential + " No interleaved pass was run (--timing-rounds 0): do not compare them closely."
+    return (
+        f"Step ms (interleaved): measured after training in a separate pass that alternates every "
+        f"configuration (fresh models, the training step without telemetry) in blocks of {timing['block']} "
+        f"steps, one untimed block each, then {timing['rounds']} rounds with the order rotated; a step's "
+        "time is that of its slowest rank; the median and quartiles of each configuration's steps. Every "
+        "configuration sees the same load, so these are the ones to compare (the quartiles say how much "
+        "the load moved them); vs fp32 is the ratio of medians. " + sequential
+    )
+
+
+def _quant_error_table(runs: dict) -> str:
+    """Mean relative quantization error (and SNR) per recipe and role, over the measured steps."""
+    rows, kinds = [], set()
+    for run in runs.values():
+        if not run.quant_errors or run.recipe_kind in kinds:
+            continue
+        kinds.add(run.recipe_kind)
+        cells = []
+        for role in ROLES:
+            _, ys = run.quant_error_series(role)
+            mean = statistics.fmean(ys) if ys else float("nan")
+            cells.append(f"{mean:.4f} ({-20 * math.log10(mean):.1f} dB)" if mean > 0 else f"{mean:.4f}")
+        rows.append(
+            f"| {run.name} | {run.recipe_kind} | " + " | ".join(cells) + f" | {len(run.quant_errors)} |"
+        )
+    if not rows:
+        return ""
+    gemms = sorted({g for run in runs.values() for rec in run.quant_errors for g in rec["rel_error"]})
+    return "\n".join(
+        [
+            "Quantization error on the model's tensors: ||dequant(quant(t)) - t|| / ||t|| (SNR in dB), mean "
+            f"over the measured steps and the sampled GEMMs ({', '.join(f'`{g}`' for g in gemms)}), each "
+            "recipe's own quantization applied to the tensors of its own run: the GEMM input and the weight "
+            "as the forward GEMM takes them, the output gradient as the input-gradient GEMM takes it.",
+            "",
+            "| run | recipe | input | weight | grad_output | steps measured |",
+            "|---|---|---:|---:|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
 
 
 def _overflow_table(run: RunData) -> str:

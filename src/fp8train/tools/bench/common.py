@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from typing import Callable
 
@@ -14,21 +13,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train as ft
 
+from ..timing import interleaved_times, medians
+
 
 def interleaved_medians(
     fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 2
 ) -> dict[str, float]:
     """Median seconds per call of each function, run round-robin so that load noise hits all alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return medians(interleaved_times(fns, repeats, block=1, warmup_blocks=warmup))
 
 
 def train_step(
