@@ -131,8 +131,22 @@ def prepare(
             "torch.nn.Linear "
             "(or transformers Conv1D) whose dimensions are multiples of 16 passed the filter"
         )
+    if _is_transformers_model(model):
+        # save_pretrained (and so the Trainer's save_model and checkpoints) writes safetensors, which
+        # hold tensors only: FP8 state goes there as the same bytes in a uint8 tensor.
+        for module in model.modules():
+            if isinstance(module, FP8Module):
+                module.extra_state_as_tensor = True
     model.forward = FP8Forward(model, recipe, amax_reduction_group)
     return model
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    """A Hugging Face `transformers.PreTrainedModel`, told without importing transformers."""
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(model).__mro__
+    )
 
 
 def first_and_last_linear_filter(model: torch.nn.Module) -> FilterFn:

@@ -23,6 +23,10 @@ class FP8Module(torch.nn.Module):
 
     num_gemms = 1
     gemm_names: tuple[str, ...] = ("",)  # one per GEMM: how telemetry names its roles
+    # True: `get_extra_state` gives its bytes as a 1-D uint8 tensor, for checkpoint formats that store
+    # tensors only (safetensors: Hugging Face's save_pretrained); set on the instance (prepare does it
+    # for transformers models). Either form loads into any module.
+    extra_state_as_tensor = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -96,8 +100,9 @@ class FP8Module(torch.nn.Module):
         return module
 
     # ---- checkpoints ----------------------------------------------------------------------------------
-    def get_extra_state(self) -> bytes:
-        """FP8 state as serialized bytes (see `decode_extra_state`).
+    def get_extra_state(self):
+        """FP8 state as serialized bytes (see `decode_extra_state`), or those bytes as a uint8 tensor
+        (`extra_state_as_tensor`).
 
         Checkpoint formats store bytes whole and restore them by replacement, whatever the history
         length: torch.distributed.checkpoint loads tensors in place, so a fresh module (no history
@@ -108,6 +113,8 @@ class FP8Module(torch.nn.Module):
             state[key] = self.fp8_meta[key].state()
         buffer = io.BytesIO()
         torch.save(state, buffer)
+        if self.extra_state_as_tensor:
+            return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         return buffer.getvalue()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
