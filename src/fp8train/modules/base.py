@@ -30,6 +30,12 @@ class FP8Module(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.init_fp8_state()
+
+    def init_fp8_state(self) -> None:
+        """The FP8 attributes of a fresh module: what `__init__` sets after `torch.nn.Module.__init__`,
+        for classes that combine FP8Module with another module class whose `__init__` runs instead
+        (fp8train.integrations.torchtitan)."""
         self.fp8_meta = {
             "scaling_fwd": ScalingMeta(FWD_ROLES * self.num_gemms),
             "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
