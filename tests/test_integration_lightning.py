@@ -17,8 +17,10 @@ two FP8 linear layers, an FP8 head) trained on the standard library's source:
 - `trainer.save_checkpoint` and `trainer.validate(ckpt_path=...)` round-trip the FP8 state.
 
 LOSS_TOLERANCE: relative gap |FP8 - fp32| / fp32 of the final validation loss of this run,
-measured over seeds 0-4 (`python tests/test_integration_lightning.py --measure`):
-MEASURED. The bound, 0.01, is BOUND_REASON.
+measured over seeds 0-4 (`python tests/test_integration_lightning.py --measure`): 0.0026, 0.0024,
+0.0002, 0.0075, 0.0001 (max 0.0075; the runs are deterministic: the same run without FP8 repeats to
+the bit). The bound, 0.03, is 4x the largest measured gap; over the run the validation loss falls
+from ~5.7 to ~3.76 nats, a change 17x the bound (0.11 nats at 3.76).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.integration]
 
 WORLD = 2
 STEPS, ACCUM, BATCH = 12, 2, 4
-LOSS_TOLERANCE = 0.01
+LOSS_TOLERANCE = 0.03
 
 
 def _module(seed: int):
