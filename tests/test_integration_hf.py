@@ -29,6 +29,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("transformers", reason='needs the hf extra: pip install "fp8train[hf]"')
 pytest.importorskip("accelerate", reason='needs the hf extra: pip install "fp8train[hf]"')
@@ -55,25 +56,10 @@ STEPS, ACCUM, BATCH = 12, 2, 4
 LOSS_TOLERANCE = 0.005
 
 
-def _trainer_run(seed: int, fp8: bool, out_dir: str) -> dict:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+def _args(seed: int, out_dir: str, save: bool):
+    from transformers import TrainingArguments
 
-    model = tiny_llama(seed)
-    if fp8:
-        model = fp8train.prepare(model)
-    wire = AmaxWire()
-    per_step: list[int] = []
-    losses: list[float] = []
-
-    class Count(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            per_step.append(wire.amax_calls)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses.append(float(logs["loss"]))
-
-    args = TrainingArguments(
+    return TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=BATCH,
         per_device_eval_batch_size=8,
@@ -85,12 +71,38 @@ def _trainer_run(seed: int, fp8: bool, out_dir: str) -> dict:
         ddp_backend="gloo",
         report_to=[],
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if save else "no",
+        save_steps=STEPS // 2,
         seed=seed,
         data_seed=seed,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+
+
+def _trainer_run(seed: int, fp8: bool, out_dir: str, save: bool = False) -> dict:
+    from transformers import Trainer, TrainerCallback
+
+    model = tiny_llama(seed)
+    if fp8:
+        model = fp8train.prepare(model)
+    wire = AmaxWire()
+    per_step: list[int] = []
+    losses: list[float] = []
+    saved: dict[int, dict] = {}
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            per_step.append(wire.amax_calls)
+
+        def on_save(self, args, state, control, **kwargs):
+            saved[state.global_step] = fp8_state(model)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    args = _args(seed, out_dir, save)
     train = ByteText(STEPS * ACCUM * BATCH * WORLD, seed)
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[Count()])
     with wire:
@@ -109,6 +121,7 @@ def _trainer_run(seed: int, fp8: bool, out_dir: str) -> dict:
         "per_step": [b - a for a, b in zip([0] + per_step, per_step)],
         "wire": wire.records,
         "launched": fp8train.inspection.counters()["launched"],
+        "saved": saved,
     }
     if fp8:
         out["state"] = fp8_state(model)
@@ -123,20 +136,85 @@ def _trainer_run(seed: int, fp8: bool, out_dir: str) -> dict:
     return out
 
 
-def _accelerate_run(seed: int, fsdp2: bool) -> dict:
+def _trainer_resume(seed: int, out_dir: str) -> dict:
+    """A fresh prepared model (other weights) resumes the fp8 run's mid-run checkpoint to the end."""
+    from transformers import Trainer, TrainerCallback
+
+    model = fp8train.prepare(tiny_llama(seed + 1))
+    restored = {}
+
+    class Restored(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            restored["state"] = fp8_state(model)
+
+    trainer = Trainer(
+        model=model,
+        args=_args(seed, out_dir + "-resumed", save=False),
+        train_dataset=ByteText(STEPS * ACCUM * BATCH * WORLD, seed),
+        callbacks=[Restored()],
+    )
+    trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{STEPS // 2}"))
+    fp8train.synchronize()
+    return {"restored": restored["state"], "final": fp8_state(model)}
+
+
+def _example(out_dir: str) -> str:
+    """examples/hf_trainer.py's main(), in this rank (torchrun's environment is set), 3 steps."""
+    import contextlib
+    import importlib.util
+    import io
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_trainer.py"
+    )
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    argv, sys.argv = sys.argv, [path, "--steps", "3", "--output-dir", out_dir]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            example.main()
+    finally:
+        sys.argv = argv
+    dist.barrier()  # rank 0 writes the saved model
+    saved = any(f.endswith(".safetensors") for f in os.listdir(os.path.join(out_dir, "final")))
+    return printed.getvalue() + ("saved" if saved else "")
+
+
+class GatherBytes:
+    """Bytes FSDP2 all-gathers (it gathers through this one collective), counted while installed."""
+
+    def __init__(self) -> None:
+        self.name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        self.real, self.bytes = getattr(dist, self.name), 0
+
+    def __enter__(self) -> GatherBytes:
+        def counted(output, input, *args, **kwargs):
+            self.bytes += input.numel() * input.element_size()
+            return self.real(output, input, *args, **kwargs)
+
+        setattr(dist, self.name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(dist, self.name, self.real)
+
+
+def _fresh_accelerate_state() -> None:
+    """accelerate keeps one process-wide state, made by the first Accelerator (the Trainer's, in an
+    earlier scenario): forget it, as accelerate's own tests do, so that a new one's settings apply."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+
+
+def _accelerate_run(seed: int) -> dict:
     from accelerate import Accelerator
 
-    kwargs = {}
-    if fsdp2:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            fsdp_version=2,
-            auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-            reshard_after_forward=True,
-        )
-    accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True, **kwargs)
+    _fresh_accelerate_state()
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     model = fp8train.prepare(tiny_llama(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.utils.data.DataLoader(ByteText(STEPS * ACCUM * BATCH * WORLD, seed), batch_size=BATCH)
@@ -153,14 +231,56 @@ def _accelerate_run(seed: int, fsdp2: bool) -> dict:
             if accelerator.sync_gradients:
                 per_step.append(wire.amax_calls)
         fp8train.synchronize()
-    from torch.distributed.tensor import DTensor
-
     return {
-        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        "wrapper": type(model).__name__,
         "losses": losses,
         "per_step": [b - a for a, b in zip([0] + per_step, per_step)],
         "wire": wire.records,
         "state": fp8_state(accelerator.unwrap_model(model)),
+    }
+
+
+def _accelerate_fsdp_type() -> str:
+    """What accelerate makes of an FSDP2 plugin on CPU ranks (the guide says why it is ignored)."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    _fresh_accelerate_state()
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    return str(accelerator.distributed_type)
+
+
+def _fsdp2_run(seed: int, fp8_gather: bool) -> dict:
+    """FSDP2 (`fully_shard` per decoder layer and the root) around a prepared model, a plain loop
+    with gradient accumulation: what accelerate's FSDP2 plugin does on GPUs."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = fp8train.prepare(tiny_llama(seed), fsdp_fp8_all_gather=fp8_gather)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    windows = ByteText(STEPS * ACCUM * BATCH * WORLD, seed).windows[dist.get_rank() :: WORLD]
+    wire, per_step, losses, gathers = AmaxWire(), [], [], GatherBytes()
+    with wire, gathers:
+        for step in range(STEPS):
+            for micro in range(ACCUM):
+                ids = windows[(step * ACCUM + micro) * BATCH : (step * ACCUM + micro + 1) * BATCH]
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / ACCUM).backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            per_step.append(wire.amax_calls)
+        fp8train.synchronize()
+    return {
+        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        "gather_bytes": gathers.bytes,
+        "losses": losses,
+        "per_step": [b - a for a, b in zip([0] + per_step, per_step)],
+        "wire": wire.records,
+        "state": fp8_state(model),
     }
 
 
@@ -169,9 +289,18 @@ def _worker(rank: int, world_size: int, names: list[str], out_dir: str) -> dict:
 
     def run_one(name: str):
         fp8train.inspection.reset()
+        if name == "trainer_resume":
+            return _trainer_resume(0, os.path.join(out_dir, "trainer_fp8"))
+        if name == "example":
+            return _example(os.path.join(out_dir, name))
         if name.startswith("trainer"):
-            return _trainer_run(0, name == "trainer_fp8", os.path.join(out_dir, name))
-        return _accelerate_run(0, name == "accelerate_fsdp2")
+            fp8 = name == "trainer_fp8"
+            return _trainer_run(0, fp8, os.path.join(out_dir, name), save=fp8)
+        if name == "accelerate_ddp":
+            return _accelerate_run(0)
+        if name == "accelerate_fsdp_plugin":
+            return _accelerate_fsdp_type()
+        return _fsdp2_run(0, fp8_gather=name == "fsdp2_fp8_gather")
 
     return run_scenarios(names, run_one)
 
@@ -179,7 +308,10 @@ def _worker(rank: int, world_size: int, names: list[str], out_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as tmp:
-        names = ["trainer_fp8", "trainer_fp32", "accelerate_ddp", "accelerate_fsdp2"]
+        names = [
+            "trainer_fp8", "trainer_resume", "trainer_fp32", "accelerate_ddp", "accelerate_fsdp_plugin",
+            "fsdp2", "fsdp2_fp8_gather", "example",
+        ]  # fmt: skip
         yield run_ranks(_worker, WORLD, names, tmp, timeout_s=300, pg_timeout_s=120)
 
 
@@ -213,14 +345,60 @@ def test_trainer_save_model_round_trips_the_fp8_state(runs) -> None:
         assert_same_state(out["loaded_state"], out["state"], "FP8 state loaded from save_model")
 
 
-@pytest.mark.parametrize("name", ["accelerate_ddp", "accelerate_fsdp2"])
-def test_accelerate_prepare_with_gradient_accumulation(runs, name: str) -> None:
+def test_trainer_resumes_a_checkpoint_with_its_fp8_state(runs) -> None:
+    """resume_from_checkpoint restores the FP8 state saved mid-run (into a model with other weights),
+    on every rank, and training goes on from it in FP8."""
+    full = scenario_outcome(runs, "trainer_fp8")
+    for out, resumed in zip(full, scenario_outcome(runs, "trainer_resume")):
+        assert sorted(out["saved"]) == [STEPS // 2, STEPS]
+        assert_same_state(resumed["restored"], out["saved"][STEPS // 2], "FP8 state restored by the Trainer")
+        assert_trained(resumed["final"])
+        moved = resumed["final"]["lm_head"][0]  # the head's forward history after the resumed steps
+        assert not torch.equal(moved, resumed["restored"]["lm_head"][0])
+
+
+def test_the_example_trains_with_four_collectives_per_step(runs) -> None:
+    printed = scenario_outcome(runs, "example")[0]
+    assert "final eval loss" in printed and "(FP8)" in printed, printed
+    assert "amax collectives per optimizer step: [4]" in printed and printed.endswith("saved"), printed
+
+
+def test_accelerate_ignores_an_fsdp_plugin_on_cpu(runs) -> None:
+    """accelerate turns FSDP on only for accelerator device types (GPU, XPU, NPU, ...): on CPU ranks
+    the plugin is ignored and the model would be wrapped in DDP. If this starts failing, accelerate
+    supports FSDP on CPU: test fp8train through its plugin then (the FSDP2 tests below use
+    fully_shard directly)."""
+    assert scenario_outcome(runs, "accelerate_fsdp_plugin") == ["DistributedType.MULTI_CPU"] * WORLD
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_fp8_gather"])
+def test_fsdp2_around_a_prepared_model_with_gradient_accumulation(runs, name: str) -> None:
     r = scenario_outcome(runs, name)
     for out in r:
-        assert out["sharded"] == (name == "accelerate_fsdp2")  # FSDP2 really sharded every parameter
+        assert out["sharded"]  # FSDP2 really sharded every parameter
         assert_trained(out["state"])
         assert out["per_step"] == [2 * ACCUM] * STEPS, out["per_step"]
     assert_same_state(r[0]["state"], r[1]["state"], f"{name}: FP8 state of rank 0 vs rank 1")
+    check_wire([out["wire"] for out in r])
+    losses = r[0]["losses"]
+    assert sum(losses[-4:]) < sum(losses[:4]) - 4 * 0.3, losses
+
+
+def test_fsdp2_fp8_all_gather_is_bitwise_equal_with_fewer_bytes(runs) -> None:
+    plain, fp8_gather = scenario_outcome(runs, "fsdp2"), scenario_outcome(runs, "fsdp2_fp8_gather")
+    for a, b in zip(plain, fp8_gather):
+        assert b["losses"] == a["losses"]
+        assert_same_state(b["state"], a["state"], "FSDP2 with and without FP8 all-gather")
+        assert 0 < b["gather_bytes"] < 0.75 * a["gather_bytes"], (b["gather_bytes"], a["gather_bytes"])
+
+
+def test_accelerate_prepare_with_gradient_accumulation(runs) -> None:
+    r = scenario_outcome(runs, "accelerate_ddp")
+    for out in r:
+        assert out["wrapper"] == "DistributedDataParallel"
+        assert_trained(out["state"])
+        assert out["per_step"] == [2 * ACCUM] * STEPS, out["per_step"]
+    assert_same_state(r[0]["state"], r[1]["state"], "accelerate: FP8 state of rank 0 vs rank 1")
     check_wire([out["wire"] for out in r])
     losses = r[0]["losses"]
     assert sum(losses[-4:]) < sum(losses[:4]) - 4 * 0.3, losses
