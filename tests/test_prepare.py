@@ -167,3 +167,26 @@ def test_torch_compile_of_a_prepared_model_matches_eager() -> None:
     losses = _train(compiled, 3, region=False)
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(_fp8_state(model), _fp8_state(eager)))
+
+
+def test_transformers_models_give_their_fp8_state_as_a_tensor_and_either_form_loads() -> None:
+    """save_pretrained writes safetensors (tensors only): a prepared transformers model gives its FP8
+    state as a uint8 tensor of the same bytes; bytes and tensor forms load into any FP8 module."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16)
+    hf = fp8train.prepare(transformers.GPT2LMHeadModel(config))
+    hf_extra = {k: v for k, v in hf.state_dict().items() if k.endswith("_extra_state")}
+    assert hf_extra and all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in hf_extra.values())
+    plain = fp8train.prepare(_net(), recipe=RECIPE)
+    _train(plain, 2, region=False)
+    as_bytes = plain.state_dict()
+    assert isinstance(as_bytes["first._extra_state"], bytes)
+    plain.first.extra_state_as_tensor = True
+    as_tensor = plain.first.state_dict()["_extra_state"]
+    assert bytes(as_tensor.tolist()) == as_bytes["first._extra_state"]
+    for form in (as_bytes["first._extra_state"], as_tensor):
+        target = fp8train.prepare(_net(1), recipe=RECIPE)
+        target.first.load_state_dict(
+            {"weight": target.first.weight, "bias": target.first.bias, "_extra_state": form}
+        )
+        assert all(torch.equal(a, b) for a, b in zip(_fp8_state(target)[:4], _fp8_state(plain)[:4]))
