@@ -106,18 +106,18 @@ def _trainer_run(seed: int, fp8: bool, out_dir: str, save: bool = False) -> dict
     train = ByteText(STEPS * ACCUM * BATCH * WORLD, seed)
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[Count()])
     with wire:
-        first_eval = trainer.evaluate(ByteText(32, 1000))["eval_loss"]
-        before_train = wire.amax_calls
+        # no evaluation before training: it moves the Trainer's data order, and a run resumed from a
+        # checkpoint then differs from this one (without FP8 too)
         trainer.train()
         fp8train.synchronize()
         after_train = wire.amax_calls
         final_eval = trainer.evaluate(ByteText(32, 1000))["eval_loss"]
         after_eval = wire.amax_calls
     out = {
-        "first_eval": first_eval,
+        "first_loss": losses[0],
         "final_eval": final_eval,
         "losses": losses,
-        "eval_collectives": (before_train, after_eval - after_train),
+        "eval_collectives": after_eval - after_train,
         "per_step": [b - a for a, b in zip([0] + per_step, per_step)],
         "wire": wire.records,
         "launched": fp8train.inspection.counters()["launched"],
@@ -327,15 +327,14 @@ def test_trainer_collectives_per_optimizer_step(runs) -> None:
     r = scenario_outcome(runs, "trainer_fp8")
     for out in r:
         assert out["per_step"] == [2 * ACCUM] * STEPS, out["per_step"]
-        assert out["eval_collectives"] == (0, 0), "evaluation launched amax collectives"
+        assert out["eval_collectives"] == 0, "evaluation launched amax collectives"
         assert out["launched"] == 2 * ACCUM * STEPS
     assert scenario_outcome(runs, "trainer_fp32")[0]["per_step"] == [0] * STEPS
 
 
 def test_trainer_loss_decreases_and_ends_near_the_run_without_fp8(runs) -> None:
     fp8, ref = scenario_outcome(runs, "trainer_fp8")[0], scenario_outcome(runs, "trainer_fp32")[0]
-    assert fp8["final_eval"] < fp8["first_eval"] - 0.3, (fp8["first_eval"], fp8["final_eval"])
-    # (the first evaluation differs too: the FP8 model evaluates in FP8, with its initial scales)
+    assert fp8["final_eval"] < fp8["first_loss"] - 0.3, (fp8["first_loss"], fp8["final_eval"])
     gap = abs(fp8["final_eval"] - ref["final_eval"]) / ref["final_eval"]
     assert gap < LOSS_TOLERANCE, (fp8["final_eval"], ref["final_eval"], gap)
 
@@ -347,14 +346,12 @@ def test_trainer_save_model_round_trips_the_fp8_state(runs) -> None:
 
 def test_trainer_resumes_a_checkpoint_with_its_fp8_state(runs) -> None:
     """resume_from_checkpoint restores the FP8 state saved mid-run (into a model with other weights),
-    on every rank, and training goes on from it in FP8."""
+    on every rank, and training on from there ends bit for bit where the uninterrupted run did."""
     full = scenario_outcome(runs, "trainer_fp8")
     for out, resumed in zip(full, scenario_outcome(runs, "trainer_resume")):
         assert sorted(out["saved"]) == [STEPS // 2, STEPS]
         assert_same_state(resumed["restored"], out["saved"][STEPS // 2], "FP8 state restored by the Trainer")
-        assert_trained(resumed["final"])
-        moved = resumed["final"]["lm_head"][0]  # the head's forward history after the resumed steps
-        assert not torch.equal(moved, resumed["restored"]["lm_head"][0])
+        assert_same_state(resumed["final"], out["state"], "resumed run vs uninterrupted run")
 
 
 def test_the_example_trains_with_four_collectives_per_step(runs) -> None:
@@ -409,7 +406,7 @@ def _measure(seeds: list[int]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for row in run_ranks(_measure_worker, WORLD, seeds, tmp, timeout_s=1800)[0]:
             seed, first, fp8, fp32, gap = row
-            print(f"seed {seed}: first {first:.4f}, final fp8 {fp8:.4f}, fp32 {fp32:.4f}, gap {gap:.4f}")
+            print(f"seed {seed}: first step {first:.4f}, final fp8 {fp8:.4f}, fp32 {fp32:.4f}, gap {gap:.4f}")
 
 
 def _measure_worker(rank: int, world_size: int, seeds: list[int], out_dir: str) -> list:
@@ -421,7 +418,7 @@ def _measure_worker(rank: int, world_size: int, seeds: list[int], out_dir: str) 
         fp8train.inspection.reset()
         b = _trainer_run(seed, False, os.path.join(out_dir, f"b{seed}"))
         gap = abs(a["final_eval"] - b["final_eval"]) / b["final_eval"]
-        gaps.append((seed, a["first_eval"], a["final_eval"], b["final_eval"], gap))
+        gaps.append((seed, a["first_loss"], a["final_eval"], b["final_eval"], gap))
     return gaps
 
 
