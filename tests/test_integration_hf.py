@@ -16,9 +16,10 @@ the framework's own distributed sampler):
 
 LOSS_TOLERANCE: the relative gap |FP8 - fp32| / fp32 of the final evaluation loss of this exact
 run (Trainer, 12 optimizer steps), measured over seeds 0-4 with `python tests/test_integration_hf.py
---measure`: 0.0013, 0.0010, 0.0011, 0.0009, 0.0003 (max 0.0013; the runs are deterministic, so the
-same run without FP8 repeats to the bit). The bound, 0.005, is ~4x the largest measured gap; over
-the run the evaluation loss falls from ~5.6 to ~3.67 nats, a change 70x the bound.
+--measure`: 0.0001, 0.0008, 0.0003, 0.0013, 0.0020 (max 0.0020; the runs are deterministic, so the
+same run without FP8 repeats to the bit). The bound, 0.008, is 4x the largest measured gap; over the
+run the loss falls from ~5.6 (first step) to ~3.64 nats (final evaluation), a change 67x the bound
+(0.029 nats at 3.64).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.integration]
 
 WORLD = 2
 STEPS, ACCUM, BATCH = 12, 2, 4
-LOSS_TOLERANCE = 0.005
+LOSS_TOLERANCE = 0.008
 
 
 def _args(seed: int, out_dir: str, save: bool):

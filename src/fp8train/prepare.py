@@ -19,6 +19,7 @@ the model's parameters (Hugging Face's Trainer drops dataset columns the forward
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import torch
@@ -54,8 +55,6 @@ class FP8Forward:
         return {"module": self.module, "recipe": self.recipe, "group": None}
 
     def __deepcopy__(self, memo: dict) -> FP8Forward:
-        import copy
-
         return FP8Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.recipe, memo), self.group)
 
     def __repr__(self) -> str:
