@@ -25,14 +25,13 @@ from ~5.7 to ~3.76 nats, a change 17x the bound (0.11 nats at 3.76).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
 
 import pytest
 import torch
-
-pytest.importorskip("lightning", reason='needs the lightning extra: pip install "fp8train[lightning]"')
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -48,7 +47,13 @@ from integration_helpers import (  # noqa: E402
     set_launcher_env,
 )
 
-pytestmark = [pytest.mark.multirank, pytest.mark.integration]
+# skipped, not failed, without the extra; find_spec, so that collecting (-m "not multirank") stays cheap
+MISSING = [m for m in ("lightning",) if importlib.util.find_spec(m) is None]
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.integration,
+    pytest.mark.skipif(bool(MISSING), reason=f'needs {MISSING}: pip install "fp8train[lightning]"'),
+]
 
 WORLD = 2
 STEPS, ACCUM, BATCH = 12, 2, 4
@@ -203,6 +208,24 @@ def test_lightning_loss_decreases_and_ends_near_the_run_without_fp8(runs) -> Non
 def test_lightning_checkpoint_round_trips_the_fp8_state(runs) -> None:
     for out in scenario_outcome(runs, "fp8"):
         assert_same_state(out["restored_state"], out["state"], "FP8 state restored from the checkpoint")
+
+
+def test_fp8_precision_converts_in_place_once_and_checks_its_recipe() -> None:
+    from fp8train.integrations.lightning import FP8Precision
+
+    plugin = FP8Precision(filter_fn=lambda module, fqn: fqn != "head")
+    model = _module(0)
+    up = model.up
+    assert plugin.convert_module(model) is model
+    assert isinstance(model.up, fp8train.Linear) and model.up.weight is up.weight
+    assert type(model.head) is torch.nn.Linear  # kept by the filter
+    converted = model.up
+    plugin.convert_module(model)  # again: nothing changes
+    assert model.up is converted
+    with plugin.forward_context():
+        assert fp8train.inspection.open_regions() == 1
+    with pytest.raises(ValueError, match="recipe must be"):
+        FP8Precision(recipe="fp8")
 
 
 def _measure_worker(rank: int, world_size: int, seeds: list[int], out_dir: str) -> list:
