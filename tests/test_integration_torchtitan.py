@@ -16,7 +16,9 @@ recipe is in docs/guide.md. What is checked here:
   (its output differs from high precision, by FP8 rounding only);
 - training: forward/backward steps of the whole converted debugmodel train in FP8 (every
   converted layer records input, weight and gradient amaxes; one region per step; the loss falls),
-  and so does torchtitan's FeedForward block converted on its own (a root that is not a model).
+  and so does torchtitan's FeedForward block converted on its own (a root that is not a model);
+- the guide's recipe up to the model config: a user's config_registry module, passed to torchtitan's
+  ConfigManager by module path, builds the converted config (needs torchtitan's data packages too).
 
 On the CPU the models use torchtitan's own `ScaledDotProductAttention` as their attention kernel
 instead of the registry's FlexAttention (which compiles for ~30 s on the CPU and has no CPU
@@ -160,3 +162,42 @@ def test_torchtitan_feed_forward_trains_in_fp8() -> None:
         assert meta["scaling_bwd"].amax_history[0, 0].gt(0), name
     (group,) = fp8train.inspection.amax_groups()
     assert group.training_regions == 5  # one region per call of the block
+
+
+REGISTRY = """
+from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+from fp8train.integrations.torchtitan import FP8TrainConverter
+
+
+def llama3_debugmodel_fp8train():
+    config = llama3_debugmodel()
+    converter = FP8TrainConverter.Config(amax_history_len=16)
+    config.model_spec = model_registry("debugmodel", converters=[converter])
+    return config
+"""
+
+
+def test_a_config_registry_passed_by_module_path_builds_the_converted_model_config(
+    tmp_path, monkeypatch
+) -> None:
+    """The guide's recipe up to the model config: torchtitan's own ConfigManager, given `--module
+    my_configs --config llama3_debugmodel_fp8train`, imports the user's registry and the converter.
+    (Its trainer config imports torchtitan's data loading: datasets, torchdata; skipped without.)"""
+    for module in ("torchdata", "datasets"):
+        pytest.importorskip(module, reason="torchtitan's trainer config needs its data loading packages")
+    from torchtitan.config import ConfigManager
+
+    package = tmp_path / "my_configs"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config_registry.py").write_text(REGISTRY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["--module", "my_configs", "--config", "llama3_debugmodel_fp8train", "--training.steps", "7"]
+    config = ConfigManager().parse_args(args)
+    assert config.training.steps == 7
+    model_config = config.model_spec.model
+    kinds = {fqn: type(c) for fqn, c, _, _ in model_config.traverse(Linear.Config)}
+    assert kinds.pop("lm_head") is Linear.Config and set(kinds.values()) == {FP8Linear.Config}
+    assert type(model_config).fp8_recipe.amax_history_len == 16
