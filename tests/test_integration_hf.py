@@ -85,12 +85,13 @@ def _args(seed: int, out_dir: str, save: bool):
     )
 
 
-def _trainer_run(seed: int, fp8: bool, out_dir: str, save: bool = False) -> dict:
+def _trainer_run(seed: int, fp8: bool, out_dir: str, save: bool = False, per_step_mode: bool = False) -> dict:
     from transformers import Trainer, TrainerCallback
 
     model = tiny_llama(seed)
     if fp8:
-        model = fp8train.prepare(model)
+        recipe = fp8train.DelayedScaling(amax_reduction="step") if per_step_mode else None
+        model = fp8train.prepare(model, recipe=recipe)
     wire = AmaxWire()
     per_step: list[int] = []
     losses: list[float] = []
@@ -110,6 +111,8 @@ def _trainer_run(seed: int, fp8: bool, out_dir: str, save: bool = False) -> dict
     args = _args(seed, out_dir, save)
     train = ByteText(STEPS * ACCUM * BATCH * WORLD, seed)
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[Count()])
+    if per_step_mode:  # the step boundary: the optimizer the Trainer steps (created now, reused by train)
+        fp8train.end_step_on(trainer.create_optimizer())
     with wire:
         # no evaluation before training: it moves the Trainer's data order, and a run resumed from a
         # checkpoint then differs from this one (without FP8 too)
@@ -130,6 +133,7 @@ def _trainer_run(seed: int, fp8: bool, out_dir: str, save: bool = False) -> dict
     }
     if fp8:
         out["state"] = fp8_state(model)
+    if fp8 and not per_step_mode:
         trainer.save_model(os.path.join(out_dir, "saved"))
         torch.distributed.barrier()
         from transformers import LlamaForCausalLM
@@ -298,6 +302,8 @@ def _worker(rank: int, world_size: int, names: list[str], out_dir: str) -> dict:
             return _trainer_resume(0, os.path.join(out_dir, "trainer_fp8"))
         if name == "example":
             return _example(os.path.join(out_dir, name))
+        if name == "trainer_per_step":
+            return _trainer_run(0, True, os.path.join(out_dir, name), per_step_mode=True)
         if name.startswith("trainer"):
             fp8 = name == "trainer_fp8"
             return _trainer_run(0, fp8, os.path.join(out_dir, name), save=fp8)
@@ -314,7 +320,8 @@ def _worker(rank: int, world_size: int, names: list[str], out_dir: str) -> dict:
 def runs():
     with tempfile.TemporaryDirectory() as tmp:
         names = [
-            "trainer_fp8", "trainer_resume", "trainer_fp32", "accelerate_ddp", "accelerate_fsdp_plugin",
+            "trainer_fp8", "trainer_resume", "trainer_fp32", "trainer_per_step", "accelerate_ddp",
+            "accelerate_fsdp_plugin",
             "fsdp2", "fsdp2_fp8_gather", "example",
         ]  # fmt: skip
         yield run_ranks(_worker, WORLD, names, tmp, timeout_s=300, pg_timeout_s=120)
@@ -335,6 +342,18 @@ def test_trainer_collectives_per_optimizer_step(runs) -> None:
         assert out["eval_collectives"] == 0, "evaluation launched amax collectives"
         assert out["launched"] == 2 * ACCUM * STEPS
     assert scenario_outcome(runs, "trainer_fp32")[0]["per_step"] == [0] * STEPS
+
+
+def test_trainer_with_per_step_reduction_makes_two_collectives_per_optimizer_step(runs) -> None:
+    """DelayedScaling(amax_reduction="step") and end_step_on(the Trainer's optimizer): the two
+    microbatches' amaxes are MAXed locally and reduced once per direction at the optimizer step."""
+    r = scenario_outcome(runs, "trainer_per_step")
+    for out in r:
+        assert_trained(out["state"])
+        assert out["per_step"] == [2] * STEPS, out["per_step"]
+        assert out["eval_collectives"] == 0
+    assert_same_state(r[0]["state"], r[1]["state"], "FP8 state of rank 0 vs rank 1")
+    check_wire([out["wire"] for out in r])
 
 
 def test_trainer_loss_decreases_and_ends_near_the_run_without_fp8(runs) -> None:
