@@ -108,7 +108,8 @@ def prepare(
     the first and last linear layers, as accelerate's torchao backend does). The model is changed in
     place and returned (as `convert_to_fp8`, a bare `torch.nn.Linear` is returned converted).
     Preparing a model twice raises: a second region and conversion would change nothing but the
-    recipe, silently.
+    recipe, silently. A `transformers.PreTrainedModel` gives its FP8 state as a uint8 tensor
+    (`FP8Module.extra_state_as_tensor`), because `save_pretrained` writes safetensors.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8train.prepare takes a torch.nn.Module, got {type(model).__name__}")
