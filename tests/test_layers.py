@@ -1,8 +1,11 @@
-"""The core package imports nothing beyond torch and the standard library, and never the toolbox.
+"""The core package imports nothing beyond torch and the standard library, and never the toolbox or
+the framework integrations.
 
-Two checks: every import statement of the core's source (module level or inside a function), and a
-training step in a fresh interpreter where every package that torch itself does not require is
-hidden (as in an environment where `pip install fp8train` pulled only torch).
+Checks: every import statement of the core's source (module level or inside a function); the
+integrations (`fp8train/integrations/`) import only the core, the standard library, torch and their
+own framework; and a training step in a fresh interpreter where every package that torch itself does
+not require is hidden (as in an environment where `pip install fp8train` pulled only torch), in which
+importing each integration raises an ImportError that names its extra.
 """
 
 from __future__ import annotations
@@ -18,11 +21,23 @@ import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
 TOOLS = PACKAGE / "tools"
+INTEGRATIONS = PACKAGE / "integrations"
+# each integration module and the distributions it may import besides the core, torch and the stdlib
+FRAMEWORKS = {
+    "__init__.py": set(),
+    "hf.py": {"transformers", "safetensors"},
+    "lightning.py": {"lightning"},
+    "torchtitan.py": {"torchtitan"},
+}
 
 
 def _core_files() -> list[pathlib.Path]:
     # __main__.py is the `python -m fp8train` entry of the command (the toolbox), never imported
-    return [p for p in PACKAGE.rglob("*.py") if TOOLS not in p.parents and p.name != "__main__.py"]
+    return [
+        p
+        for p in PACKAGE.rglob("*.py")
+        if TOOLS not in p.parents and INTEGRATIONS not in p.parents and p.name != "__main__.py"
+    ]
 
 
 def _imports(path: pathlib.Path, source: str = "") -> list[str]:
@@ -50,11 +65,25 @@ def test_core_imports_only_torch_and_the_standard_library() -> None:
     for path in files:
         for name in _imports(path):
             top = name.split(".")[0]
-            if name.startswith("fp8train.tools") or top not in {"fp8train", "torch", "__future__"} | set(
-                sys.stdlib_module_names
-            ):
+            outside = name.startswith(("fp8train.tools", "fp8train.integrations"))
+            if outside or top not in {"fp8train", "torch", "__future__"} | set(sys.stdlib_module_names):
                 offenders.append(f"{path.relative_to(PACKAGE)}: {name}")
     assert not offenders, "the core imports beyond torch or into the toolbox:\n" + "\n".join(offenders)
+
+
+def test_integrations_import_the_core_and_their_framework_only() -> None:
+    """Their framework is imported through `require` (a string), so the check covers both forms."""
+    files = sorted(INTEGRATIONS.glob("*.py"))
+    assert {p.name for p in files} == set(FRAMEWORKS), "an integration module without an entry in FRAMEWORKS"
+    offenders = []
+    for path in files:
+        source = path.read_text(encoding="utf-8")
+        required = {m.split(".")[0] for m in re.findall(r'require\(\s*"([\w.]+)"', source)}
+        allowed = {"fp8train", "torch", "__future__"} | set(sys.stdlib_module_names) | FRAMEWORKS[path.name]
+        for name in _imports(path) + sorted(required):
+            if name.startswith("fp8train.tools") or name.split(".")[0] not in allowed:
+                offenders.append(f"integrations/{path.name}: {name}")
+    assert not offenders, "an integration imports beyond its framework:\n" + "\n".join(offenders)
 
 
 def test_the_import_check_resolves_relative_imports() -> None:
@@ -89,6 +118,13 @@ ft.synchronize()
 import importlib.util
 assert importlib.util.find_spec("matplotlib") is None and importlib.util.find_spec("numpy") is None
 tools = [m for m in sys.modules if m.startswith("fp8train.tools")]
+for name, extra in (("hf", "hf"), ("lightning", "lightning"), ("torchtitan", "torchtitan")):
+    try:
+        importlib.import_module("fp8train.integrations." + name)
+    except ImportError as exc:
+        assert f'pip install "fp8train[{extra}]"' in str(exc), str(exc)
+    else:
+        raise AssertionError(f"fp8train.integrations.{name} imported without its framework")
 print("OK", float(loss), tools)
 """
 

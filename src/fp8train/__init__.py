@@ -10,6 +10,7 @@ from .distributed import broadcast_fp8_state
 from .errors import AmaxReductionError, LayoutMismatchError, StateMismatchError
 from .inspection import reduction_stats, reset_reduction_stats, synchronize
 from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .prepare import first_and_last_linear_filter, is_prepared, prepare
 from .recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -55,6 +56,9 @@ __all__ = [
     "end_step",
     "end_step_on",
     "convert_to_fp8",
+    "prepare",
+    "is_prepared",
+    "first_and_last_linear_filter",
     "broadcast_fp8_state",
     "reduce_sequence_parallel_grads",
 ]

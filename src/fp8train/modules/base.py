@@ -23,9 +23,19 @@ class FP8Module(torch.nn.Module):
 
     num_gemms = 1
     gemm_names: tuple[str, ...] = ("",)  # one per GEMM: how telemetry names its roles
+    # True: `get_extra_state` gives its bytes as a 1-D uint8 tensor, for checkpoint formats that store
+    # tensors only (safetensors: Hugging Face's save_pretrained); set on the instance (prepare does it
+    # for transformers models). Either form loads into any module.
+    extra_state_as_tensor = False
 
     def __init__(self) -> None:
         super().__init__()
+        self.init_fp8_state()
+
+    def init_fp8_state(self) -> None:
+        """The FP8 attributes of a fresh module: what `__init__` sets after `torch.nn.Module.__init__`,
+        for classes that combine FP8Module with another module class whose `__init__` runs instead
+        (fp8train.integrations.torchtitan)."""
         self.fp8_meta = {
             "scaling_fwd": ScalingMeta(FWD_ROLES * self.num_gemms),
             "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
@@ -96,8 +106,9 @@ class FP8Module(torch.nn.Module):
         return module
 
     # ---- checkpoints ----------------------------------------------------------------------------------
-    def get_extra_state(self) -> bytes:
-        """FP8 state as serialized bytes (see `decode_extra_state`).
+    def get_extra_state(self):
+        """FP8 state as serialized bytes (see `decode_extra_state`), or those bytes as a uint8 tensor
+        (`extra_state_as_tensor`).
 
         Checkpoint formats store bytes whole and restore them by replacement, whatever the history
         length: torch.distributed.checkpoint loads tensors in place, so a fresh module (no history
@@ -108,6 +119,8 @@ class FP8Module(torch.nn.Module):
             state[key] = self.fp8_meta[key].state()
         buffer = io.BytesIO()
         torch.save(state, buffer)
+        if self.extra_state_as_tensor:
+            return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         return buffer.getvalue()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:

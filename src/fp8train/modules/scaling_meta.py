@@ -190,7 +190,10 @@ def _checked_state(state, where: str) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def decode_extra_state(state, where: str = "FP8 module") -> dict:
     """{"scaling_fwd": {...}, "scaling_bwd": {...}} from a module's extra state: the bytes written by
-    `get_extra_state`, or the dict that version 1 checkpoints hold."""
+    `get_extra_state`, the same bytes as a 1-D uint8 tensor (`extra_state_as_tensor`: formats that
+    store tensors only, such as safetensors), or the dict that version 1 checkpoints hold."""
+    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+        state = bytes(state.cpu().tolist())  # no numpy: the core needs torch only
     if isinstance(state, (bytes, bytearray)):
         try:
             state = torch.load(io.BytesIO(state), weights_only=True)

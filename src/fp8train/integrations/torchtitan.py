@@ -1,0 +1,150 @@
+"""torchtitan: a model converter for torchtitan's config-tree interface (torchtitan >= 0.3).
+
+torchtitan's converters (`torchtitan.protocols.model.ModelConfigConverter`, such as its
+`Float8LinearConverter`) rewrite the model's config tree before the model is built on the meta
+device: `convert(model_config) -> model_config`. `FP8TrainConverter` does two things there:
+
+- every `Linear.Config` whose dimensions are multiples of 16 and whose name matches none of
+  `filter_fqns` (default: the output head, `lm_head`) becomes an `FP8Linear.Config`: torchtitan's
+  own Linear (same parameters, names, initialisation and sharding hooks) with fp8train's FP8 GEMMs;
+- the root config is replaced by a subclass of its own class whose `build()` also makes the model's
+  forward one FP8 region (`fp8train.prepare`'s `FP8Forward`): each microbatch torchtitan runs is one
+  region, with one amax reduction per direction.
+
+Configure it in a config_registry function: `model_registry(..., converters=[FP8TrainConverter.Config()])`
+(docs/guide.md, "torchtitan").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from ..convert import fp8_compatible
+from ..fsdp import wrap_for_fsdp
+from ..modules.base import FP8Module
+from ..modules.fp8_linear import fp8_linear
+from ..prepare import FP8Forward, is_prepared
+from ..recipe import DelayedScaling, Format
+from . import require
+
+_protocols = require("torchtitan.protocols.model", "torchtitan", "fp8train.integrations.torchtitan")
+_TitanLinear = require(
+    "torchtitan.models.common.linear", "torchtitan", "fp8train.integrations.torchtitan"
+).Linear
+
+__all__ = ["FP8TrainConverter", "FP8Linear", "converted_fqns"]
+
+
+class FP8Linear(FP8Module, _TitanLinear):
+    """torchtitan's Linear (its parameters, names, initialisation and parallelize hooks) with fp8train's
+    FP8 GEMMs inside an FP8 region; outside one it computes exactly as torchtitan's Linear."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_TitanLinear.Config):
+        fsdp_fp8_all_gather: bool = False
+
+    def __init__(self, config: Config) -> None:
+        _TitanLinear.__init__(self, config)  # torch.nn.Linear's init, through torchtitan's
+        self.init_fp8_state()
+        if config.fsdp_fp8_all_gather:
+            wrap_for_fsdp(self.weight, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(self, x, self.weight, self.bias, 0, None)
+
+
+def _fp8_root(config_cls: type, recipe: DelayedScaling) -> type:
+    """A subclass of the root config class whose build() returns the model with its forward in one FP8
+    region under `recipe`: a subclass, so every isinstance check and method of torchtitan's trainer
+    still applies, and `dataclasses.replace` of it keeps the recipe (a class attribute: slots)."""
+
+    class FP8Root(config_cls):
+        __slots__ = ()
+        fp8_recipe: ClassVar[DelayedScaling] = recipe
+
+        def build(self, **kwargs: Any):
+            model = config_cls.build(self, **kwargs)
+            if not is_prepared(model):
+                model.forward = FP8Forward(model, self.fp8_recipe, None)
+            return model
+
+    FP8Root.__name__ = FP8Root.__qualname__ = "FP8" + config_cls.__qualname__.replace(".", "")
+    return FP8Root
+
+
+class FP8TrainConverter(_protocols.ModelConfigConverter):
+    """Delayed-scaling FP8 training with fp8train (asynchronous amax reduction, FP8 FSDP2 gathers)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_protocols.ModelConfigConverter.Config):
+        filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
+        """Linear layers whose name contains any of these stay in high precision (the output head by
+        default); layers with a dimension that is not a multiple of 16 always do."""
+
+        amax_history_len: int = 1024
+        amax_compute_algo: str = "max"
+        margin: int = 0
+        fp8_format: str = "HYBRID"
+        """"HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3"."""
+
+        fsdp_fp8_all_gather: bool = False
+        """FSDP2 all-gathers the converted weights as FP8 (1 byte per value) inside the region."""
+
+    def __init__(self, config: Config) -> None:
+        if config.fp8_format not in ("HYBRID", "E4M3"):
+            raise ValueError(f'fp8_format must be "HYBRID" or "E4M3", got {config.fp8_format!r}')
+        self.config = config
+        self.recipe = DelayedScaling(
+            fp8_format=getattr(Format, config.fp8_format),
+            margin=config.margin,
+            amax_history_len=config.amax_history_len,
+            amax_compute_algo=config.amax_compute_algo,
+        )
+
+    def keeps(self, fqn: str, in_features: int, out_features: int) -> bool:
+        """Whether the linear layer `fqn` is converted."""
+        return fp8_compatible(in_features, out_features) and not any(
+            f in fqn for f in self.config.filter_fqns
+        )
+
+    def convert(self, model_config: Any) -> Any:
+        if hasattr(type(model_config), "fp8_recipe"):
+            raise ValueError(
+                "this model config has been converted by FP8TrainConverter already: list it once"
+            )
+        converted = 0
+        for fqn, linear, parent, attr in list(model_config.traverse(_TitanLinear.Config)):
+            if isinstance(linear, FP8Linear.Config) or not self.keeps(
+                fqn, linear.in_features, linear.out_features
+            ):
+                continue
+            new = FP8Linear.Config(
+                in_features=linear.in_features,
+                out_features=linear.out_features,
+                bias=linear.bias,
+                param_init=linear.param_init,
+                sharding_config=linear.sharding_config,
+                fsdp_fp8_all_gather=self.config.fsdp_fp8_all_gather,
+            )
+            if parent is None:
+                raise ValueError("FP8TrainConverter converts models, not a bare Linear config")
+            if isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+            converted += 1
+        if converted == 0:
+            raise ValueError(
+                "FP8TrainConverter found no Linear to convert: every one is filtered (filter_fqns="
+                f"{self.config.filter_fqns}) or has a dimension that is not a multiple of 16"
+            )
+        root_cls = _fp8_root(type(model_config), self.recipe)
+        return root_cls(**{f.name: getattr(model_config, f.name) for f in fields(model_config) if f.init})
+
+
+def converted_fqns(model: torch.nn.Module) -> list[str]:
+    """Names of the modules that train in FP8 (for logs and tests)."""
+    return [n for n, m in model.named_modules() if isinstance(m, FP8Module)]

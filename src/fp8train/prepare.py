@@ -1,0 +1,167 @@
+"""`fp8train.prepare`: one call that makes any model train in FP8 wherever it is called.
+
+It converts the linear layers (`convert_to_fp8`) and replaces `model.forward`, on the instance, by
+`FP8Forward`: the class's forward run inside one FP8 region (`fp8_autocast`) with the given recipe
+and amax group. Every loop, trainer or wrapper calls `model(...)`, hence `model.forward`, so each
+call is one region: one amax reduction per direction per call (per microbatch), launched when the
+region exits and when its backward pass ends, exactly as a hand-written `fp8_autocast` around the
+call gives (docs/design.md, section 3). Evaluation without grad trains no group and launches
+nothing.
+
+Why an instance attribute and not forward hooks: a pre/post hook pair cannot tell a forward that
+raised from one that returned (the post hook is not called, or called with `None`), and a region
+must know whether it failed. Why not a wrapper module: it would change every `state_dict` key and
+hide the model's own attributes from the trainers that read them. `FP8Forward` is an ordinary
+object holding the model and the settings, so the model still pickles and deep-copies (the copy
+gets its own `FP8Forward`, bound to the copy), and `inspect.signature(model.forward)` still shows
+the model's parameters (Hugging Face's Trainer drops dataset columns the forward does not take).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+
+from .convert import FilterFn, convert_to_fp8
+from .modules.base import FP8Module
+from .recipe import DelayedScaling, Recipe, check_recipe, quantization_of
+from .regions import Region, RegionSettings, enter_region, exit_region
+
+__all__ = ["prepare", "is_prepared", "FP8Forward", "first_and_last_linear_filter"]
+
+
+class FP8Forward:
+    """`model.forward` of a prepared model: the model class's forward inside one FP8 region."""
+
+    def __init__(self, module: torch.nn.Module, recipe: Recipe, group: Any) -> None:
+        self.module = module
+        self.recipe = recipe
+        self.group = group
+
+    @property
+    def __wrapped__(self) -> Callable:
+        """The model's own forward, bound: what `inspect.signature` and `functools` report. A property
+        (not stored), so that copies never hold a method bound to the original."""
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _forward_in_region(self, args, kwargs)
+
+    def __getstate__(self) -> dict:
+        # A process group does not pickle (and means nothing in another process): an unpickled copy
+        # reduces over the default group, the world. deepcopy keeps it (same process): __deepcopy__.
+        return {"module": self.module, "recipe": self.recipe, "group": None}
+
+    def __deepcopy__(self, memo: dict) -> FP8Forward:
+        return FP8Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.recipe, memo), self.group)
+
+    def __repr__(self) -> str:
+        return f"FP8Forward({type(self.module).__name__}.forward, recipe={self.recipe!r})"
+
+
+@torch.compiler.disable(recursive=False)
+def _forward_in_region(forward: FP8Forward, args: tuple, kwargs: dict) -> Any:
+    """`fp8_autocast` around the model's forward, written out so that under `torch.compile(model)`
+    the region's entry and exit run eagerly (they are not traceable) while the forward between them
+    is compiled as usual (this frame is skipped, not what it calls)."""
+    region = _enter(forward.recipe, forward.group)
+    try:
+        out = forward.__wrapped__(*args, **kwargs)
+    except BaseException:
+        _exit(region, True)
+        raise
+    _exit(region, False)
+    return out
+
+
+@torch.compiler.disable
+def _enter(recipe: Recipe, group: Any) -> Optional[Region]:
+    return enter_region(RegionSettings(True, False, recipe, quantization_of(recipe), group))
+
+
+@torch.compiler.disable
+def _exit(region: Optional[Region], failed: bool) -> None:
+    exit_region(region, failed)
+
+
+def is_prepared(model: torch.nn.Module) -> bool:
+    """Whether `fp8train.prepare` has been applied to this very module (not to a submodule)."""
+    return isinstance(getattr(model, "__dict__", {}).get("forward"), FP8Forward)
+
+
+def prepare(
+    model: torch.nn.Module,
+    recipe: Optional[Recipe] = None,
+    amax_reduction_group: Any = None,
+    filter_fn: Optional[FilterFn] = None,
+    fsdp_fp8_all_gather: bool = False,
+) -> torch.nn.Module:
+    """Convert `model`'s linear layers to FP8 modules and make every call of `model` one FP8 region.
+
+    After `model = fp8train.prepare(model)`, any loop, trainer or wrapper (DDP, FSDP2, torch.compile,
+    Hugging Face's Trainer, accelerate) that calls the model trains in FP8 under `recipe` (default
+    `DelayedScaling()`), reducing amaxes over `amax_reduction_group` (default: the world). Layers
+    whose shape FP8 GEMMs cannot take are kept in high precision (`convert.fp8_compatible`), and so
+    are those for which `filter_fn(module, fqn)` returns False (`first_and_last_linear_filter` keeps
+    the first and last linear layers, as accelerate's torchao backend does). The model is changed in
+    place and returned (as `convert_to_fp8`, a bare `torch.nn.Linear` is returned converted).
+    Preparing a model twice raises: a second region and conversion would change nothing but the
+    recipe, silently. A `transformers.PreTrainedModel` gives its FP8 state as a uint8 tensor
+    (`FP8Module.extra_state_as_tensor`), because `save_pretrained` writes safetensors.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fp8train.prepare takes a torch.nn.Module, got {type(model).__name__}")
+    if is_prepared(model):
+        raise ValueError(
+            f"this {type(model).__name__} has already been prepared by fp8train.prepare (its forward runs in "
+            "an FP8 region); prepare a model once, with the recipe and group it trains with"
+        )
+    if "forward" in model.__dict__:
+        raise ValueError(
+            f"this {type(model).__name__} has its own `forward` set on the instance (by a wrapper or a "
+            "patch); call fp8train.prepare before whatever replaced it"
+        )
+    recipe = DelayedScaling() if recipe is None else check_recipe(recipe, "recipe")
+    model = convert_to_fp8(model, filter_fn, recipe, fsdp_fp8_all_gather)
+    if not any(isinstance(m, FP8Module) for m in model.modules()):
+        raise ValueError(
+            f"fp8train.prepare found no layer to train in FP8 in this {type(model).__name__}: no "
+            "torch.nn.Linear "
+            "(or transformers Conv1D) whose dimensions are multiples of 16 passed the filter"
+        )
+    if _is_transformers_model(model):
+        # save_pretrained (and so the Trainer's save_model and checkpoints) writes safetensors, which
+        # hold tensors only: FP8 state goes there as the same bytes in a uint8 tensor.
+        for module in model.modules():
+            if isinstance(module, FP8Module):
+                module.extra_state_as_tensor = True
+    model.forward = FP8Forward(model, recipe, amax_reduction_group)
+    return model
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    """A Hugging Face `transformers.PreTrainedModel`, told without importing transformers."""
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(model).__mro__
+    )
+
+
+def first_and_last_linear_filter(model: torch.nn.Module) -> FilterFn:
+    """A `filter_fn` that keeps the first and the last `torch.nn.Linear` of `model` (in module order)
+    in high precision: the usual choice for the layers nearest the data and the loss."""
+    names = [fqn for fqn, m in model.named_modules() if type(m) is torch.nn.Linear]
+    ends = {names[0], names[-1]} if names else set()
+    return _SkipNames(frozenset(ends))
+
+
+class _SkipNames:
+    """filter_fn(module, fqn) -> fqn not in names; a class so that it pickles."""
+
+    def __init__(self, names: frozenset) -> None:
+        self.names = names
+
+    def __call__(self, module: torch.nn.Module, fqn: str) -> bool:
+        return fqn not in self.names

@@ -1,0 +1,156 @@
+"""What the framework integration tests share: a tiny Llama, byte-level text, and a spy on the amax wire.
+
+The spy (`AmaxWire`) records every MAX all-reduce that fp8train issues (the amax collectives: DDP's
+and FSDP2's gradient collectives do not go through `torch.distributed.all_reduce`, and the frameworks'
+own metric reductions are SUM or gathers), with this rank's local buffer before the reduction and the
+reduced buffer after its wait. Gathered across ranks, that checks the reduced values are the
+elementwise MAX of what the ranks sent, and that the ranks sent different values (different data).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import fp8train
+from fp8train.tools.data import stdlib_text
+from fp8train.tools.ranks import AllReduceSpy
+
+SEQ = 32
+
+
+def tiny_llama(seed: int):
+    """LlamaForCausalLM from a config (no download): hidden 64, 2 layers, vocab 256 (bytes); every
+    GEMM dimension a multiple of 16, so every linear layer, lm_head included, converts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=SEQ,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+class ByteText(torch.utils.data.Dataset):
+    """Windows of the standard library's source, byte-level: offline, the same on every machine."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        text = stdlib_text(200_000)
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(text) - SEQ, (n,), generator=g)
+        self.windows = text[starts[:, None] + torch.arange(SEQ)]
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.windows[i], "labels": self.windows[i].clone()}
+
+
+def set_launcher_env(rank: int, world_size: int) -> None:
+    """What torchrun sets, so that accelerate / Lightning see this rank of an external launch (the
+    process group itself is already initialised by run_ranks, and they reuse it)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
+        TORCHELASTIC_RUN_ID="fp8train-test",
+    )
+
+
+class _RecordingWork:
+    def __init__(self, work: Any, done) -> None:
+        self.work, self.done = work, done
+
+    def wait(self, timeout=None) -> bool:
+        self.work.wait()
+        self.done()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+class AmaxWire(AllReduceSpy):
+    """AllReduceSpy that keeps (local, reduced) of every MAX all-reduce: fp8train's amax collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[list[Optional[torch.Tensor]]] = []
+
+    @property
+    def amax_calls(self) -> int:
+        return len(self.records)
+
+    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+        if op != dist.ReduceOp.MAX:
+            return super()._all_reduce(tensor, op=op, group=group, async_op=async_op)
+        entry: list[Optional[torch.Tensor]] = [tensor.detach().clone(), None]
+        self.records.append(entry)
+
+        def done() -> None:
+            if entry[1] is None:
+                entry[1] = tensor.detach().clone()
+
+        work = super()._all_reduce(tensor, op=op, group=group, async_op=True)
+        if not async_op:
+            work.wait()
+            done()
+            return None
+        return _RecordingWork(work, done)
+
+
+def check_wire(records_per_rank: list[list]) -> None:
+    """Every amax collective: the same count on each rank, reduced == MAX of the ranks' local
+    buffers on every rank, and the local buffers of the ranks differed (different data) somewhere."""
+    counts = {len(r) for r in records_per_rank}
+    assert len(counts) == 1, f"ranks issued different numbers of amax collectives: {counts}"
+    differed = 0
+    for i in range(counts.pop()):
+        locals_ = torch.stack([r[i][0] for r in records_per_rank])
+        expected = locals_.max(dim=0).values
+        for rank, r in enumerate(records_per_rank):
+            assert r[i][1] is not None, f"rank {rank}: collective {i} was never waited on"
+            assert torch.equal(r[i][1], expected), f"collective {i}: rank {rank} did not get the MAX"
+        differed += int(not torch.equal(locals_[0], locals_[1]))
+    assert differed > 0, "the ranks sent identical amaxes: the test's data does not differ between ranks"
+
+
+def fp8_state(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Every FP8 module's amax histories and scales (both directions), by module name."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, fp8train.FP8Module):
+            out[name] = [
+                m.fp8_meta[k].__getattribute__(f).clone()
+                for k in ("scaling_fwd", "scaling_bwd")
+                for f in ("amax_history", "scale", "scale_inv")
+            ]
+    return out
+
+
+def assert_same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys() and a, what
+    for name in a:
+        for x, y in zip(a[name], b[name]):
+            assert torch.equal(x, y), f"{what}: {name} differs"
+
+
+def assert_trained(state: dict) -> None:
+    """FP8 casts really happened: every module's input and weight histories recorded amaxes."""
+    for name, (fwd_history, *_rest) in state.items():
+        assert fwd_history[0, :2].gt(0).all(), f"{name} recorded no input/weight amax"
