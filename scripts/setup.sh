@@ -9,3 +9,7 @@ python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/n
   || pip install -q torch==2.13.0
 python -c "import fp8train, pytest, hypothesis, matplotlib, tqdm, transformers, tensorboard, torchao, accelerate, safetensors, lightning" 2>/dev/null \
   || pip install -q -e ".[test,demo]"
+# torchtitan's CPU tests: its model package imports triton even on a CPU-only torch; its own
+# requirements (datasets, wandb, torchdata) serve only its trainer, so the pieces it imports are named
+python -c "import torchtitan.models.llama3" 2>/dev/null \
+  || pip install -q --no-deps torchtitan==0.3.0 triton==3.9.0 spmd_types==0.2.3 tyro docstring_parser typeguard einops

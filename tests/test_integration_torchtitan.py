@@ -2,9 +2,10 @@
 smallest flavour, "debugmodel"), on the CPU, in one process.
 
 torchtitan (0.3) runs more than one rank only on GPUs, and on a CPU-only torch its models package
-needs triton to import; where torchtitan cannot be imported these tests are skipped (the
-`torchtitan` extra is not part of the `test` extra: it pulls datasets, wandb and triton). The GPU
-recipe is in docs/guide.md. What is checked here:
+needs triton to import. scripts/setup.sh installs torchtitan with the packages its models import
+(triton included) and without those of its trainer (datasets, wandb), so the tests below run in
+the suite; only the last (torchtitan's ConfigManager, which imports its data loading) skips there.
+The GPU recipe is in docs/guide.md. What is checked here:
 
 - config level: every eligible `Linear.Config` (30 in debugmodel) becomes an `FP8Linear.Config`,
   the output head (`lm_head`) stays torchtitan's Linear, the root is still an instance of its own
