@@ -37,9 +37,10 @@ class Counter:
         self._restore = [(name, getattr(dist, name)), ("all_reduce", dist.all_reduce)]
         gather, all_reduce = self._restore[0][1], dist.all_reduce
 
-        def counted_gather(output, input, *args, **kwargs):
+        def counted_gather(*args, **kwargs):  # FSDP2 passes the tensors by keyword in torch 2.6
+            input = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
             self.gathers.append((input.numel() * input.element_size(), input.dtype))
-            return gather(output, input, *args, **kwargs)
+            return gather(*args, **kwargs)
 
         def counted_all_reduce(*args, **kwargs):
             self.all_reduces += 1
