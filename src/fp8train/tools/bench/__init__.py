@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -24,6 +24,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests and smoke runs")
     parser.add_argument("--latencies-ms", default="0,5,20,50", help="injected amax-collective latencies")
     parser.add_argument("--steps", type=int, default=None, help="steps per reduction-benchmark mode")
+    parser.add_argument("--ranks", default=None, help="scale: rank counts (default 2,4,8; --quick 2,4)")
     args = parser.parse_args(argv)
     suites = SUITES if "all" in args.suites else tuple(args.suites)
     import torch
@@ -72,6 +73,8 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return fsdp_gather.run(hidden=32, ffn=64, blocks=1, tokens=16, steps=2)
         return fsdp_gather.run()
+    if suite == "scale":
+        return _scale(args)
     if suite == "gpu":
         from . import gpu
 
@@ -82,6 +85,26 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         print("\n== gpu: skipped (no CUDA device); `fp8train bench gpu --quick` runs a tiny CPU check")
         return None
     raise AssertionError(suite)
+
+
+def _scale(args) -> dict:
+    """Saves scale.png beside the JSON; the printed table is the measured one, then the model's."""
+    import os
+
+    from . import scale
+
+    if args.quick:
+        ranks = (2, 4)
+        cfg = scale.Config(micro=(1, 4), latencies_s=(0.001,), steps=args.steps or 2, rounds=1)
+        fit = {"ranks": (2,), "micro": 4, "latency_ms": 1.0}
+    else:
+        ranks, cfg, fit = (2, 4, 8), scale.Config(steps=args.steps or scale.Config.steps), scale.FIT
+    if args.ranks:
+        ranks = tuple(int(v) for v in args.ranks.split(","))
+    os.makedirs(args.out, exist_ok=True)
+    result = scale.run(ranks, cfg, fit, plot_path=os.path.join(args.out, "scale.png"))
+    print(scale.report(result))
+    return result
 
 
 if __name__ == "__main__":
