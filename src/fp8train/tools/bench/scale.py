@@ -20,6 +20,7 @@ the points it was not calibrated on and then evaluated at 8 to 4,096 GPUs with N
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import statistics
@@ -45,18 +46,18 @@ class Config:
     pass, before it ends) and the optimizer step."""
 
     micro: tuple = (1, 4, 16)
-    latencies_s: tuple = (0.001, 0.004)
-    forward_s: float = 0.003
-    backward_s: float = 0.005
-    optimizer_s: float = 0.003
-    skew_s: float = 0.001  # mean of the exponential extra forward time per rank and microbatch
-    steps: int = 12  # measured steps per configuration, in `rounds` interleaved rounds
+    latencies_s: tuple = (0.004, 0.016)
+    forward_s: float = 0.012
+    backward_s: float = 0.020
+    optimizer_s: float = 0.012
+    skew_s: float = 0.004  # mean of the exponential extra forward time per rank and microbatch
+    steps: int = 6  # measured steps per configuration, in `rounds` interleaved rounds
     rounds: int = 2
     seed: int = 0
 
 
 # configurations the model is calibrated on; every other measured point is held out
-FIT = {"ranks": (2, 8), "micro": 4, "latency_ms": 1.0}
+FIT = {"ranks": (2, 8), "micro": 4, "latency_ms": 4.0}
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -234,41 +235,59 @@ def is_fit_point(row: dict, fit: dict = FIT) -> bool:
     )
 
 
-def calibrate(rows: list[dict], fit_points: dict = FIT) -> Workload:
-    """The model's inputs, from the calibration points only: the skew (a shifted exponential fitted
-    to the measured forward times by moments: its mean is their standard deviation; only the spread
-    matters, the gaps between ranks), the overlap windows (means) and the per-collective overhead
-    (from the blocking points, where it enters linearly)."""
-    fit = [r for r in rows if is_fit_point(r, fit_points)]
-    if not fit:
-        raise ValueError("no calibration points among the rows")
-    samples = []
-    for r in fit:
-        for rank in r["compute_s"]:
-            samples += [t for step in rank for t in step]
-    skew = statistics.pstdev(samples)
-    windows = {}
-    for mode in ("async", "async-step"):
-        mine = [r for r in fit if r["mode"] == mode]
-        keys = ("fwd_in", "fwd_across", "bwd_in", "bwd_across")
-        windows[mode] = tuple(_mean([r["windows_ms"][k] for r in mine]) or 0.0 for k in keys)
-        windows[mode] = tuple(1e-3 * v for v in windows[mode])
-    overheads = []
-    for r in fit:
-        if r["mode"] == "blocking":
-            per_region = 1e-3 * r["exposed_ms"] / r["M"]
-            latency = 1e-3 * r["latency_ms"]
-            overheads.append((per_region - scale_model.expected_gap(r["ranks"], skew) - 2 * latency) / 2)
-    return Workload(skew_s=skew, overhead_s=max(0.0, statistics.fmean(overheads)), windows=windows)
+def skew_of(rows: list[dict]) -> float:
+    """The skew's scale, measured: a shifted exponential fitted by moments to the rows' forward
+    times per rank and microbatch (its mean above the shift is their standard deviation; only the
+    spread matters, the gaps between ranks)."""
+    samples = [t for r in rows for rank in r["compute_s"] for step in rank for t in step]
+    return statistics.pstdev(samples)
 
 
-def check(rows: list[dict], workload: Workload, fit_points: dict = FIT) -> list[dict]:
+def _windows(row: dict) -> tuple:
+    keys = ("fwd_in", "fwd_across", "bwd_in", "bwd_across")
+    return tuple(1e-3 * (row["windows_ms"][k] or 0.0) for k in keys)
+
+
+def calibrate(rows: list[dict], fit_points: dict = FIT) -> dict:
+    """The model's one fitted quantity, from the calibration points' blocking exposure only: the cost
+    of a collective beyond its injected latency, overhead(N) = a + b log2 N (gloo, Python and the
+    wake-ups of processes sharing 2 cores; two calibration rank counts fix a and b). It enters the
+    blocking exposure linearly: per region, E[Delta_N] + 2 (latency + overhead)."""
+    fit = [r for r in rows if is_fit_point(r, fit_points) and r["mode"] == "blocking"]
+    if len({r["ranks"] for r in fit}) < 2:
+        raise ValueError("calibration needs blocking points at two rank counts")
+    points = []
+    for r in fit:
+        skew = skew_of([q for q in rows if q["ranks"] == r["ranks"]])
+        per_region = 1e-3 * r["exposed_ms"] / r["M"]
+        overhead = (per_region - scale_model.expected_gap(r["ranks"], skew)) / 2 - 1e-3 * r["latency_ms"]
+        points.append((math.log2(r["ranks"]), overhead))
+    (x0, y0), (x1, y1) = min(points), max(points)
+    b = (y1 - y0) / (x1 - x0)
+    return {"overhead_a_s": y0 - b * x0, "overhead_b_s": b}
+
+
+def workload_for(row: dict, rows: list[dict], fitted: dict) -> Workload:
+    """The model's inputs at one measured point: the fitted overhead at its rank count, the skew
+    measured at its rank count (all its configurations' forward times: an input, not its exposure)
+    and the overlap windows measured at that point."""
+    overhead = fitted["overhead_a_s"] + fitted["overhead_b_s"] * math.log2(row["ranks"])
+    same = [
+        r
+        for r in rows
+        if r["ranks"] == row["ranks"] and r["M"] == row["M"] and r["latency_ms"] == row["latency_ms"]
+    ]
+    windows = {r["mode"]: _windows(r) for r in same if r["mode"] != "blocking"}
+    skew = skew_of([r for r in rows if r["ranks"] == row["ranks"]])
+    return Workload(skew_s=skew, overhead_s=max(0.0, overhead), windows=windows)
+
+
+def check(rows: list[dict], fitted: dict, fit_points: dict = FIT) -> list[dict]:
     """Measured against modelled, every point, with whether it was a calibration point."""
     out = []
     for r in rows:
-        model = 1e3 * scale_model.exposed_per_step(
-            r["mode"], r["M"], r["ranks"], 1e-3 * r["latency_ms"], workload
-        )
+        w = workload_for(r, rows, fitted)
+        model = 1e3 * scale_model.exposed_per_step(r["mode"], r["M"], r["ranks"], 1e-3 * r["latency_ms"], w)
         out.append(
             {
                 "ranks": r["ranks"],
@@ -279,14 +298,27 @@ def check(rows: list[dict], workload: Workload, fit_points: dict = FIT) -> list[
                 "model_ms": model,
                 "rel_error": (model - r["exposed_ms"]) / r["exposed_ms"] if r["exposed_ms"] > 0 else None,
                 "fitted": is_fit_point(r, fit_points),
+                "skew_ms": 1e3 * w.skew_s,
+                "overhead_ms": 1e3 * w.overhead_s,
             }
         )
     return out
 
 
-def extrapolate(workload: Workload, gpus=tuple(2**k for k in range(3, 13)), micro=(1, 4, 16)) -> list[dict]:
-    """The modelled curve with NCCL's latency and no CPU overhead, the measured skew and windows."""
-    gpu = Workload(skew_s=workload.skew_s, overhead_s=0.0, windows=workload.windows)
+def gpu_workload(rows: list[dict]) -> Workload:
+    """For the GPU curve: the skew and windows measured at the smallest rank count and latency (the
+    least CPU contention on this box), no CPU overhead (NCCL's figure is the whole collective)."""
+    ranks, latency = min(r["ranks"] for r in rows), min(r["latency_ms"] for r in rows)
+    base = [r for r in rows if r["ranks"] == ranks and r["latency_ms"] == latency and r["M"] > 1]
+    windows = {}
+    for mode in ("async", "async-step"):
+        mine = [_windows(r) for r in base if r["mode"] == mode]
+        windows[mode] = tuple(statistics.fmean(w[i] for w in mine) for i in range(4))
+    return Workload(skew_s=skew_of([r for r in rows if r["ranks"] == ranks]), overhead_s=0.0, windows=windows)
+
+
+def extrapolate(gpu: Workload, gpus=tuple(2**k for k in range(3, 13)), micro=(1, 4, 16)) -> list[dict]:
+    """The modelled curve with NCCL's latency at each GPU count."""
     return [
         {
             "gpus": n,
@@ -346,20 +378,25 @@ def run(
     ranks=(2, 4, 8), cfg: Config = Config(), fit_points: dict = FIT, plot_path: str | None = None
 ) -> dict:
     rows = measure(ranks, cfg)
-    workload = calibrate(rows, fit_points)
-    checked = check(rows, workload, fit_points)
-    curve = extrapolate(workload)
+    fitted = calibrate(rows, fit_points)
+    checked = check(rows, fitted, fit_points)
+    gpu = gpu_workload(rows)
+    curve = extrapolate(gpu)
     if plot_path:
         plot(rows, curve, plot_path)
     table = [{k: v for k, v in r.items() if k not in ("compute_s", "windows_ms")} for r in rows]
     return {
         "config": asdict(cfg),
         "fit_points": fit_points,
-        "workload": {
-            "skew_ms": 1e3 * workload.skew_s,
-            "overhead_ms": 1e3 * workload.overhead_s,
-            "windows_ms": {k: [1e3 * v for v in w] for k, w in workload.windows.items()},
+        "fitted": {
+            "overhead_a_ms": 1e3 * fitted["overhead_a_s"],
+            "overhead_b_ms": 1e3 * fitted["overhead_b_s"],
         },
+        "gpu_workload": {
+            "skew_ms": 1e3 * gpu.skew_s,
+            "windows_ms": {k: [1e3 * v for v in w] for k, w in gpu.windows.items()},
+        },
+        "skew_ms_by_ranks": {n: 1e3 * skew_of([r for r in rows if r["ranks"] == n]) for n in ranks},
         "rows": table,
         "measured": rows,
         "model_check": checked,
@@ -372,10 +409,13 @@ def report(result: dict) -> str:
     """The model's inputs, measured vs modelled on every point (held-out ones marked), the curve."""
     from .common import table
 
-    w = result["workload"]
+    f, g = result["fitted"], result["gpu_workload"]
     lines = [
-        f"model inputs (calibrated on {result['fit_points']}): skew mean {w['skew_ms']:.3f} ms, "
-        f"overhead per collective {w['overhead_ms']:.3f} ms, windows ms {w['windows_ms']}",
+        f"fitted on {result['fit_points']} (blocking): overhead per collective = {f['overhead_a_ms']:.3f} + "
+        f"{f['overhead_b_ms']:.3f} log2(N) ms; measured skew (exponential mean) by ranks, ms: "
+        + ", ".join(f"{n}: {v:.3f}" for n, v in result["skew_ms_by_ranks"].items()),
+        f"GPU curve inputs: skew {g['skew_ms']:.3f} ms, windows ms (fwd in, fwd across, bwd in, bwd across) "
+        + str({k: [round(v, 2) for v in w] for k, w in g["windows_ms"].items()}),
         "",
         "measured vs model (exposed ms per step; held out = not a calibration point):",
         table(
