@@ -131,7 +131,7 @@ def _workload():
     from fp8train.tools.bench.scale_model import Workload
 
     windows = {"async": (5e-3, 9e-3, 4e-3, 9e-3), "async-step": (0.0, 3e-3, 0.0, 7e-3)}
-    return Workload(skew_s=1e-3, overhead_s=0.0, windows=windows)
+    return Workload(skew=1e-3, overhead_s=0.0, windows=windows)
 
 
 def test_the_model_orders_the_modes_and_grows_with_ranks() -> None:

@@ -95,8 +95,8 @@ def _scale(args) -> dict:
 
     if args.quick:
         ranks = (2, 4)
-        cfg = scale.Config(micro=(1, 4), latencies_s=(0.004,), steps=args.steps or 2, rounds=1)
-        fit = {"ranks": (2, 4), "micro": 4, "latency_ms": 4.0}
+        cfg = scale.Config(micro=(1, 4), latencies_s=(0.003,), steps=args.steps or 2, rounds=1)
+        fit = {"ranks": (2, 4), "micro": 4, "latency_ms": 3.0}
     else:
         ranks, cfg, fit = (2, 4, 8), scale.Config(steps=args.steps or scale.Config.steps), scale.FIT
     if args.ranks:

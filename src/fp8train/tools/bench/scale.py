@@ -20,7 +20,6 @@ the points it was not calibrated on and then evaluated at 8 to 4,096 GPUs with N
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import statistics
@@ -34,7 +33,7 @@ import fp8train as ft
 
 from ..ranks import AllReduceSpy, run_ranks
 from . import scale_model
-from .scale_model import MODES, Workload
+from .scale_model import MODES, MeasuredSkew, Workload
 
 LABELS = {"blocking": "blocking per region", "async": "async per region", "async-step": "async per step"}
 ENV = "NVTE_ASYNC_AMAX_REDUCTION"
@@ -46,18 +45,18 @@ class Config:
     pass, before it ends) and the optimizer step."""
 
     micro: tuple = (1, 4, 16)
-    latencies_s: tuple = (0.004, 0.016)
-    forward_s: float = 0.012
-    backward_s: float = 0.020
-    optimizer_s: float = 0.012
-    skew_s: float = 0.004  # mean of the exponential extra forward time per rank and microbatch
+    latencies_s: tuple = (0.003, 0.012)
+    forward_s: float = 0.008
+    backward_s: float = 0.012
+    optimizer_s: float = 0.008
+    skew_s: float = 0.003  # mean of the exponential extra forward time per rank and microbatch
     steps: int = 6  # measured steps per configuration, in `rounds` interleaved rounds
     rounds: int = 2
     seed: int = 0
 
 
 # configurations the model is calibrated on; every other measured point is held out
-FIT = {"ranks": (2, 8), "micro": 4, "latency_ms": 4.0}
+FIT = {"ranks": (2, 8), "micro": 4, "latency_ms": 3.0}
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -156,9 +155,25 @@ class _Run:
         }
 
 
+def _raw_collective_s(cfg: Config, repeats: int = 30) -> float:
+    """Mean time of a plain blocking gloo all-reduce of the amax wire's size (4,096 amaxes and the
+    header), the ranks arriving together after a forward's sleep: what one collective costs on this
+    machine before any injected latency (it grows with the ranks sharing 2 cores)."""
+    buffer = torch.zeros(4096 + 64)
+    times = []
+    for i in range(repeats):
+        if i % 10 == 0:
+            dist.barrier()
+        time.sleep(cfg.forward_s)
+        start = time.perf_counter()
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+        times.append(time.perf_counter() - start)
+    return statistics.fmean(times)
+
+
 def _rank(rank: int, world: int, cfg: Config) -> dict:
     torch.set_num_threads(1)
-    results = {}
+    results = {"raw_collective_s": _raw_collective_s(cfg)}
     for latency in cfg.latencies_s:
         spy = AllReduceSpy(latency_s=latency, latency_after="completion")
         spy.install()
@@ -205,6 +220,8 @@ def measure(ranks=(2, 4, 8), cfg: Config = Config()) -> list[dict]:
                             "step_ms": 1e3 * statistics.fmean(p["step_s"] for p in per),
                             "sync_ms": 1e3 * statistics.fmean(p["sync_s_per_step"] for p in per),
                             "collectives_per_step": per[0]["launched_per_step"],
+                            "raw_collective_ms": 1e3
+                            * statistics.fmean(r["raw_collective_s"] for r in by_rank),
                             "windows_ms": {k: None if v is None else 1e3 * v for k, v in windows.items()},
                             "gap_ms": 1e3 * _measured_gap([p["compute_s"] for p in per]),
                             "compute_s": [p["compute_s"] for p in per],
@@ -235,12 +252,15 @@ def is_fit_point(row: dict, fit: dict = FIT) -> bool:
     )
 
 
-def skew_of(rows: list[dict]) -> float:
-    """The skew's scale, measured: a shifted exponential fitted by moments to the rows' forward
-    times per rank and microbatch (its mean above the shift is their standard deviation; only the
-    spread matters, the gaps between ranks)."""
-    samples = [t for r in rows for rank in r["compute_s"] for step in rank for t in step]
-    return statistics.pstdev(samples)
+def skew_of(rows: list[dict]) -> MeasuredSkew:
+    """The skew, measured: the distribution of the rows' forward times per rank and microbatch (an
+    empirical body and an exponential tail; only its spread matters, the gaps between ranks)."""
+    return MeasuredSkew([t for r in rows for rank in r["compute_s"] for step in rank for t in step])
+
+
+def describe(skew: MeasuredSkew) -> dict:
+    q = skew.quantile(torch.tensor([0.5], dtype=torch.float64))
+    return {"median_ms": 1e3 * float(q[0]), "p90_ms": 1e3 * skew.u, "tail_mean_excess_ms": 1e3 * skew.tail}
 
 
 def _windows(row: dict) -> tuple:
@@ -249,10 +269,12 @@ def _windows(row: dict) -> tuple:
 
 
 def calibrate(rows: list[dict], fit_points: dict = FIT) -> dict:
-    """The model's one fitted quantity, from the calibration points' blocking exposure only: the cost
-    of a collective beyond its injected latency, overhead(N) = a + b log2 N (gloo, Python and the
-    wake-ups of processes sharing 2 cores; two calibration rank counts fix a and b). It enters the
-    blocking exposure linearly: per region, E[Delta_N] + 2 (latency + overhead)."""
+    """The model's fitted quantities, from the calibration points' blocking exposure only: what a
+    collective costs beyond its injected latency, overhead(N) = a + b g(N), with g(N) the measured
+    cost of a plain gloo all-reduce on N ranks (raw_collective_ms: on this box, gloo's sequential
+    hops, each a wake-up of a process sharing 2 cores) and a the per-collective work of fp8train's
+    blocking path. Two calibration rank counts fix a and b; the overhead enters the blocking exposure
+    linearly: per region, E[Delta_N] + 2 (latency + overhead)."""
     fit = [r for r in rows if is_fit_point(r, fit_points) and r["mode"] == "blocking"]
     if len({r["ranks"] for r in fit}) < 2:
         raise ValueError("calibration needs blocking points at two rank counts")
@@ -261,17 +283,17 @@ def calibrate(rows: list[dict], fit_points: dict = FIT) -> dict:
         skew = skew_of([q for q in rows if q["ranks"] == r["ranks"]])
         per_region = 1e-3 * r["exposed_ms"] / r["M"]
         overhead = (per_region - scale_model.expected_gap(r["ranks"], skew)) / 2 - 1e-3 * r["latency_ms"]
-        points.append((math.log2(r["ranks"]), overhead))
+        points.append((1e-3 * r["raw_collective_ms"], overhead))
     (x0, y0), (x1, y1) = min(points), max(points)
-    b = (y1 - y0) / (x1 - x0)
-    return {"overhead_a_s": y0 - b * x0, "overhead_b_s": b}
+    b = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+    return {"overhead_a_s": y0 - b * x0, "overhead_b": b}
 
 
 def workload_for(row: dict, rows: list[dict], fitted: dict) -> Workload:
     """The model's inputs at one measured point: the fitted overhead at its rank count, the skew
     measured at its rank count (all its configurations' forward times: an input, not its exposure)
     and the overlap windows measured at that point."""
-    overhead = fitted["overhead_a_s"] + fitted["overhead_b_s"] * math.log2(row["ranks"])
+    overhead = fitted["overhead_a_s"] + fitted["overhead_b"] * 1e-3 * row["raw_collective_ms"]
     same = [
         r
         for r in rows
@@ -279,7 +301,7 @@ def workload_for(row: dict, rows: list[dict], fitted: dict) -> Workload:
     ]
     windows = {r["mode"]: _windows(r) for r in same if r["mode"] != "blocking"}
     skew = skew_of([r for r in rows if r["ranks"] == row["ranks"]])
-    return Workload(skew_s=skew, overhead_s=max(0.0, overhead), windows=windows)
+    return Workload(skew=skew, overhead_s=max(0.0, overhead), windows=windows)
 
 
 def check(rows: list[dict], fitted: dict, fit_points: dict = FIT) -> list[dict]:
@@ -298,7 +320,6 @@ def check(rows: list[dict], fitted: dict, fit_points: dict = FIT) -> list[dict]:
                 "model_ms": model,
                 "rel_error": (model - r["exposed_ms"]) / r["exposed_ms"] if r["exposed_ms"] > 0 else None,
                 "fitted": is_fit_point(r, fit_points),
-                "skew_ms": 1e3 * w.skew_s,
                 "overhead_ms": 1e3 * w.overhead_s,
             }
         )
@@ -314,7 +335,7 @@ def gpu_workload(rows: list[dict]) -> Workload:
     for mode in ("async", "async-step"):
         mine = [_windows(r) for r in base if r["mode"] == mode]
         windows[mode] = tuple(statistics.fmean(w[i] for w in mine) for i in range(4))
-    return Workload(skew_s=skew_of([r for r in rows if r["ranks"] == ranks]), overhead_s=0.0, windows=windows)
+    return Workload(skew=skew_of([r for r in rows if r["ranks"] == ranks]), overhead_s=0.0, windows=windows)
 
 
 def extrapolate(gpu: Workload, gpus=tuple(2**k for k in range(3, 13)), micro=(1, 4, 16)) -> list[dict]:
@@ -377,7 +398,12 @@ def plot(rows: list[dict], curve: list[dict], path: str) -> str:
 def run(
     ranks=(2, 4, 8), cfg: Config = Config(), fit_points: dict = FIT, plot_path: str | None = None
 ) -> dict:
-    rows = measure(ranks, cfg)
+    return analyse(measure(ranks, cfg), cfg, fit_points, plot_path)
+
+
+def analyse(rows: list[dict], cfg: Config, fit_points: dict = FIT, plot_path: str | None = None) -> dict:
+    """Calibrate on `fit_points`, check every measured point, extend to GPUs, plot; the JSON's body."""
+    ranks = sorted({r["ranks"] for r in rows})
     fitted = calibrate(rows, fit_points)
     checked = check(rows, fitted, fit_points)
     gpu = gpu_workload(rows)
@@ -388,15 +414,15 @@ def run(
     return {
         "config": asdict(cfg),
         "fit_points": fit_points,
-        "fitted": {
-            "overhead_a_ms": 1e3 * fitted["overhead_a_s"],
-            "overhead_b_ms": 1e3 * fitted["overhead_b_s"],
+        "fitted": {"overhead_a_ms": 1e3 * fitted["overhead_a_s"], "overhead_b": fitted["overhead_b"]},
+        "raw_collective_ms_by_ranks": {
+            n: next(r["raw_collective_ms"] for r in rows if r["ranks"] == n) for n in ranks
         },
         "gpu_workload": {
-            "skew_ms": 1e3 * gpu.skew_s,
+            "skew": describe(gpu.skew),
             "windows_ms": {k: [1e3 * v for v in w] for k, w in gpu.windows.items()},
         },
-        "skew_ms_by_ranks": {n: 1e3 * skew_of([r for r in rows if r["ranks"] == n]) for n in ranks},
+        "skew_by_ranks": {n: describe(skew_of([r for r in rows if r["ranks"] == n])) for n in ranks},
         "rows": table,
         "measured": rows,
         "model_check": checked,
@@ -410,11 +436,15 @@ def report(result: dict) -> str:
     from .common import table
 
     f, g = result["fitted"], result["gpu_workload"]
+    raw = ", ".join(f"{n}: {v:.2f}" for n, v in result["raw_collective_ms_by_ranks"].items())
+    skews = "; ".join(
+        f"{n}: " + ", ".join(f"{v:.2f}" for v in d.values()) for n, d in result["skew_by_ranks"].items()
+    )
     lines = [
-        f"fitted on {result['fit_points']} (blocking): overhead per collective = {f['overhead_a_ms']:.3f} + "
-        f"{f['overhead_b_ms']:.3f} log2(N) ms; measured skew (exponential mean) by ranks, ms: "
-        + ", ".join(f"{n}: {v:.3f}" for n, v in result["skew_ms_by_ranks"].items()),
-        f"GPU curve inputs: skew {g['skew_ms']:.3f} ms, windows ms (fwd in, fwd across, bwd in, bwd across) "
+        f"fitted on {result['fit_points']} (blocking): overhead per collective = "
+        f"{f['overhead_a_ms']:.3f} ms + {f['overhead_b']:.3f} x the raw gloo all-reduce ({raw} ms)",
+        f"measured forward times by ranks (median, p90, tail mean excess), ms: {skews}",
+        f"GPU curve inputs: skew {g['skew']}, windows ms (fwd in, fwd across, bwd in, bwd across) "
         + str({k: [round(v, 2) for v in w] for k, w in g["windows_ms"].items()}),
         "",
         "measured vs model (exposed ms per step; held out = not a calibration point):",

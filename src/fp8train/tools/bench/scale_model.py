@@ -1,18 +1,21 @@
 """A model of the amax reduction's exposed time per optimizer step, as ranks grow (docs/benchmarks.md).
 
-Pure arithmetic (the standard library only), so that it can be unit-tested and evaluated at 4,096
-GPUs. `fp8train bench scale` (scale.py) measures the inputs on up to 8 gloo ranks and checks the
-model against the measured points it was not calibrated on.
+Pure arithmetic (the standard library, and torch for the measured distribution's integrals), so that
+it can be unit-tested and evaluated at 4,096 GPUs. `fp8train bench scale` (scale.py) measures the
+inputs on up to 8 gloo ranks and checks the model against the measured points it was not
+calibrated on.
 
 Assumptions, stated once here and in docs/benchmarks.md:
 
 - Latency per collective on GPUs: NCCL's tuner figures for a small all-reduce with the tree
   algorithm at 8 GPUs per node, about 15 us on 8 GPUs (one node) and 105 us on 4,096, linear in
   log N between them (a tree's depth grows with log N); below 8 GPUs the 8-GPU figure.
-- Skew: each rank's compute time per microbatch region varies independently across ranks and
-  regions by an exponential draw of mean `skew_s` (the measured distribution's fit). A rank of a
-  blocking reduction waits for the slowest of N ranks at every region; the gap between the slowest
-  and a given rank is Delta_N = max(D_1..D_N) - D_own.
+- Skew: each rank's compute time per microbatch region is an independent draw, across ranks and
+  regions, from one distribution: the measured one (`MeasuredSkew`: the measured forward times,
+  with an exponential tail fitted above their 90th percentile so that the max of 4,096 draws is
+  defined), or an exponential of mean `skew` seconds (a float). A rank of a blocking reduction
+  waits for the slowest of N ranks at every region; the gap between the slowest and a given rank
+  is Delta_N = max(D_1..D_N) - D_own.
 - Overlap windows (launch to first use) are properties of the workload, measured, and do not
   change with N. One synchronisation per optimizer step already exists (the data-parallel gradient
   all-reduce), so the per-step reduction and the reductions across a step boundary start with the
@@ -25,11 +28,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Union
+
+import torch
 
 __all__ = [
     "MODES",
     "NCCL_SMALL_ALLREDUCE",
     "Workload",
+    "MeasuredSkew",
     "nccl_latency_s",
     "gap_cdf",
     "expected_gap",
@@ -65,21 +72,76 @@ def gap_cdf(t: float, ranks: int, skew_s: float) -> float:
     return -math.expm1(ranks * math.log1p(-q)) / (ranks * q) if q < 1 else 1.0 / ranks
 
 
-def expected_gap(ranks: int, skew_s: float) -> float:
-    """E[Delta_N] = mu (H_N - 1): E[max of N exponentials] = mu H_N (Renyi), minus the own mean mu."""
-    return skew_s * (sum(1.0 / k for k in range(1, ranks + 1)) - 1.0)
+class MeasuredSkew:
+    """The measured distribution of a rank's compute time per region: the samples' empirical CDF up
+    to their 90th percentile u, above it an exponential tail of the samples' mean excess over u (the
+    peaks-over-threshold estimate), so that the max of many more draws than samples is defined."""
+
+    QUANTILES = 200  # the own draw D is integrated over this many quantiles
+
+    def __init__(self, samples: list) -> None:
+        if len(samples) < 20:
+            raise ValueError("MeasuredSkew needs at least 20 samples")
+        self.sorted = torch.tensor(sorted(samples), dtype=torch.float64)
+        k = len(samples)
+        self.u = float(self.sorted[int(0.9 * (k - 1))])
+        excess = self.sorted[self.sorted > self.u] - self.u
+        self.tail = max(float(excess.mean()), 1e-9) if len(excess) else 1e-9
+        self.tail_p = len(excess) / k
+        p = (torch.arange(self.QUANTILES, dtype=torch.float64) + 0.5) / self.QUANTILES
+        self.grid = self.quantile(p)
+
+    def cdf(self, x: torch.Tensor) -> torch.Tensor:
+        body = torch.searchsorted(self.sorted, x, right=True).double() / len(self.sorted)
+        tail = 1.0 - self.tail_p * torch.exp(-(x - self.u) / self.tail)
+        return torch.where(x > self.u, tail, body)
+
+    def quantile(self, p: torch.Tensor) -> torch.Tensor:
+        index = (p * len(self.sorted)).long().clamp(max=len(self.sorted) - 1)
+        tail = self.u - self.tail * torch.log((1.0 - p).clamp(min=1e-300) / self.tail_p)
+        return torch.where(p > 1.0 - self.tail_p, tail, self.sorted[index])
+
+    def scale(self) -> float:
+        """A length for integration spans: the spread of the body plus the tail's scale."""
+        return self.u - float(self.sorted[0]) + self.tail
+
+    def gap_survival(self, t: torch.Tensor, ranks: int) -> torch.Tensor:
+        """P(Delta_N > t) for each t >= 0: 1 - E_D[F(D + t)^(N - 1)] (the other N - 1 draws below D + t)."""
+        f = self.cdf(t[:, None] + self.grid[None, :])
+        return 1.0 - (f ** (ranks - 1)).mean(dim=1)
 
 
-def expected_excess(a: float, ranks: int, skew_s: float, steps: int = 4000) -> float:
+Skew = Union[float, MeasuredSkew]
+
+
+def _scale(skew: Skew) -> float:
+    return skew.scale() if isinstance(skew, MeasuredSkew) else skew
+
+
+def expected_gap(ranks: int, skew: Skew) -> float:
+    """E[Delta_N]. Exponential of mean mu: mu (H_N - 1) (E[max of N] = mu H_N, Renyi, minus the own
+    mean mu); measured: the integral of P(Delta_N > t)."""
+    if isinstance(skew, MeasuredSkew):
+        return expected_excess(0.0, ranks, skew)
+    return skew * (sum(1.0 / k for k in range(1, ranks + 1)) - 1.0)
+
+
+def expected_excess(a: float, ranks: int, skew: Skew, steps: int = 4000) -> float:
     """E[max(0, a + Delta_N)]: what a wait exposes when the collective is ready `a` after the wait
     starts if all ranks had arrived together (a = latency - window), and the slowest rank arrives
     Delta_N later. = max(a, 0) + integral over t >= max(0, -a) of P(Delta_N > t) (trapezoid)."""
-    if ranks == 1 or skew_s == 0:
+    scale = _scale(skew)
+    if ranks == 1 or scale == 0:
         return max(a, 0.0)
     start = max(0.0, -a)
-    span = 40.0 * skew_s + 2.0 * skew_s * math.log(ranks)  # P(Delta > start + span) is negligible
+    span = 40.0 * scale + 2.0 * scale * math.log(ranks)  # P(Delta > start + span) is negligible
+    if isinstance(skew, MeasuredSkew):
+        steps = min(steps, 1500)  # each point also integrates over the own draw
     h = span / steps
-    values = [1.0 - gap_cdf(start + i * h, ranks, skew_s) for i in range(steps + 1)]
+    if isinstance(skew, MeasuredSkew):
+        values = skew.gap_survival(start + h * torch.arange(steps + 1, dtype=torch.float64), ranks).tolist()
+    else:
+        values = [1.0 - gap_cdf(start + i * h, ranks, skew) for i in range(steps + 1)]
     return max(a, 0.0) + h * (sum(values) - 0.5 * (values[0] + values[-1]))
 
 
@@ -90,7 +152,7 @@ class Workload:
     windows[mode] = (fwd within a step, fwd across the step boundary, bwd within, bwd across):
     the time from a launch to its first use. Per-step mode uses only the across-boundary ones."""
 
-    skew_s: float
+    skew: Skew
     overhead_s: float = 0.0
     windows: dict = field(default_factory=dict)
 
@@ -113,9 +175,9 @@ def exposed_per_step(mode: str, micro: int, ranks: int, latency_s: float, w: Wor
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     c = latency_s + w.overhead_s
     if mode == "blocking":
-        return micro * (expected_gap(ranks, w.skew_s) + c) + micro * c
+        return micro * (expected_gap(ranks, w.skew) + c) + micro * c
     fwd_in, fwd_across, bwd_in, bwd_across = w.windows[mode]
     if mode == "async-step":
         return max(0.0, c - fwd_across) + max(0.0, c - bwd_across)
-    within = (micro - 1) * (expected_excess(c - fwd_in, ranks, w.skew_s) + max(0.0, c - bwd_in))
+    within = (micro - 1) * (expected_excess(c - fwd_in, ranks, w.skew) + max(0.0, c - bwd_in))
     return within + max(0.0, c - fwd_across) + max(0.0, c - bwd_across)
