@@ -20,6 +20,7 @@ the points it was not calibrated on and then evaluated at 8 to 4,096 GPUs with N
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import statistics
@@ -291,8 +292,8 @@ def calibrate(rows: list[dict], fit_points: dict = FIT) -> dict:
 
 def workload_for(row: dict, rows: list[dict], fitted: dict) -> Workload:
     """The model's inputs at one measured point: the fitted overhead at its rank count, the skew
-    measured at its rank count (all its configurations' forward times: an input, not its exposure)
-    and the overlap windows measured at that point."""
+    measured at its rank count (all its configurations' forward times: an input, not its exposure),
+    the overlap windows measured at that point and the microbatch period they imply."""
     overhead = fitted["overhead_a_s"] + fitted["overhead_b"] * 1e-3 * row["raw_collective_ms"]
     same = [
         r
@@ -300,8 +301,15 @@ def workload_for(row: dict, rows: list[dict], fitted: dict) -> Workload:
         if r["ranks"] == row["ranks"] and r["M"] == row["M"] and r["latency_ms"] == row["latency_ms"]
     ]
     windows = {r["mode"]: _windows(r) for r in same if r["mode"] != "blocking"}
-    skew = skew_of([r for r in rows if r["ranks"] == row["ranks"]])
-    return Workload(skew=skew, overhead_s=max(0.0, overhead), windows=windows)
+    samples = [r for r in rows if r["ranks"] == row["ranks"]]
+    skew = skew_of(samples)
+    # a microbatch without waits, measured where the loop has none within a step (per-step mode)
+    step = next((r for r in same if r["mode"] == "async-step"), None)
+    period = math.inf
+    if step is not None:
+        busy = step["step_ms"] - step["sync_ms"] - step["exposed_ms"]  # and the optimizer step, 1/M of it
+        period = 1e-3 * busy / row["M"]
+    return Workload(skew=skew, overhead_s=max(0.0, overhead), windows=windows, period_s=period)
 
 
 def check(rows: list[dict], fitted: dict, fit_points: dict = FIT) -> list[dict]:
@@ -354,42 +362,42 @@ def extrapolate(gpu: Workload, gpus=tuple(2**k for k in range(3, 13)), micro=(1,
     ]
 
 
-def plot(rows: list[dict], curve: list[dict], path: str) -> str:
-    """Measured (markers) and modelled (lines) exposed time per step against ranks, per M."""
+def plot(checked: list[dict], curve: list[dict], path: str) -> str:
+    """Left: measured (markers) and modelled (thin lines) exposed time per step against ranks at the
+    smallest injected latency; right: the model with NCCL's latency, 8 to 4,096 GPUs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     micro = sorted({r["M"] for r in curve})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=90)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), dpi=80)
     colors = {"blocking": "tab:red", "async": "tab:blue", "async-step": "tab:green"}
     styles = dict(zip(micro, ("-", "--", ":")))
-    latency = min(r["latency_ms"] for r in rows)
+    latency = min(r["latency_ms"] for r in checked)
     for mode in MODES:
         for m in micro:
-            pts = sorted(
-                (r["ranks"], r["exposed_ms"])
-                for r in rows
-                if r["mode"] == mode and r["M"] == m and r["latency_ms"] == latency
-            )
-            if pts:
-                axes[0].plot(
-                    *zip(*pts), marker="o", color=colors[mode], ls=styles[m], label=f"{LABELS[mode]}, M={m}"
-                )
+            mine = sorted((r["ranks"], r["measured_ms"], r["model_ms"]) for r in checked
+                          if r["mode"] == mode and r["M"] == m and r["latency_ms"] == latency)  # fmt: skip
+            if mine:
+                n, measured, model = zip(*mine)
+                axes[0].plot(n, measured, marker="o", ls="none", color=colors[mode])
+                axes[0].plot(n, model, lw=1, ls=styles[m], color=colors[mode])
             line = sorted((r["gpus"], r["model_ms"]) for r in curve if r["mode"] == mode and r["M"] == m)
             axes[1].plot(*zip(*line), color=colors[mode], ls=styles[m], label=f"{LABELS[mode]}, M={m}")
-    axes[0].set_title(f"measured: gloo, {latency:g} ms injected latency", fontsize=9)
+    axes[0].set_title(f"gloo, 2 cores: measured (dots), model (lines); {latency:g} ms latency", fontsize=9)
     axes[0].set_xlabel("ranks")
-    axes[1].set_title("model: NCCL latency (15-105 us), measured skew and windows", fontsize=9)
+    axes[0].set_xticks([2, 4, 8])
+    axes[1].set_title("model: NCCL latency 15-105 us, the skew and windows measured at 2 ranks", fontsize=9)
     axes[1].set_xlabel("GPUs")
     axes[1].set_xscale("log", base=2)
     for ax in axes:
-        ax.set_ylabel("exposed amax wait per step (ms)")
-        ax.set_yscale("symlog", linthresh=0.01)
+        ax.set_ylabel("exposed amax wait per optimizer step (ms)")
+        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, ncol=1, loc="upper left")
-    fig.tight_layout()
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -409,7 +417,7 @@ def analyse(rows: list[dict], cfg: Config, fit_points: dict = FIT, plot_path: st
     gpu = gpu_workload(rows)
     curve = extrapolate(gpu)
     if plot_path:
-        plot(rows, curve, plot_path)
+        plot(checked, curve, plot_path)
     table = [{k: v for k, v in r.items() if k not in ("compute_s", "windows_ms")} for r in rows]
     return {
         "config": asdict(cfg),

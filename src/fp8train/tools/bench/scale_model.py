@@ -22,6 +22,10 @@ Assumptions, stated once here and in docs/benchmarks.md:
   ranks aligned: skew never reaches them.
 - `overhead_s`: what a collective costs beyond its latency (fitted: on the CPU box, gloo and Python
   per wait; 0 for the GPU extrapolation, where NCCL's figure is the whole collective).
+- The collectives of one process group run one at a time, in launch order (gloo's work queue, one
+  NCCL communicator's stream): a collective launched behind another completes its cost c after
+  that one, and when a microbatch's two collectives need more channel time than the microbatch
+  takes (2c > its period), the asynchronous loop is throughput-bound and waits the difference.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def gap_cdf(t: float, ranks: int, skew_s: float) -> float:
     if ranks == 1 or skew_s == 0:
         return 1.0
     q = math.exp(-t / skew_s)
+    if q == 0.0:  # underflow: far in the tail
+        return 1.0
     return -math.expm1(ranks * math.log1p(-q)) / (ranks * q) if q < 1 else 1.0 / ranks
 
 
@@ -155,6 +161,7 @@ class Workload:
     skew: Skew
     overhead_s: float = 0.0
     windows: dict = field(default_factory=dict)
+    period_s: float = math.inf  # a microbatch's duration in the loop without waits (async per region)
 
 
 def exposed_per_step(mode: str, micro: int, ranks: int, latency_s: float, w: Workload) -> float:
@@ -166,10 +173,13 @@ def exposed_per_step(mode: str, micro: int, ranks: int, latency_s: float, w: Wor
       together.)
     - async (per region): a collective exposes only what its window W does not hide. Within a step
       the forward collective of region m is first needed at region m + 1, and the slowest rank
-      launched it Delta_N late: (M - 1) E[max(0, c + Delta_N - W_f)]; across the boundary, and for
-      the backward ones (whose ranks the forward waits aligned), max(0, c - W).
-    - async-step (per step): 2 collectives launched once per step after the gradient
-      synchronisation: max(0, c - W_fwd) + max(0, c - W_bwd), whatever M.
+      launched it Delta_N late: E[max(0, c + Delta_N - W_f)] + max(0, c - W_b) per microbatch after
+      the first, unless the channel is the bottleneck: then max(0, 2c - period) per microbatch (the
+      larger of the two). Across the step boundary (the ranks aligned by the gradient
+      synchronisation): max(0, c - W) for each direction.
+    - async-step (per step): 2 collectives launched back to back once per step after the gradient
+      synchronisation, the backward one behind the forward one: max(0, c - W_fwd) +
+      max(0, 2c - W_bwd), whatever M.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -178,6 +188,8 @@ def exposed_per_step(mode: str, micro: int, ranks: int, latency_s: float, w: Wor
         return micro * (expected_gap(ranks, w.skew) + c) + micro * c
     fwd_in, fwd_across, bwd_in, bwd_across = w.windows[mode]
     if mode == "async-step":
-        return max(0.0, c - fwd_across) + max(0.0, c - bwd_across)
-    within = (micro - 1) * (expected_excess(c - fwd_in, ranks, w.skew) + max(0.0, c - bwd_in))
+        return max(0.0, c - fwd_across) + max(0.0, 2 * c - bwd_across)
+    hidden_by_windows = expected_excess(c - fwd_in, ranks, w.skew) + max(0.0, c - bwd_in)
+    throughput = max(0.0, 2 * c - w.period_s)
+    within = (micro - 1) * max(hidden_by_windows, throughput)
     return within + max(0.0, c - fwd_across) + max(0.0, c - bwd_across)
