@@ -162,19 +162,28 @@ def test_the_model_orders_the_modes_and_grows_with_ranks() -> None:
 
 
 def test_the_model_reproduces_the_measured_points_it_was_not_fitted_on() -> None:
-    """The committed figures of `fp8train bench scale` (benchmarks/results/scale.json): calibrated
-    again on its calibration points only, the model must land within the stated tolerance of every
-    held-out point (docs/benchmarks.md): 35% or 1.5 ms per step, whichever is larger."""
+    """The committed figures of `fp8train bench scale` (benchmarks/results/scale.json), analysed
+    again: calibrated on its calibration points only, the model must meet the tolerance stated in
+    docs/benchmarks.md on the held-out points. Blocking (the full cost: latency, overhead and the
+    slowest rank): median relative error <= 15%, every point within 60%. Asynchronous modes (the
+    small remainder that the windows do not hide): within half of the blocking exposure at the same
+    point, i.e. the model tells what asynchronous reduction saves to that accuracy."""
     import pathlib
+    import statistics
 
     from fp8train.tools.bench import scale
 
     path = pathlib.Path(__file__).parent.parent / "benchmarks" / "results" / "scale.json"
     saved = json.loads(path.read_text())
+    cfg = scale.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"].items()})
     fit = {**saved["fit_points"], "ranks": tuple(saved["fit_points"]["ranks"])}
-    workload = scale.calibrate(saved["measured"], fit)
-    checked = scale.check(saved["measured"], workload, fit)
+    checked = scale.analyse(saved["measured"], cfg, fit)["model_check"]
     held_out = [r for r in checked if not r["fitted"]]
-    assert len(held_out) >= 3 * len([r for r in checked if r["fitted"]])
-    bad = [r for r in held_out if abs(r["model_ms"] - r["measured_ms"]) > max(0.35 * r["measured_ms"], 1.5)]
-    assert not bad, bad
+    assert len(held_out) >= 3 * (len(checked) - len(held_out))
+    blocking = {(r["ranks"], r["latency_ms"], r["M"]): r for r in held_out if r["mode"] == "blocking"}
+    errors = [abs(r["rel_error"]) for r in blocking.values()]
+    assert statistics.median(errors) <= 0.15 and max(errors) <= 0.6, sorted(errors)
+    for r in held_out:
+        if r["mode"] != "blocking" and (r["ranks"], r["latency_ms"], r["M"]) in blocking:
+            cost = blocking[(r["ranks"], r["latency_ms"], r["M"])]["measured_ms"]
+            assert abs(r["model_ms"] - r["measured_ms"]) <= 0.5 * cost, r

@@ -25,6 +25,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--latencies-ms", default="0,5,20,50", help="injected amax-collective latencies")
     parser.add_argument("--steps", type=int, default=None, help="steps per reduction-benchmark mode")
     parser.add_argument("--ranks", default=None, help="scale: rank counts (default 2,4,8; --quick 2,4)")
+    parser.add_argument(
+        "--from", dest="from_json", default=None,
+        help="scale: analyse the measurements saved in this JSON again (the model, its check, the plot) "
+        "instead of measuring",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     suites = SUITES if "all" in args.suites else tuple(args.suites)
     import torch
@@ -102,7 +107,18 @@ def _scale(args) -> dict:
     if args.ranks:
         ranks = tuple(int(v) for v in args.ranks.split(","))
     os.makedirs(args.out, exist_ok=True)
-    result = scale.run(ranks, cfg, fit, plot_path=os.path.join(args.out, "scale.png"))
+    plot_path = os.path.join(args.out, "scale.png")
+    if args.from_json:
+        import json
+
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        cfg = scale.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"].items()})
+        fit = {**saved["fit_points"], "ranks": tuple(saved["fit_points"]["ranks"])}
+        result = scale.analyse(saved["measured"], cfg, fit, plot_path)
+        result["measured_at"] = saved.get("measured_at", saved["environment"]["when"])
+    else:
+        result = scale.run(ranks, cfg, fit, plot_path=plot_path)
     print(scale.report(result))
     return result
 

@@ -261,7 +261,7 @@ def skew_of(rows: list[dict]) -> MeasuredSkew:
 
 def describe(skew: MeasuredSkew) -> dict:
     q = skew.quantile(torch.tensor([0.5], dtype=torch.float64))
-    return {"median_ms": 1e3 * float(q[0]), "p90_ms": 1e3 * skew.u, "tail_mean_excess_ms": 1e3 * skew.tail}
+    return {"median_ms": 1e3 * float(q[0]), "p90_ms": 1e3 * skew.u, "tail_scale_ms": 1e3 * skew.tail}
 
 
 def _windows(row: dict) -> tuple:
@@ -335,15 +335,16 @@ def check(rows: list[dict], fitted: dict, fit_points: dict = FIT) -> list[dict]:
 
 
 def gpu_workload(rows: list[dict]) -> Workload:
-    """For the GPU curve: the skew and windows measured at the smallest rank count and latency (the
-    least CPU contention on this box), no CPU overhead (NCCL's figure is the whole collective)."""
+    """For the GPU curve: the skew measured over every run (all rank counts pooled: this workload's
+    forward times with this machine's noise), the windows measured at the smallest rank count and
+    latency, no CPU overhead (NCCL's figure is the whole collective)."""
     ranks, latency = min(r["ranks"] for r in rows), min(r["latency_ms"] for r in rows)
     base = [r for r in rows if r["ranks"] == ranks and r["latency_ms"] == latency and r["M"] > 1]
     windows = {}
     for mode in ("async", "async-step"):
         mine = [_windows(r) for r in base if r["mode"] == mode]
         windows[mode] = tuple(statistics.fmean(w[i] for w in mine) for i in range(4))
-    return Workload(skew=skew_of([r for r in rows if r["ranks"] == ranks]), overhead_s=0.0, windows=windows)
+    return Workload(skew=skew_of(rows), overhead_s=0.0, windows=windows)
 
 
 def extrapolate(gpu: Workload, gpus=tuple(2**k for k in range(3, 13)), micro=(1, 4, 16)) -> list[dict]:
@@ -388,7 +389,7 @@ def plot(checked: list[dict], curve: list[dict], path: str) -> str:
     axes[0].set_title(f"gloo, 2 cores: measured (dots), model (lines); {latency:g} ms latency", fontsize=9)
     axes[0].set_xlabel("ranks")
     axes[0].set_xticks([2, 4, 8])
-    axes[1].set_title("model: NCCL latency 15-105 us, the skew and windows measured at 2 ranks", fontsize=9)
+    axes[1].set_title("model: NCCL latency 15-105 us, the measured skew and windows", fontsize=9)
     axes[1].set_xlabel("GPUs")
     axes[1].set_xscale("log", base=2)
     for ax in axes:
@@ -451,7 +452,7 @@ def report(result: dict) -> str:
     lines = [
         f"fitted on {result['fit_points']} (blocking): overhead per collective = "
         f"{f['overhead_a_ms']:.3f} ms + {f['overhead_b']:.3f} x the raw gloo all-reduce ({raw} ms)",
-        f"measured forward times by ranks (median, p90, tail mean excess), ms: {skews}",
+        f"measured forward times by ranks (median, p90, tail scale), ms: {skews}",
         f"GPU curve inputs: skew {g['skew']}, windows ms (fwd in, fwd across, bwd in, bwd across) "
         + str({k: [round(v, 2) for v in w] for k, w in g["windows_ms"].items()}),
         "",

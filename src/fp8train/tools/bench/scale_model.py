@@ -80,8 +80,9 @@ def gap_cdf(t: float, ranks: int, skew_s: float) -> float:
 
 class MeasuredSkew:
     """The measured distribution of a rank's compute time per region: the samples' empirical CDF up
-    to their 90th percentile u, above it an exponential tail of the samples' mean excess over u (the
-    peaks-over-threshold estimate), so that the max of many more draws than samples is defined."""
+    to their 90th percentile u, above it an exponential tail fitted to the excesses over u (peaks
+    over threshold; scale = median excess / ln 2), so that the max of many more draws than samples
+    is defined."""
 
     QUANTILES = 200  # the own draw D is integrated over this many quantiles
 
@@ -92,7 +93,9 @@ class MeasuredSkew:
         k = len(samples)
         self.u = float(self.sorted[int(0.9 * (k - 1))])
         excess = self.sorted[self.sorted > self.u] - self.u
-        self.tail = max(float(excess.mean()), 1e-9) if len(excess) else 1e-9
+        # the exponential's scale from the median excess (median = scale x ln 2): a few stalls of the
+        # machine, hundreds of ms each, would dominate the mean excess and the max of 4,096 draws
+        self.tail = max(float(excess.median()) / math.log(2), 1e-9) if len(excess) else 1e-9
         self.tail_p = len(excess) / k
         p = (torch.arange(self.QUANTILES, dtype=torch.float64) + 0.5) / self.QUANTILES
         self.grid = self.quantile(p)
