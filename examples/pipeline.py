@@ -101,7 +101,7 @@ def train(steps: int, schedule: str = "1f1b", amax_reduction: str = "step", log_
         opt.zero_grad()
         launched.append(ft.reduction_stats(complete=False)["launched"] - before)
         loss = torch.stack(out).mean() if out else torch.zeros(())
-        dist.broadcast(loss, src=1, group=pp_group)  # the last stage's loss, for rank 0 to print
+        dist.broadcast(loss, src=2 * replica + 1, group=pp_group)  # the last stage's loss, for printing
         losses.append(loss.item())
         if step % log_every == 0 or step == steps - 1:
             identical.append(_stage_scales_identical(module, stage_group))
@@ -126,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     parser.add_argument("--amax-reduction", choices=("step", "region"), default="step")
     parser.add_argument("--log-every", type=int, default=10)
