@@ -106,6 +106,7 @@ def _scale(args) -> dict:
         ranks, cfg, fit = (2, 4, 8), scale.Config(steps=args.steps or scale.Config.steps), scale.FIT
     if args.ranks:
         ranks = tuple(int(v) for v in args.ranks.split(","))
+        fit = {**fit, "ranks": (min(ranks), max(ranks))}  # calibrated on the smallest and largest
     os.makedirs(args.out, exist_ok=True)
     plot_path = os.path.join(args.out, "scale.png")
     if args.from_json:
