@@ -333,27 +333,3 @@ def test_the_pipeline_example_runs_under_torchrun() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "amax reductions per step" in done.stdout, done.stdout
-
-
-def test_fp8_regions_makes_each_call_one_region_and_rewrapping_replaces() -> None:
-    """What prepare_stage does to the stage's module: every call one region of the given recipe; a
-    second fp8_regions replaces the first one's settings instead of nesting a second region."""
-    seen = []
-
-    class Probe(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = fp8train.Linear(WIDTH, WIDTH)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(fp8train.inspection.open_regions())
-            return self.linear(x)
-
-    module, first, second = Probe(), _recipe("region"), _recipe("step")
-    fp8train.pipeline.fp8_regions(module, first)
-    fp8train.pipeline.fp8_regions(module, second)
-    for _ in range(2):
-        module(torch.randn(4, WIDTH)).sum().backward()
-    fp8train.end_step()
-    assert seen == [1, 1]
-    assert fp8train.inspection.amax_group(second).training_regions == 1  # per step: one for both calls
