@@ -410,3 +410,33 @@ def test_amax_group_must_contain_the_sharding_group(which: str) -> None:
     """Else each rank would cast its shard with its own scale: refused on every rank."""
     for message in run_ranks(_unreduced, 2, which):
         assert "the amax group reduces over" in message, message
+
+
+def _microbatches_in_flight(rank: int, world: int, option: bool) -> dict:
+    """A pipeline schedule's order (GPipe: every microbatch's forward, then the backwards): two
+    forwards in two FP8 regions before the first backward."""
+    model = _shard(_model(option))
+    try:
+        outs = []
+        for micro in range(2):
+            with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+                outs.append(model(_data(rank, micro)).float().pow(2).mean())
+        sum(outs).backward()
+        fp8train.synchronize()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+@pytest.mark.multirank
+def test_fp8_all_gather_refuses_several_microbatches_in_flight_with_the_reason() -> None:
+    """The backward re-gather must reproduce the FP8 weight its forward used; a later microbatch's
+    forward (another region: other scales) would replace it. Refused on every rank, naming the fix;
+    the same schedule without the option trains."""
+    refused = run_ranks(_microbatches_in_flight, 2, True)
+    for r in refused:
+        assert (
+            r["error"] is not None and "several" in r["error"] and "microbatches in flight" in r["error"]
+        ), r
+        assert "without it" in r["error"]  # the fix: build the module without fsdp_fp8_all_gather
+    assert all(r["error"] is None for r in run_ranks(_microbatches_in_flight, 2, False))

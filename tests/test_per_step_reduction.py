@@ -136,6 +136,26 @@ def test_the_reference_tells_per_step_from_per_region() -> None:
     assert not all(log["scales_within_step_constant"]) and not any(log["matches_reference"][1:])
 
 
+def test_the_reference_tells_a_step_that_keeps_its_first_microbatch_from_the_max(monkeypatch) -> None:
+    """A broken per-step mode that keeps the step's first microbatch's amaxes instead of the MAX over
+    its microbatches must fail the reference check: later microbatches have a larger range (_batch)."""
+    from fp8train.reduction import Direction
+
+    def first_only(self) -> None:
+        if self.recorded_columns:
+            storage = self.storage
+            storage.accumulated.copy_(
+                torch.where(storage.accumulated > 0, storage.accumulated, storage.recording)
+            )
+            storage.recording.zero_()
+            self.accumulated_columns.update(self.recorded_columns)
+            self.recorded_columns.clear()
+
+    monkeypatch.setattr(Direction, "accumulate", first_only)
+    log = _train(0, _model(), STEP)
+    assert all(log["scales_within_step_constant"]) and not any(log["matches_reference"]), log
+
+
 def test_a_missing_boundary_is_an_error_and_a_second_one_does_nothing() -> None:
     model = _model()
     with pytest.raises(RuntimeError, match=r"fp8train.end_step\(\) was not called"):

@@ -12,6 +12,9 @@ calls it through the module attribute, so the spy sees every amax collective of 
 - add latency (`latency_s=L`): `wait()` returns no earlier than L seconds after the call. The core
   waits right away in blocking mode and later in async mode, so both modes pay the same L per
   collective and only the exposed part differs (a slow interconnect, stood in for on one machine).
+  With `latency_after="completion"` the L counts from the moment the real collective completed (the
+  last rank joined) instead of this rank's call, as on a real interconnect where the reduction cannot
+  start before the slowest rank arrives: a rank that waits for a slower one then pays the wait and L.
 """
 
 from __future__ import annotations
@@ -165,7 +168,13 @@ class SpyWork:
         self.kwargs = kwargs
         self.inner = inner  # the real Work, or None while deferred
         self.launched_at = time.perf_counter()
+        self.completed_at: Optional[float] = None
         self.done = False
+        if inner is not None and spy.latency_after == "completion":
+            inner.get_future().then(self._completed)  # runs when the last rank has joined
+
+    def _completed(self, _future) -> None:
+        self.completed_at = time.perf_counter()
 
     def wait(self, timeout=None) -> bool:
         if not self.done:
@@ -173,7 +182,10 @@ class SpyWork:
                 self.spy.real(self.tensor, **self.kwargs, async_op=False)
             elif self.inner is not None:
                 self.inner.wait()
-            remaining = self.launched_at + self.spy.latency_s - time.perf_counter()
+            start = self.launched_at
+            if self.spy.latency_after == "completion":
+                start = self.completed_at if self.completed_at is not None else time.perf_counter()
+            remaining = start + self.spy.latency_s - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
             self.done = True
@@ -186,9 +198,12 @@ class SpyWork:
 class AllReduceSpy:
     """Replace `torch.distributed.all_reduce` while installed (a context manager)."""
 
-    def __init__(self, defer: bool = False, latency_s: float = 0.0) -> None:
+    def __init__(self, defer: bool = False, latency_s: float = 0.0, latency_after: str = "launch") -> None:
+        if latency_after not in ("launch", "completion"):
+            raise ValueError(f"latency_after must be 'launch' or 'completion', got {latency_after!r}")
         self.defer = defer
         self.latency_s = latency_s
+        self.latency_after = latency_after
         self.calls = 0
         self.works: list[SpyWork] = []
         self.real = None

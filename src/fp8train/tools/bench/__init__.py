@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -24,6 +24,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests and smoke runs")
     parser.add_argument("--latencies-ms", default="0,5,20,50", help="injected amax-collective latencies")
     parser.add_argument("--steps", type=int, default=None, help="steps per reduction-benchmark mode")
+    parser.add_argument("--ranks", default=None, help="scale: rank counts (default 2,4,8; --quick 2,4)")
+    parser.add_argument(
+        "--from", dest="from_json", default=None,
+        help="scale: analyse the measurements saved in this JSON again (the model, its check, the plot) "
+        "instead of measuring",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     suites = SUITES if "all" in args.suites else tuple(args.suites)
     import torch
@@ -76,6 +82,8 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return fsdp_gather.run(hidden=32, ffn=64, blocks=1, tokens=16, steps=2)
         return fsdp_gather.run()
+    if suite == "scale":
+        return _scale(args)
     if suite == "gpu":
         from . import gpu
 
@@ -86,6 +94,38 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         print("\n== gpu: skipped (no CUDA device); `fp8train bench gpu --quick` runs a tiny CPU check")
         return None
     raise AssertionError(suite)
+
+
+def _scale(args) -> dict:
+    """Saves scale.png beside the JSON; the printed table is the measured one, then the model's."""
+    import os
+
+    from . import scale
+
+    if args.quick:
+        ranks = (2, 4)
+        cfg = scale.Config(micro=(1, 4), latencies_s=(0.003,), steps=args.steps or 2, rounds=1)
+        fit = {"ranks": (2, 4), "micro": 4, "latency_ms": 3.0}
+    else:
+        ranks, cfg, fit = (2, 4, 8), scale.Config(steps=args.steps or scale.Config.steps), scale.FIT
+    if args.ranks:
+        ranks = tuple(int(v) for v in args.ranks.split(","))
+        fit = {**fit, "ranks": (min(ranks), max(ranks))}  # calibrated on the smallest and largest
+    os.makedirs(args.out, exist_ok=True)
+    plot_path = os.path.join(args.out, "scale.png")
+    if args.from_json:
+        import json
+
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        cfg = scale.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"].items()})
+        fit = {**saved["fit_points"], "ranks": tuple(saved["fit_points"]["ranks"])}
+        result = scale.analyse(saved["measured"], cfg, fit, plot_path)
+        result["measured_at"] = saved.get("measured_at", saved["environment"]["when"])
+    else:
+        result = scale.run(ranks, cfg, fit, plot_path=plot_path)
+    print(scale.report(result))
+    return result
 
 
 if __name__ == "__main__":
