@@ -105,7 +105,7 @@ def _exact(a, a_sinv, b, b_sinv) -> tuple[torch.Tensor, torch.Tensor]:
     return (a.double() @ b.double()) * s, (a.double().abs() @ b.double().abs()) * s
 
 
-# torch's CPU kernel of _scaled_mm came after torch 2.6 (the lowest supported): its path where it runs
+# torch's CPU kernel of _scaled_mm came after torch 2.7 (the lowest supported): its path where it runs
 CPU_PATHS = ("scaled_mm", "bf16", "fp32") if has_scaled_mm("cpu") else ("bf16", "fp32")
 needs_cpu_scaled_mm = pytest.mark.skipif(
     not has_scaled_mm("cpu"), reason="no CPU torch._scaled_mm in this torch"

@@ -67,7 +67,7 @@ def register_ordered_effects(ops: Iterable) -> bool:
 @functools.cache
 def has_scaled_mm(device_type: str) -> bool:
     """Whether `torch._scaled_mm` runs on this device type: CUDA had it from torch 2.1; the CPU
-    kernel came later (absent in 2.6), so a 16x16 product is tried once on the CPU."""
+    kernel came later (absent in 2.7), so a 16x16 product is tried once on the CPU."""
     if not hasattr(torch, "_scaled_mm"):
         return False
     if device_type != "cpu":

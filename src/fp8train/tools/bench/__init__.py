@@ -24,6 +24,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests and smoke runs")
     parser.add_argument("--latencies-ms", default="0,5,20,50", help="injected amax-collective latencies")
     parser.add_argument("--steps", type=int, default=None, help="steps per reduction-benchmark mode")
+    parser.add_argument("--no-compile", action="store_true", help="step: leave out the torch.compile runs")
     parser.add_argument("--ranks", default=None, help="scale: rank counts (default 2,4,8; --quick 2,4)")
     parser.add_argument(
         "--from", dest="from_json", default=None,
@@ -65,7 +66,8 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         native_bf16 = step_time.bf16_kernel(torch.device(device))[0] == "bf16"
         print(f"bf16 path's GEMM kernel: {step_time.bf16_kernel(torch.device(device))}")
         runs = [  # 1 thread: stabler timings
-            step_time.run(device=device, threads=t, bf16_baselines=native_bf16) for t in (2, 1)
+            step_time.run(device=device, threads=t, compiled=not args.no_compile, bf16_baselines=native_bf16)
+            for t in (2, 1)
         ]
         rows = [{"threads": r["threads"], **row} for r in runs for row in r["rows"]]
         return {**runs[0], "threads": [2, 1], "rows": rows}
