@@ -190,3 +190,32 @@ def test_transformers_models_give_their_fp8_state_as_a_tensor_and_either_form_lo
             {"weight": target.first.weight, "bias": target.first.bias, "_extra_state": form}
         )
         assert all(torch.equal(a, b) for a, b in zip(_fp8_state(target)[:4], _fp8_state(plain)[:4]))
+
+
+def test_a_copy_keeps_an_explicit_group_in_process_and_pickling_refuses_it() -> None:
+    """A process group does not pickle: silently reducing an unpickled copy over the world instead
+    would mix unrelated ranks' amaxes, so pickling says what to do; deepcopy (same process) keeps it."""
+    group = object()  # stands for a process group: only identity matters here (no step is run)
+    model = fp8train.prepare(_net(), recipe=RECIPE, amax_reduction_group=group)
+    assert copy.deepcopy(model).forward.group is group
+    with pytest.raises(TypeError, match="explicit amax_reduction_group cannot be pickled.*state_dict"):
+        pickle.dumps(model)
+
+
+def test_accelerate_mixed_precision_unwrap_keeps_the_fp8_forward() -> None:
+    """accelerate (mixed precision) wraps `model.forward` and, on unwrap_model(keep_fp32_wrapper=False),
+    rebinds the original as MethodType(forward, model): the FP8 forward must take that rebinding."""
+    accelerate = pytest.importorskip("accelerate")
+    model = fp8train.prepare(_net(), recipe=RECIPE)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    wrapped = accelerator.prepare(model)
+    x = _batch(0)[0]
+    with torch.no_grad():
+        autocast_out = wrapped(x)
+    unwrapped = accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False)
+    with torch.no_grad():
+        out = unwrapped(x)  # raised TypeError (the model passed twice) before
+    assert out.dtype == torch.float32 and autocast_out.shape == out.shape
+    losses = _train(unwrapped, 2, region=False)  # and it still trains in FP8
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert unwrapped.first.fp8_meta["scaling_fwd"].amax_history.abs().sum() > 0

@@ -47,11 +47,19 @@ class FP8Forward:
         return type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] is self.module:  # rebound as a method of its model: accelerate's
+            args = args[1:]  # unwrap_model(keep_fp32_wrapper=False) sets MethodType(forward, model)
         return _forward_in_region(self, args, kwargs)
 
     def __getstate__(self) -> dict:
-        # A process group does not pickle (and means nothing in another process): an unpickled copy
-        # reduces over the default group, the world. deepcopy keeps it (same process): __deepcopy__.
+        # A process group does not pickle and means nothing in another process; the default group
+        # (None: the world) does. deepcopy keeps the group (same process): __deepcopy__.
+        if self.group is not None:
+            raise TypeError(
+                f"a {type(self.module).__name__} prepared with an explicit amax_reduction_group cannot be "
+                "pickled (a process group does not pickle): save its state_dict() instead, or deepcopy it "
+                "in this process"
+            )
         return {"module": self.module, "recipe": self.recipe, "group": None}
 
     def __deepcopy__(self, memo: dict) -> FP8Forward:

@@ -117,7 +117,9 @@ class FP8TrainConverter(_protocols.ModelConfigConverter):
             )
         converted = 0
         for fqn, linear, parent, attr in list(model_config.traverse(_TitanLinear.Config)):
-            if isinstance(linear, FP8Linear.Config) or not self.keeps(
+            # a subclass (a row-parallel or soft-capped Linear, a scaled bias) has a forward or fields
+            # of its own that FP8Linear would drop: it stays as it is
+            if type(linear) is not _TitanLinear.Config or not self.keeps(
                 fqn, linear.in_features, linear.out_features
             ):
                 continue

@@ -424,7 +424,9 @@ def measure_telemetry_overhead(
             tel.log_step(step - 1, loss=loss.item())
             log_times.append(time.perf_counter() - t1)
 
-        rounds = max(1, steps // (2 * block) - 1)  # a round: a block of each; one round's worth warms up
+        if steps < 4 * block:
+            raise ValueError(f"the overhead measurement needs at least {4 * block} steps (got {steps})")
+        rounds = steps // (2 * block) - 1  # a round: a block of each; one round's worth warms up
         times = medians(interleaved_times({"off": lambda: train_step().item(), "on": logged}, rounds, block))
     off, on = times["off"], times["on"]
     return {

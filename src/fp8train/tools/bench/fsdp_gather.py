@@ -43,9 +43,10 @@ def _rank(rank: int, world: int, sizes: tuple, steps: int) -> dict:
     gathered: list[int] = []
     name, real = _gather_name(), getattr(dist, _gather_name())
 
-    def counted(output, input, *args, **kwargs):
+    def counted(*args, **kwargs):  # FSDP2 passes the tensors by keyword in some torch versions
+        input = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
         gathered.append(input.numel() * input.element_size())
-        return real(output, input, *args, **kwargs)
+        return real(*args, **kwargs)
 
     setattr(dist, name, counted)
     runs = {}
