@@ -2,7 +2,7 @@
 # The lowest supported torch (pyproject's torch>=2.7), checked by hand: a venv with torch 2.7.1 (PyPI's
 # CUDA build, ~3 GB with its CUDA libraries; it runs on the CPU) runs the suite on this checkout.
 # Left out: tests/test_microscaling.py (its oracle, torchao 0.18, needs a newer torch) and the
-# framework integrations (their frameworks are not installed there). Extra arguments go to pytest.
+# framework integrations (only transformers, for the Conv1D tests, is installed there). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LOWEST_TORCH_VENV:-/tmp/fp8train-torch-2.7}

@@ -8,7 +8,7 @@ shards is the full weight's amax), so no collective is added.
 `FSDPFP8Weight` wraps a weight's high-precision data and implements FSDP2's extension points
 (`fsdp_pre_all_gather`/`fsdp_post_all_gather`); every other op runs on the wrapped data. The
 gathered weight is a `GatheredWeight`: the FP8 values and their scale_inv inside an FP8 region, the
-weight in its parameter dtype outside one. FSDP2 internals relied on (torch 2.4 to 2.13), all in
+weight in its parameter dtype outside one. FSDP2 internals relied on (torch 2.7 to 2.13), all in
 `_fsdp_param_of_caller`: the `FSDPParam` that asks for the all-gather inputs, whose cached gather
 buffers must be dropped when a weight's gather precision changes.
 """

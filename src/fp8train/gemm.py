@@ -6,7 +6,7 @@ Paths, all computing (a @ b) * a_scale_inv * b_scale_inv (+ bias) from FP8-value
   its output is rounded once to bf16, then scaled in fp32. The CPU default. Its kernel is a bf16
   GEMM where the CPU has bf16 instructions (AVX512-BF16, AMX, Arm BF16), else an fp32 GEMM of the
   same values whose output is rounded to bf16 (`bf16_kernel`): the same numerics up to the order of
-  fp32 accumulation, and never the 50-100x slowdown of bf16 GEMMs on CPUs without them.
+  fp32 accumulation, and never the slowdown (two orders of magnitude) of bf16 GEMMs on CPUs without them.
 - "fp32": exact products, fp32 accumulation, fp32 output.
 `FP8TRAIN_GEMM` = auto (default) | scaled_mm | bf16 | fp32 overrides the choice (bf16: the bf16
 kernel itself, whatever the CPU); a shape the forced path cannot take falls back to emulation. The

@@ -1,7 +1,8 @@
 """PyTorch Lightning: `Trainer(..., plugins=[FP8Precision()])` trains the LightningModule in FP8.
 
 A precision plugin is Lightning's place for this: the strategy calls `convert_module` once on the
-LightningModule before wrapping it (DDP, FSDP), and enters `forward_context` around every
+LightningModule before the strategy wraps it (DDP; Lightning's FSDPStrategy refuses any plugin but its
+own), and enters `forward_context` around every
 `training_step`, `validation_step`, `test_step` and `predict_step` call, i.e. once per microbatch.
 So each microbatch is one FP8 region (its forward amaxes are reduced when the step's forward ends,
 its backward amaxes when its backward pass ends), and validation, run by Lightning under no_grad,
