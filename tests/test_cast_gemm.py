@@ -190,9 +190,10 @@ torch.save(out, sys.argv[1])
 
 def test_bf16_path_has_the_same_numerics_on_either_kernel(tmp_path) -> None:
     """On a CPU without bf16 instructions (here: oneDNN limited to AVX2, which makes torch's bf16 GEMM
-    two orders of magnitude slower than fp32, as on such a CPU) the bf16 path multiplies in fp32 and rounds the output
-    to bf16: the same exact products, fp32 accumulation and one bf16 rounding, so it differs from the
-    bf16 kernel only where the two accumulation orders straddle a bf16 rounding boundary."""
+    two orders of magnitude slower than fp32, as on such a CPU) the bf16 path multiplies in fp32 and
+    rounds the output to bf16: the same exact products, fp32 accumulation and one bf16 rounding, so
+    it differs from the bf16 kernel only where the two accumulation orders straddle a bf16 rounding
+    boundary."""
     env = {k: v for k, v in os.environ.items() if k != "FP8TRAIN_GEMM"}
     env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
     path = tmp_path / "out.pt"

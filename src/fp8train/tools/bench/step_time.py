@@ -1,8 +1,9 @@
 """Step time (forward + backward) of an MLP block: FP8 with each recipe (delayed scaling eager and
 under torch.compile, current and block scaling) vs fp32 and bf16 torch.nn, and torchao.float8
-where installed, on CUDA. All run round-robin in one process. Each configuration's output error against a
-float64 copy says what precision it really ran in. Where the CPU has no bf16 instructions, torch's
-bf16 GEMM is two orders of magnitude slower than fp32 and the bf16 baselines are left out (`bf16_baselines`)."""
+where installed, on CUDA. All run round-robin in one process. Each configuration's output error
+against a float64 copy says what precision it really ran in. Where the CPU has no bf16
+instructions, torch's bf16 GEMM is two orders of magnitude slower than fp32 and the bf16 baselines
+are left out (`bf16_baselines`)."""
 
 from __future__ import annotations
 
