@@ -63,8 +63,9 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return step_time.run(64, 128, 64, repeats=2, threads=1, compiled=False)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        native_bf16 = step_time.bf16_kernel(torch.device(device))[0] == "bf16"
-        print(f"bf16 path's GEMM kernel: {step_time.bf16_kernel(torch.device(device))}")
+        kernel, why = step_time.bf16_kernel(torch.device(device))
+        print(f"bf16 path's GEMM kernel: {kernel} ({why})")
+        native_bf16 = kernel == "bf16"
         runs = [  # 1 thread: stabler timings
             step_time.run(device=device, threads=t, compiled=not args.no_compile, bf16_baselines=native_bf16)
             for t in (2, 1)
