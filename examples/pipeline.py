@@ -60,7 +60,7 @@ def batch(text: torch.Tensor, replica: int, step: int) -> tuple[torch.Tensor, to
     g = torch.Generator().manual_seed(1_000_003 * replica + step)
     starts = torch.randint(0, len(text) - CONTEXT - 1, (BATCH,), generator=g)
     windows = torch.stack([text[s : s + CONTEXT + 1] for s in starts.tolist()])
-    return windows[:, :-1], windows[:, -1]
+    return windows[:, :-1].contiguous(), windows[:, -1]  # contiguous: some torch checks input strides
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
