@@ -76,7 +76,7 @@ def cpu_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> tuple[bool, str]:
     if not found:
         return False, "this CPU has no bf16 instructions (no avx512_bf16, amx_bf16 or bf16 flag)"
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    if isa != "ALL" and "BF16" not in isa and "AMX" not in isa:
+    if isa not in ("ALL", "DEFAULT") and "BF16" not in isa and "AMX" not in isa:
         return False, f"ONEDNN_MAX_CPU_ISA={isa} keeps oneDNN below this CPU's {', '.join(found)}"
     return True, f"this CPU has {', '.join(found)}"
 
