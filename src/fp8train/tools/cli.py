@@ -15,16 +15,6 @@ from typing import Optional
 __all__ = ["main", "build_parser"]
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import demo
 
@@ -43,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "interleaved blocks of steps. Writes metrics.jsonl, summary.json, report.png and report.md to "
         "--run-dir and prints a summary.",
     )
-    demo.add_arguments(p, positive_int)
+    demo.add_arguments(p)
     p.add_argument(
         "--overhead", action="store_true",
         help="instead of the demo: measure the telemetry overhead on the demo model (one process) and exit",

@@ -30,17 +30,25 @@ RECIPE_TEXT = {
 }
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= `minimum`, anything else refused with a message saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
+positive_int, non_negative_int = int_at_least(1), int_at_least(0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's options (shared by `fp8train demo` and its tests)."""
     p.add_argument("--world-size", type=positive_int, default=2, help="number of ranks (default 2)")
     p.add_argument("--steps", type=positive_int, default=150, help="training steps per run (default 150)")
