@@ -219,3 +219,24 @@ def test_accelerate_mixed_precision_unwrap_keeps_the_fp8_forward() -> None:
     losses = _train(unwrapped, 2, region=False)  # and it still trains in FP8
     assert all(torch.isfinite(torch.tensor(losses)))
     assert unwrapped.first.fp8_meta["scaling_fwd"].amax_history.abs().sum() > 0
+
+
+def test_an_ema_copy_of_a_trained_prepared_model_averages_and_evaluates_in_fp8() -> None:
+    """torch.optim.swa_utils.AveragedModel deep-copies the model: the copy is prepared on its own (its
+    forward runs the copy), averages the original's weights, and leaves the original training on."""
+    model = fp8train.prepare(_net(), recipe=RECIPE)
+    _train(model, 2, region=False)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5)
+    )
+    assert fp8train.is_prepared(ema.module) and ema.module.forward.module is ema.module
+    ema.update_parameters(model)  # the first update copies
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(model, 1, region=False)
+    ema.update_parameters(model)  # then averages
+    for averaged, old, new in zip(ema.module.parameters(), before, model.parameters()):
+        assert torch.allclose(averaged, 0.5 * old + 0.5 * new.detach())
+    x = _batch(3)[0]
+    with torch.no_grad():
+        out, high = ema(x), type(ema.module).forward(ema.module, x)  # in FP8 vs the class's own forward
+    assert out.shape == high.shape and not torch.equal(out, high)
