@@ -132,7 +132,11 @@ class _Calls(TorchFunctionMode):
             counter.flag(func.__name__)
         elif func in FACTORIES and kwargs.get("device") is not None:
             counter.flag(f"{func.__name__}(device=...)")
-        elif func is torch.Tensor.__setitem__ and isinstance(args[2], (int, float)) and _is_element_index(args[1]):
+        elif (
+            func is torch.Tensor.__setitem__
+            and isinstance(args[2], (int, float))
+            and _is_element_index(args[1])
+        ):
             counter.flag("__setitem__ of a Python number into one element")
         elif func in MOVES:
             source = args[1] if func is torch.Tensor.copy_ else args[0]
