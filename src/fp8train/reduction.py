@@ -148,6 +148,7 @@ class Direction:
     def launch(self, async_op: bool, region_index: int) -> None:
         """Snapshot and clear the recording slot, then start the MAX all-reduce on the snapshot."""
         storage = self.storage
+        stream = streams.current_stream(storage.device)  # owns the buffers allocated here
         n = storage.num_roles
         columns = tuple(sorted(set(self.recorded_columns)))
         self.recorded_columns.clear()
@@ -156,7 +157,6 @@ class Direction:
             snapshot = storage.recording.clone()
             storage.recording.zero_()
             snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
-            stream = streams.current_stream(snapshot.device)
             self.pending.append(PendingReduction(snapshot, [], n, Mark.now(snapshot.device), stream=stream))
             return
         index = channel.begin_launch(self)  # raises on every rank alike; no further collective then
@@ -170,9 +170,7 @@ class Direction:
         amaxes.masked_fill_(torch.isnan(amaxes), float("inf"))  # NCCL's MAX may drop NaN
         header = self.header.write(storage, len(self.members), columns, region_index, wire)
         buffer[:HEADER_LEN].copy_(header)
-        pending = PendingReduction(
-            buffer, [], n, None, header, index=index, stream=streams.current_stream(buffer.device)
-        )
+        pending = PendingReduction(buffer, [], n, None, header, index=index, stream=stream)
         if wire == agreed:
             pending.works.append(self._all_reduce(buffer, async_op))
             pending.launched_at = Mark.now(buffer.device)
