@@ -1,0 +1,93 @@
+"""The bytes of FP8 gradient communication: rows of float32 values as FP8 values with one E8M0 scale
+per chunk, and back. docs/design.md, section 15.
+
+A row of n values is cut into ceil(n / chunk) chunks (the last one partial); each chunk is the MXFP8
+rule with a block of `chunk` elements: scale = amax / fp8_max rounded up to a power of two
+(`microscaling.e8m0_scale`), values = fp8(x * 2**-scale). A row's bytes are its n FP8 values, then its
+chunk scales: [n + ceil(n / chunk)] uint8, so one row travels as one message and its scales travel
+with it (what the receiver needs, no separate collective).
+
+Exactness: the multiplication by a power of two is exact (an underflow only touches values far below
+the FP8 subnormals), and amax / 2**scale <= fp8_max except where float32 rounded amax / fp8_max down
+(at most 2**-24 relative, then saturated): the only rounding is the FP8 one. Per element,
+|decode(encode(x)) - x| <= half an FP8 ulp of |x| / 2**scale, times 2**scale (round to nearest), or
+below one ulp (stochastic). Decoding (FP8 value times a power of two) is exact.
+
+Non-finite: a chunk holding a NaN has scale 255 and decodes to NaN everywhere; a chunk holding an
+infinity (no NaN) has scale 254, its infinities saturate to +-fp8_max and decode to +-inf again (by
+overflow), its finite values flush to 0. A scale of 0 (amax <= fp8_max * 2**-127) multiplies by
+2**127, keeping such tiny chunks (MXFP8's rule multiplies by 1 there, for TransformerEngine's bits).
+
+Pure functions on tensors, any device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import fp8_dtype, fp8_max
+from ..microscaling import e8m0_scale, e8m0_to_float
+
+__all__ = ["ENCODINGS", "chunks_per_row", "encode", "decode", "stochastic_fp8_round"]
+
+# encoding: (mantissa bits, exponent of the smallest normal)
+ENCODINGS = {"e4m3": (3, -6), "e5m2": (2, -14)}
+_NAN_SCALE = 255
+
+
+def chunks_per_row(n: int, chunk: int) -> int:
+    return -(-n // chunk)
+
+
+def _chunked(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[R, n] float32 zero-padded to whole chunks, as [R, K, chunk]."""
+    padded = F.pad(rows, (0, -rows.shape[1] % chunk))
+    return padded.view(rows.shape[0], -1, chunk)
+
+
+def stochastic_fp8_round(
+    magnitude: torch.Tensor, encoding: str, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """`magnitude` (float32, in [0, fp8_max]) rounded stochastically to the FP8 grid, in float32: the
+    rule of NVFP4's E2M1 rounding (`microscaling.e2m1_round`) on the FP8 grid. Between neighbours
+    lo < hi it rounds up when u < (m - lo) / (hi - lo), u = torch.rand (from `generator`). The step
+    hi - lo is a power of two (the ulp of m's binade, at least the subnormal spacing), so lo, m - lo
+    and the quotient are exact: P(up) is the exact fraction on torch.rand's grid (2**-24), unbiased up
+    to 2**-24 of a step. Values on the grid never move; NaN stays NaN."""
+    mantissa_bits, min_exponent = ENCODINGS[encoding]
+    binade = (magnitude.view(torch.int32) & 0x7F800000).view(torch.float32)
+    step = binade.clamp(min=2.0**min_exponent).mul_(2.0**-mantissa_bits)
+    low = torch.floor(magnitude / step).mul_(step)
+    u = torch.rand(magnitude.shape, generator=generator, device=magnitude.device)
+    return torch.where(u < (magnitude - low) / step, low + step, low)
+
+
+def encode(
+    rows: torch.Tensor, chunk: int, encoding: str, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """[R, n] float32 as [R, n + K] uint8: each row's FP8 values, then its K = ceil(n / chunk) E8M0
+    chunk scales. Round to nearest even, or stochastic with `generator` (`stochastic_fp8_round`)."""
+    n = rows.shape[1]
+    blocks = _chunked(rows.float(), chunk)
+    scales = e8m0_scale(blocks.abs().amax(dim=-1), encoding)  # [R, K]; NaN -> 255, inf -> 254
+    # 2**(127 - scale), exact (built from the bits, as e8m0_to_float does); NaN for a NaN chunk
+    multiplier = e8m0_to_float((254 - scales.to(torch.int32)).clamp_(min=0).to(torch.uint8))
+    multiplier = torch.where(scales == _NAN_SCALE, float("nan"), multiplier)
+    limit = fp8_max(encoding)
+    scaled = (blocks * multiplier.unsqueeze(-1)).clamp_(-limit, limit)
+    if generator is not None:
+        scaled = stochastic_fp8_round(scaled.abs(), encoding, generator).copysign_(scaled)
+    values = scaled.view(rows.shape[0], -1)[:, :n].to(fp8_dtype(encoding)).view(torch.uint8)
+    return torch.cat([values, scales], dim=1)
+
+
+def decode(data: torch.Tensor, n: int, chunk: int, encoding: str) -> torch.Tensor:
+    """`encode`'s [R, n + K] bytes as [R, n] float32 (exact: FP8 values times powers of two; +-inf
+    where a saturated infinity's chunk overflows back, NaN across a NaN chunk)."""
+    values = data[:, :n].contiguous().view(fp8_dtype(encoding)).float()
+    scales = e8m0_to_float(data[:, n:])  # [R, K]
+    decoded = _chunked(values, chunk) * scales.unsqueeze(-1)
+    return decoded.view(data.shape[0], -1)[:, :n]
