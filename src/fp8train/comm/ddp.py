@@ -19,8 +19,8 @@ of all buckets are issued in one order on every rank (`OrderedLauncher`), on a p
 nothing else uses (DDP's own collectives could otherwise interleave differently per rank).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: DDP's register_comm_hook compares the hook's annotations
+# with the objects dist.GradBucket and torch.futures.Future[torch.Tensor], not with strings
 import functools
 import weakref
 from typing import Any, Optional, Sequence, Union
