@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+from typing import Optional
 
 import pytest
 import torch
@@ -26,9 +27,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp8train
-from fp8train.comm import FP8CommState, fp8_allreduce_hook, wire
+from fp8train.comm import FP8CommState, FP8ReduceScatter, fp8_allreduce_hook, wire
 from fp8train.comm.ordered import OrderedLauncher
 from fp8train.microscaling import mx_dequantize, mx_quantize
+from fp8train.tools.bench import grad_comm
 from fp8train.tools.ranks import run_ranks, run_scenarios, scenario_outcome
 from helpers import digest
 
@@ -79,7 +81,11 @@ def _ulp(v: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tensor:
 
 
 def reduction_bound(
-    inputs: list[torch.Tensor], encoding: str, return_format: str, stochastic: bool, chunk: int = CHUNK
+    inputs: list[torch.Tensor],
+    encoding: str,
+    return_format: Optional[str],
+    stochastic: bool,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact mean in float64, per-element bound on |result - exact|) for these ranks' inputs."""
     world, n = len(inputs), inputs[0].numel()
@@ -91,7 +97,9 @@ def reduction_bound(
     sum_rounding = 2.0**-24 * sum(r.abs() + e for r, e in zip(rows, first_trip)) * 1.01
     first = sum(first_trip) / world + sum_rounding
     mean_bound = exact.abs() + first  # |the owner's float32 mean| is at most this
-    if return_format == "bf16":
+    if return_format is None:  # no return trip (FSDP2's reduce-scatter)
+        back = torch.zeros_like(first)
+    elif return_format == "bf16":
         exponent = torch.floor(torch.log2(mean_bound))
         back = torch.where(mean_bound > 0, torch.exp2(exponent - 8), 0.0)
     else:  # the scale from the mean's chunk amax is at most the one from mean_bound's (monotone)
@@ -222,12 +230,13 @@ class WireSpy:
 
     NAMES = ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor")
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple = NAMES) -> None:
+        self.names = names
         self.bytes = 0.0
         self.real = {}
 
     def __enter__(self) -> WireSpy:
-        for name in self.NAMES:
+        for name in self.names:
             if hasattr(dist, name):
                 self.real[name] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, self.real[name]))
@@ -588,3 +597,88 @@ def test_a_tiny_gpt_trains_with_fp8_communication_within_the_gap_of_fp32() -> No
     assert tail["fp32"] < runs[0]["fp32"][0] - 0.5, tail  # it trained
     for name in ("fp8", "fp8_error_feedback"):
         assert abs(tail[name] - tail["fp32"]) <= GPT_GAP, tail
+
+
+# ---- FSDP2's reduce-scatter --------------------------------------------------------------------------
+class RecordingReduceScatter(FP8ReduceScatter):
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.calls: list = []
+
+    def __call__(self, output_tensor, input_tensor, group, op=dist.ReduceOp.SUM, async_op=False):
+        inp = input_tensor.detach().clone()
+        super().__call__(output_tensor, input_tensor, group, op, async_op)
+        self.calls.append((inp, output_tensor.detach().clone(), op == dist.ReduceOp.AVG))
+
+
+def _fsdp(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> torch.nn.Module:
+        model = _net()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+
+    model, reference = sharded(), sharded()
+    comm = RecordingReduceScatter(chunk_size=CHUNK)
+    with WireSpy(names=("all_to_all_single",)) as spy:  # not FSDP2's parameter all-gathers
+        for module in model.modules():
+            if hasattr(module, "set_custom_reduce_scatter"):
+                module.set_custom_reduce_scatter(comm)
+        for m in (model, reference):
+            m(_batch(rank, 0)).square().mean().backward()
+    full = [torch.cat([p.grad.full_tensor().reshape(-1) for p in m.parameters()]) for m in (model, reference)]
+    errors = []
+    for bad in ({"fp8_format": "bf16"}, {}):
+        try:
+            fp8train.comm.use_fp8_reduce_scatter(torch.nn.Linear(2, 2), **bad)
+        except ValueError as error:
+            errors.append(str(error))
+    error = float((full[0] - full[1]).norm() / full[1].norm())
+    return {"calls": comm.calls, "bytes": spy.bytes, "errors": errors, "vs_default": error}
+
+
+@pytest.mark.multirank
+def test_fsdp2_reduce_scatter_in_fp8_within_the_format_bound() -> None:
+    """Each rank's shard within the first trip's bound (no return trip) of the exact sum or mean."""
+    world = 2
+    runs = run_ranks(_fsdp, world, timeout_s=120)
+    calls = [run["calls"] for run in runs]
+    assert len({len(c) for c in calls}) == 1 and len(calls[0]) >= 3
+    expected_bytes = 0
+    for call in zip(*calls):
+        inputs = [inp for inp, _, _ in call]
+        assert all(torch.equal(torch.tensor(avg), torch.tensor(call[0][2])) for _, _, avg in call)
+        exact, bound = reduction_bound(inputs, "e4m3", None, False)
+        if not call[0][2]:  # SUM
+            exact, bound = exact * world, bound * world
+        output = torch.cat([out for _, out, _ in call]).double()
+        assert bool(((output - exact).abs() <= bound).all())
+        shard = inputs[0].numel() // world
+        expected_bytes += (world - 1) * (shard + wire.chunks_per_row(shard, CHUNK))  # 1 byte + scales
+    assert runs[0]["bytes"] == expected_bytes
+    # FSDP2 used the FP8 result: its gradients differ from the default reduce-scatter's by FP8 rounding
+    assert all(0 < run["vs_default"] < 0.1 for run in runs), [run["vs_default"] for run in runs]
+    assert "not an FP8 format" in runs[0]["errors"][0] and "no fully_shard-ed module" in runs[0]["errors"][1]
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------
+@pytest.mark.multirank
+def test_bench_comm_reports_bytes_error_and_time_side_by_side(tmp_path) -> None:
+    import json
+
+    from fp8train.tools.bench import main
+
+    assert main(["comm", "--quick", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "comm.json").read_text())
+    rows = {r["config"]: r for r in saved["rows"]}
+    assert set(rows) == set(grad_comm.CONFIGS)
+    assert all(r["identical_on_ranks"] and r["step_ms"] > 0 and r["reduce_ms"] > 0 for r in rows.values())
+    assert rows["bf16_compress_hook"]["bytes_vs_fp32"] == 0.5
+    assert rows["fp8 e4m3"]["bytes_vs_fp32"] < 0.25 * (1 + 1 / CHUNK) * 1.01
+    error = {name: r["rel_l2_error"] for name, r in rows.items()}
+    assert error["fp32 (DDP default)"] < 1e-6 < error["bf16_compress_hook"] < error["fp8 e4m3"]
+    assert error["fp8 e4m3"] < error["fp8 e5m2"] < 0.2  # E4M3: the default, from this measurement
+    assert [m["ranks"] for m in saved["model"]] == [8, 64, 512, 4096]

@@ -87,7 +87,10 @@ def encode(
 def decode(data: torch.Tensor, n: int, chunk: int, encoding: str) -> torch.Tensor:
     """`encode`'s [R, n + K] bytes as [R, n] float32 (exact: FP8 values times powers of two; +-inf
     where a saturated infinity's chunk overflows back, NaN across a NaN chunk)."""
-    values = data[:, :n].contiguous().view(fp8_dtype(encoding)).float()
+    decoded = data[:, :n].view(fp8_dtype(encoding)).float()
     scales = e8m0_to_float(data[:, n:])  # [R, K]
-    decoded = _chunked(values, chunk) * scales.unsqueeze(-1)
-    return decoded.view(data.shape[0], -1)[:, :n]
+    whole = n // chunk * chunk  # the whole chunks, then a partial one; scaled in place
+    decoded[:, :whole].view(data.shape[0], -1, chunk).mul_(scales[:, : whole // chunk].unsqueeze(-1))
+    if whole < n:
+        decoded[:, whole:].mul_(scales[:, -1:])
+    return decoded
