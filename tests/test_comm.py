@@ -264,6 +264,9 @@ def _scenario_bound(rank: int, world: int) -> dict:
         state = FP8CommState(chunk_size=CHUNK, seed=3, **config)
         futures = [state.all_reduce(rank_input(rank, n)) for n in SIZES]
         out[i] = [f.wait() for f in futures]
+    for seed in (3, 4):  # stochastic rounding repeats under its seed, and only under it
+        state = FP8CommState(chunk_size=CHUNK, seed=seed, stochastic_rounding=True)
+        out[f"seed {seed}"] = [state.all_reduce(rank_input(rank, n)).wait() for n in SIZES]
     return out
 
 
@@ -461,6 +464,9 @@ def test_every_element_within_the_format_bound_and_bit_identical_on_every_rank(r
             )
             if n > 1000:
                 assert closeness > 0.5, (config, closeness)  # the bound is tight: it can fail
+    stochastic = CONFIGS.index({"fp8_format": "e4m3", "stochastic_rounding": True, "return_format": "fp8"})
+    assert torch.equal(results[0]["seed 3"][0], results[0][stochastic][0])
+    assert not torch.equal(results[0]["seed 4"][0], results[0][stochastic][0])
 
 
 @pytest.mark.multirank

@@ -104,16 +104,13 @@ class FP8CommState:
         error_feedback: bool = False,
     ) -> None:
         self.encoding = fp8_encoding(fp8_format)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer (values per scale), got {chunk_size!r}")
+        self.chunk_size = wire.checked_chunk_size(chunk_size)
         if return_format not in RETURN_FORMATS:
             raise ValueError(f"return_format must be one of {RETURN_FORMATS}, got {return_format!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("FP8CommState needs torch.distributed initialised (init_process_group) first")
-        self.chunk_size = chunk_size
         self.return_format = return_format
-        self.stochastic_rounding = bool(stochastic_rounding)
-        self.seed = int(seed)
+        self.rounding = wire.RoundingGenerators(stochastic_rounding, seed)
         self.error_feedback = bool(error_feedback)
         if process_group is None and dist.get_world_size() > 1:
             process_group = dist.new_group()  # a dedicated copy of the world group
@@ -122,7 +119,6 @@ class FP8CommState:
         self.rank = dist.get_rank(process_group)
         self._launcher = OrderedLauncher()
         self._calls = 0
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._sent = _Residuals()
         self._returned = _Residuals()
 
@@ -130,7 +126,7 @@ class FP8CommState:
         return (
             f"FP8CommState(world_size={self.world_size}, encoding={self.encoding!r}, chunk_size="
             f"{self.chunk_size}, return_format={self.return_format!r}, stochastic_rounding="
-            f"{self.stochastic_rounding}, error_feedback={self.error_feedback})"
+            f"{self.rounding.enabled}, error_feedback={self.error_feedback})"
         )
 
     # ---- the reduction ------------------------------------------------------------------------------
@@ -161,7 +157,9 @@ class FP8CommState:
         if self.error_feedback:
             values = values + self._sent.take(key, layout, values)
         rows = F.pad(values, (0, world * shard - n)).view(world, shard)
-        sent = wire.encode(rows, self.chunk_size, self.encoding, self._generator(tensor.device))
+        sent = wire.encode(
+            rows, self.chunk_size, self.encoding, self.rounding.get(tensor.device, self.rank, 0)
+        )
         if self.error_feedback:
             decoded = wire.decode(sent, shard, self.chunk_size, self.encoding)
             self._sent.keep(key, layout, (rows - decoded).view(-1)[:n])
@@ -185,20 +183,11 @@ class FP8CommState:
             if self.error_feedback:
                 self._returned.keep(key, layout, mean - data.float())
             return data.view(torch.uint8).reshape(-1)
-        data = wire.encode(mean, self.chunk_size, self.encoding, self._generator(device))
+        # the return trip's own generator: its draws run on the callback thread, in bucket order
+        data = wire.encode(mean, self.chunk_size, self.encoding, self.rounding.get(device, self.rank, 1))
         if self.error_feedback:
             self._returned.keep(key, layout, mean - wire.decode(data, shard, self.chunk_size, self.encoding))
         return data.reshape(-1)
-
-    def _generator(self, device: torch.device) -> Optional[torch.Generator]:
-        """The stochastic-rounding generator of this device (seeded with seed and rank), or None."""
-        if not self.stochastic_rounding:
-            return None
-        if device not in self._generators:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed * 1_000_003 + self.rank)
-            self._generators[device] = generator
-        return self._generators[device]
 
 
 class _Reduction:

@@ -1,4 +1,4 @@
-"""FP8 gradient reduce-scatter for FSDP2 (`FSDPModule.set_custom_reduce_scatter`, torch >= 2.9).
+"""FP8 gradient reduce-scatter for FSDP2 (`FSDPModule.set_custom_reduce_scatter`; torch 2.13 has it).
 docs/design.md, section 15.
 
 FSDP2 reduce-scatters each parameter group's flat gradient buffer [W * S] into this rank's shard
@@ -14,7 +14,7 @@ order on FSDP2's group, so no ordering machinery is needed (unlike the DDP hook)
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -38,12 +38,8 @@ class FP8ReduceScatter:
         seed: int = 0,
     ) -> None:
         self.encoding = fp8_encoding(fp8_format)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer (values per scale), got {chunk_size!r}")
-        self.chunk_size = chunk_size
-        self.stochastic_rounding = bool(stochastic_rounding)
-        self.seed = int(seed)
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self.chunk_size = wire.checked_chunk_size(chunk_size)
+        self.rounding = wire.RoundingGenerators(stochastic_rounding, seed)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -65,7 +61,7 @@ class FP8ReduceScatter:
                 f"reduce-scatter input has {input_tensor.numel()} elements, expected {world} x {shard}"
             )
         rows = input_tensor.detach().reshape(world, shard).float()
-        generator = self._generator(dist.get_rank(group), input_tensor.device)
+        generator = self.rounding.get(input_tensor.device, dist.get_rank(group))
         sent = wire.encode(rows, self.chunk_size, self.encoding, generator)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)
@@ -77,14 +73,6 @@ class FP8ReduceScatter:
             total.div_(world)
         with torch.no_grad():
             output_tensor.copy_(total.view_as(output_tensor))
-
-    def _generator(self, rank: int, device: torch.device) -> Optional[torch.Generator]:
-        if not self.stochastic_rounding:
-            return None
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device)
-            self._generators[device].manual_seed(self.seed * 1_000_003 + rank)
-        return self._generators[device]
 
 
 def _is_average(op) -> bool:
@@ -109,6 +97,11 @@ def use_fp8_reduce_scatter(model: torch.nn.Module, **options) -> FP8ReduceScatte
     if not modules:
         raise ValueError(
             "use_fp8_reduce_scatter: the model has no fully_shard-ed module; call fully_shard first"
+        )
+    if not hasattr(modules[0], "set_custom_reduce_scatter"):
+        raise RuntimeError(
+            f"torch {torch.__version__}'s FSDP2 has no set_custom_reduce_scatter; FP8 reduce-scatter needs a "
+            "torch that has it (2.13 does), or use DDP with fp8_allreduce_hook"
         )
     for module in modules:
         module.set_custom_reduce_scatter(comm)

@@ -31,7 +31,10 @@ import torch.nn.functional as F
 from ..formats import fp8_dtype, fp8_max
 from ..microscaling import e8m0_scale, e8m0_to_float
 
-__all__ = ["ENCODINGS", "chunks_per_row", "encode", "decode", "stochastic_fp8_round"]
+__all__ = [
+    "ENCODINGS", "chunks_per_row", "checked_chunk_size", "encode", "decode", "stochastic_fp8_round",
+    "RoundingGenerators",
+]  # fmt: skip
 
 # encoding: (mantissa bits, exponent of the smallest normal)
 ENCODINGS = {"e4m3": (3, -6), "e5m2": (2, -14)}
@@ -40,6 +43,32 @@ _NAN_SCALE = 255
 
 def chunks_per_row(n: int, chunk: int) -> int:
     return -(-n // chunk)
+
+
+def checked_chunk_size(chunk_size: object) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer (values per scale), got {chunk_size!r}")
+    return chunk_size
+
+
+class RoundingGenerators:
+    """Stochastic rounding's generators, or None everywhere when it is off: one per device and
+    stream (a name for draws made in one fixed order, e.g. one per trip of a reduction, so that
+    draws made on different threads never interleave), seeded with `seed`, the rank and the stream."""
+
+    def __init__(self, enabled: bool, seed: int) -> None:
+        self.enabled = bool(enabled)
+        self.seed = int(seed)
+        self._by_key: dict[tuple, torch.Generator] = {}
+
+    def get(self, device: torch.device, rank: int, stream: int = 0) -> Optional[torch.Generator]:
+        if not self.enabled:
+            return None
+        key = (device, rank, stream)
+        if key not in self._by_key:
+            self._by_key[key] = torch.Generator(device=device)
+            self._by_key[key].manual_seed((self.seed * 1_000_003 + rank) * 4 + stream)
+        return self._by_key[key]
 
 
 def _chunked(rows: torch.Tensor, chunk: int) -> torch.Tensor:
