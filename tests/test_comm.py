@@ -267,6 +267,8 @@ def _scenario_bound(rank: int, world: int) -> dict:
     for seed in (3, 4):  # stochastic rounding repeats under its seed, and only under it
         state = FP8CommState(chunk_size=CHUNK, seed=seed, stochastic_rounding=True)
         out[f"seed {seed}"] = [state.all_reduce(rank_input(rank, n)).wait() for n in SIZES]
+    state, x = FP8CommState(chunk_size=CHUNK), rank_input(rank, 5003).bfloat16()  # bf16 parameters
+    out["bf16"] = (state.all_reduce(x.clone()).wait(), state.all_reduce(x.float()).wait())
     return out
 
 
@@ -467,6 +469,9 @@ def test_every_element_within_the_format_bound_and_bit_identical_on_every_rank(r
     stochastic = CONFIGS.index({"fp8_format": "e4m3", "stochastic_rounding": True, "return_format": "fp8"})
     assert torch.equal(results[0]["seed 3"][0], results[0][stochastic][0])
     assert not torch.equal(results[0]["seed 4"][0], results[0][stochastic][0])
+    # a bf16 bucket: reduced from its exact float32 values, the result rounded once to bf16
+    assert bit_identical([r["bf16"][0] for r in results]) and results[0]["bf16"][0].dtype == torch.bfloat16
+    assert torch.equal(results[0]["bf16"][0], results[0]["bf16"][1].bfloat16())
 
 
 @pytest.mark.multirank
