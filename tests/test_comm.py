@@ -16,6 +16,7 @@ from the inputs in float64 and checks every element.
 from __future__ import annotations
 
 import copy
+import datetime
 import math
 import threading
 from typing import Optional
@@ -416,7 +417,22 @@ def _scenario_join(rank: int, world: int) -> dict:
             "params": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
 
 
+def _scenario_async(rank: int, world: int) -> dict:
+    """Rank 0 reduces while the others have not started (they wait for rank 0 at a barrier on the
+    default group): the call must return with its future pending, or rank 0 never reaches the barrier."""
+    state = FP8CommState(chunk_size=CHUNK, timeout=datetime.timedelta(seconds=60))
+    if rank == 0:
+        future = state.all_reduce(rank_input(rank, 1000))
+        pending = not future.done()
+        dist.barrier()
+    else:
+        dist.barrier()
+        future, pending = state.all_reduce(rank_input(rank, 1000)), None
+    return {"pending": pending, "out": future.wait()}
+
+
 SCENARIOS = {
+    "async": _scenario_async,
     "bound": _scenario_bound,
     "error_feedback": _scenario_error_feedback,
     "non_finite": _scenario_non_finite,
@@ -472,6 +488,14 @@ def test_every_element_within_the_format_bound_and_bit_identical_on_every_rank(r
     # a bf16 bucket: reduced from its exact float32 values, the result rounded once to bf16
     assert bit_identical([r["bf16"][0] for r in results]) and results[0]["bf16"][0].dtype == torch.bfloat16
     assert torch.equal(results[0]["bf16"][0], results[0]["bf16"][1].bfloat16())
+
+
+@pytest.mark.multirank
+def test_the_hook_returns_a_pending_future_and_completes_when_the_peers_join(ranks) -> None:
+    world, runs = ranks
+    results = scenario_outcome(runs, "async")
+    assert results[0]["pending"] is True
+    _check_within_bound([rank_input(r, 1000) for r in range(world)], [r["out"] for r in results])
 
 
 @pytest.mark.multirank

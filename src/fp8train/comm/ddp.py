@@ -21,6 +21,7 @@ nothing else uses (DDP's own collectives could otherwise interleave differently 
 
 # no `from __future__ import annotations`: DDP's register_comm_hook compares the hook's annotations
 # with the objects dist.GradBucket and torch.futures.Future[torch.Tensor], not with strings
+import datetime
 import functools
 import weakref
 from typing import Any, Optional, Sequence, Union
@@ -91,7 +92,9 @@ class FP8CommState:
     stochastic_rounding: round both trips stochastically (unbiased), from a generator seeded with
       `seed` and the rank.
     error_feedback: add what rounding left out of this rank's contribution (and, on the owner, of its
-      mean shard) to the next step's values of the same bucket."""
+      mean shard) to the next step's values of the same bucket.
+    timeout: of the group created when process_group is None (None: torch's default for new groups,
+      not the one init_process_group was given)."""
 
     def __init__(
         self,
@@ -102,6 +105,7 @@ class FP8CommState:
         stochastic_rounding: bool = False,
         seed: int = 0,
         error_feedback: bool = False,
+        timeout: Optional[datetime.timedelta] = None,
     ) -> None:
         self.encoding = fp8_encoding(fp8_format)
         self.chunk_size = wire.checked_chunk_size(chunk_size)
@@ -113,7 +117,7 @@ class FP8CommState:
         self.rounding = wire.RoundingGenerators(stochastic_rounding, seed)
         self.error_feedback = bool(error_feedback)
         if process_group is None and dist.get_world_size() > 1:
-            process_group = dist.new_group()  # a dedicated copy of the world group
+            process_group = dist.new_group(timeout=timeout)  # a dedicated copy of the world group
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -158,7 +162,7 @@ class FP8CommState:
             values = values + self._sent.take(key, layout, values)
         rows = F.pad(values, (0, world * shard - n)).view(world, shard)
         sent = wire.encode(
-            rows, self.chunk_size, self.encoding, self.rounding.get(tensor.device, self.rank, 0)
+            rows, self.chunk_size, self.encoding, self.rounding.get(tensor.device, self.rank, trip=0)
         )
         if self.error_feedback:
             decoded = wire.decode(sent, shard, self.chunk_size, self.encoding)
@@ -184,7 +188,7 @@ class FP8CommState:
                 self._returned.keep(key, layout, mean - data.float())
             return data.view(torch.uint8).reshape(-1)
         # the return trip's own generator: its draws run on the callback thread, in bucket order
-        data = wire.encode(mean, self.chunk_size, self.encoding, self.rounding.get(device, self.rank, 1))
+        data = wire.encode(mean, self.chunk_size, self.encoding, self.rounding.get(device, self.rank, trip=1))
         if self.error_feedback:
             self._returned.keep(key, layout, mean - wire.decode(data, shard, self.chunk_size, self.encoding))
         return data.reshape(-1)

@@ -52,22 +52,22 @@ def checked_chunk_size(chunk_size: object) -> int:
 
 
 class RoundingGenerators:
-    """Stochastic rounding's generators, or None everywhere when it is off: one per device and
-    stream (a name for draws made in one fixed order, e.g. one per trip of a reduction, so that
-    draws made on different threads never interleave), seeded with `seed`, the rank and the stream."""
+    """Stochastic rounding's generators (None everywhere when it is off): one per device, rank and
+    trip of a reduction (each trip draws in one fixed order on one thread, so draws made on
+    different threads never interleave), seeded from `seed`, the rank and the trip."""
 
     def __init__(self, enabled: bool, seed: int) -> None:
         self.enabled = bool(enabled)
         self.seed = int(seed)
         self._by_key: dict[tuple, torch.Generator] = {}
 
-    def get(self, device: torch.device, rank: int, stream: int = 0) -> Optional[torch.Generator]:
+    def get(self, device: torch.device, rank: int, trip: int = 0) -> Optional[torch.Generator]:
         if not self.enabled:
             return None
-        key = (device, rank, stream)
+        key = (device, rank, trip)
         if key not in self._by_key:
             self._by_key[key] = torch.Generator(device=device)
-            self._by_key[key].manual_seed((self.seed * 1_000_003 + rank) * 4 + stream)
+            self._by_key[key].manual_seed((self.seed * 1_000_003 + rank) * 2 + trip)
         return self._by_key[key]
 
 
