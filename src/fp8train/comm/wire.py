@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..formats import fp8_dtype, fp8_max
 from ..microscaling import e8m0_scale, e8m0_to_float
@@ -71,12 +70,6 @@ class RoundingGenerators:
         return self._by_key[key]
 
 
-def _chunked(rows: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[R, n] float32 zero-padded to whole chunks, as [R, K, chunk]."""
-    padded = F.pad(rows, (0, -rows.shape[1] % chunk))
-    return padded.view(rows.shape[0], -1, chunk)
-
-
 def stochastic_fp8_round(
     magnitude: torch.Tensor, encoding: str, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
@@ -99,18 +92,29 @@ def encode(
 ) -> torch.Tensor:
     """[R, n] float32 as [R, n + K] uint8: each row's FP8 values, then its K = ceil(n / chunk) E8M0
     chunk scales. Round to nearest even, or stochastic with `generator` (`stochastic_fp8_round`)."""
-    n = rows.shape[1]
-    blocks = _chunked(rows.float(), chunk)
-    scales = e8m0_scale(blocks.abs().amax(dim=-1), encoding)  # [R, K]; NaN -> 255, inf -> 254
+    r, n = rows.shape
+    whole = n // chunk * chunk  # the whole chunks, then a partial one
+    x = rows.float()
+    amax = x[:, :whole].view(r, -1, chunk).abs().amax(dim=-1)
+    if whole < n:
+        amax = torch.cat([amax, x[:, whole:].abs().amax(dim=-1, keepdim=True)], dim=1)
+    out = torch.empty((r, n + amax.shape[1]), dtype=torch.uint8, device=rows.device)
+    scales = out[:, n:]
+    scales.copy_(e8m0_scale(amax, encoding))  # NaN -> 255, inf -> 254
     # 2**(127 - scale), exact (built from the bits, as e8m0_to_float does); NaN for a NaN chunk
     multiplier = e8m0_to_float((254 - scales.to(torch.int32)).clamp_(min=0).to(torch.uint8))
     multiplier = torch.where(scales == _NAN_SCALE, float("nan"), multiplier)
+    scaled = torch.empty_like(x)
+    torch.mul(x[:, :whole].view(r, -1, chunk), multiplier[:, : whole // chunk].unsqueeze(-1),
+              out=scaled[:, :whole].view(r, -1, chunk))  # fmt: skip
+    if whole < n:
+        torch.mul(x[:, whole:], multiplier[:, -1:], out=scaled[:, whole:])
     limit = fp8_max(encoding)
-    scaled = (blocks * multiplier.unsqueeze(-1)).clamp_(-limit, limit)
+    scaled.clamp_(-limit, limit)
     if generator is not None:
         scaled = stochastic_fp8_round(scaled.abs(), encoding, generator).copysign_(scaled)
-    values = scaled.view(rows.shape[0], -1)[:, :n].to(fp8_dtype(encoding)).view(torch.uint8)
-    return torch.cat([values, scales], dim=1)
+    out[:, :n].view(fp8_dtype(encoding)).copy_(scaled)
+    return out
 
 
 def decode(data: torch.Tensor, n: int, chunk: int, encoding: str) -> torch.Tensor:
