@@ -722,3 +722,31 @@ def test_bench_comm_reports_bytes_error_and_time_side_by_side(tmp_path) -> None:
     assert error["fp32 (DDP default)"] < 1e-6 < error["bf16_compress_hook"] < error["fp8 e4m3"]
     assert error["fp8 e4m3"] < error["fp8 e5m2"] < 0.2  # E4M3: the default, from this measurement
     assert [m["ranks"] for m in saved["model"]] == [8, 64, 512, 4096]
+
+
+# ---- a rank that stops -------------------------------------------------------------------------------
+def _dies_mid_step(rank: int, world: int) -> str:
+    """Rank 1 exits before its backward; rank 0's hook collectives fail: backward raises, no hang."""
+    import os
+
+    model = DDP(_net())
+    state = FP8CommState(chunk_size=CHUNK, timeout=datetime.timedelta(seconds=10))
+    model.register_comm_hook(state, fp8_allreduce_hook)
+    model(_batch(rank, 0)).square().mean().backward()  # one good step
+    loss = model(_batch(rank, 1)).square().mean()
+    if rank == 1:
+        os._exit(3)
+    try:
+        loss.backward()
+    except Exception as error:  # noqa: BLE001 (the verdict is the message)
+        return f"{type(error).__name__}: {error}"
+    return "backward returned"
+
+
+@pytest.mark.multirank
+def test_a_rank_that_stops_is_an_error_on_the_others_never_a_hang() -> None:
+    from fp8train.tools.ranks import run_ranks_outcomes
+
+    (ok, message), (ok1, _) = run_ranks_outcomes(_dies_mid_step, 2, timeout_s=120, pg_timeout_s=10)
+    assert ok and not ok1
+    assert message.startswith("RuntimeError") and "peer" in message, message  # gloo's cause, via DDP
