@@ -27,7 +27,7 @@ import torch
 from .regions import async_amax_reduction
 from .registry import REGISTRY
 
-__all__ = ["end_step", "end_step_on", "ending_step", "check_step_open"]
+__all__ = ["end_step", "end_step_on", "ending_step", "check_step_open", "parameters_loaded"]
 
 
 def end_step() -> None:
@@ -96,3 +96,9 @@ def check_step_open(module: torch.nn.Module) -> None:
             "amax reductions of the step were never launched. Call fp8train.end_step() after the step's "
             "last backward (or fp8train.end_step_on(optimizer) once)"
         )
+
+
+def parameters_loaded(module: torch.nn.Module) -> None:
+    """`module`'s parameters were loaded from a checkpoint (`load_state_dict`): a change that is not
+    an optimizer step, so the open step goes on from the loaded values."""
+    REGISTRY.step_parameters.pop(id(module), None)

@@ -13,6 +13,7 @@ from ..fsdp import plain_weight
 from ..plans import BWD_ROLES, FWD_ROLES
 from ..quantization.base import WeightOperands
 from ..registry import REGISTRY
+from ..steps import parameters_loaded
 from .scaling_meta import ScalingMeta, decode_extra_state
 
 __all__ = ["FP8Module", "ScalingMeta", "decode_extra_state", "FWD_ROLES", "BWD_ROLES"]
@@ -158,6 +159,7 @@ class FP8Module(torch.nn.Module):
         if state.get("recipe") is not None:  # checked against the run's recipe at its first training call
             self.recipe_kind = state["recipe"]
         self.forget_cached_weights()
+        parameters_loaded(self)  # torch loads a module's parameters before its extra state
         for key, scales in state.get("weight_cast_scales", {}).items():
             gemm, kind = key.split(":")
             if not (isinstance(scales, torch.Tensor) and scales.shape == (2,) and bool((torch.isfinite(scales) & (scales > 0)).all())):
