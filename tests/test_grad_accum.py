@@ -160,7 +160,9 @@ def test_without_cache_weight_is_cast_every_microbatch(weight_casts: CastCounter
     assert not torch.equal(plain["weight"][-1], _user_loop()["weight"][-1])
 
 
-@pytest.mark.parametrize("recipe", [fp8train.DelayedScaling(amax_history_len=4), fp8train.Float8CurrentScaling()])
+@pytest.mark.parametrize(
+    "recipe", [fp8train.DelayedScaling(amax_history_len=4), fp8train.Float8CurrentScaling()]
+)
 def test_a_step_resumed_after_a_load_reuses_the_cast_weight(recipe) -> None:
     """Microbatch 0 (is_first_microbatch=True), then state_dict and gradients saved; a fresh model in a
     fresh process state loads them and runs microbatch 1 with False: the same FP8 weight as the

@@ -68,7 +68,10 @@ def _run(accum: int, user_hook: bool) -> dict:
             per_step.append(wire.amax_calls)
 
     g = torch.Generator().manual_seed(1)
-    data = torch.randn(STEPS * accum * BATCH * WORLD, 16, generator=g) * torch.linspace(0.5, 4, STEPS * accum * BATCH * WORLD)[:, None]
+    data = (
+        torch.randn(STEPS * accum * BATCH * WORLD, 16, generator=g)
+        * torch.linspace(0.5, 4, STEPS * accum * BATCH * WORLD)[:, None]
+    )
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=BATCH)
     model = Plain()
     trainer = pl.Trainer(

@@ -62,7 +62,7 @@ def _closure_run(rank: int, accum: int, closure: bool) -> dict:
             losses.append(_microbatch(model, rank, step, micro, accum))
         if closure:
 
-            def last_microbatch():
+            def last_microbatch(step=step):
                 losses.append(_microbatch(model, rank, step, accum - 1, accum))
                 _sync_grads(model)
                 return losses[-1]
@@ -149,8 +149,14 @@ def _uneven(rank: int, world: int, empty: str) -> dict:
         ref_fwd.update(fwd, STEP, E4M3_MAX)
         ref_bwd.update(bwd, STEP, E5M2_MAX)
         (h_f, s_f), (h_b, s_b) = _state(model)
-        matches.append((h_f, s_f, h_b, s_b) == (ref_fwd.history, ref_fwd.scale, ref_bwd.history, ref_bwd.scale))
-    return {"matches": matches, "fp8": digest(fp8_state(model)), "steps": fp8train.inspection.amax_group(STEP).training_regions}
+        matches.append(
+            (h_f, s_f, h_b, s_b) == (ref_fwd.history, ref_fwd.scale, ref_bwd.history, ref_bwd.scale)
+        )
+    return {
+        "matches": matches,
+        "fp8": digest(fp8_state(model)),
+        "steps": fp8train.inspection.amax_group(STEP).training_regions,
+    }
 
 
 @pytest.mark.parametrize("empty", ["none", "region"])
@@ -221,4 +227,7 @@ def test_a_mid_step_checkpoint_saved_by_rank_0_is_refused_on_every_rank() -> Non
         assert "saved in the middle of an optimizer step" in out["mid_step"]
         assert "Resume from a checkpoint saved at a step boundary" in out["mid_step"]
     assert outs[0]["uninterrupted"] == outs[1]["uninterrupted"]
-    assert outs[0]["warnings"]["after step 1"] == [] and "middle of an optimizer step" in outs[0]["warnings"][(2, 0)][0]
+    assert (
+        outs[0]["warnings"]["after step 1"] == []
+        and "middle of an optimizer step" in outs[0]["warnings"][(2, 0)][0]
+    )

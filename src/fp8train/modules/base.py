@@ -137,7 +137,8 @@ class FP8Module(torch.nn.Module):
             state[key] = self.fp8_meta[key].state()
         if self._weight_cast_scales:  # a step with is_first_microbatch resumes with the same FP8 weight
             state["weight_cast_scales"] = {
-                f"{gemm}:{kind}": scales.detach().cpu() for (gemm, kind), scales in self._weight_cast_scales.items()
+                f"{gemm}:{kind}": scales.detach().cpu()
+                for (gemm, kind), scales in self._weight_cast_scales.items()
             }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -162,6 +163,12 @@ class FP8Module(torch.nn.Module):
         parameters_loaded(self)  # torch loads a module's parameters before its extra state
         for key, scales in state.get("weight_cast_scales", {}).items():
             gemm, kind = key.split(":")
-            if not (isinstance(scales, torch.Tensor) and scales.shape == (2,) and bool((torch.isfinite(scales) & (scales > 0)).all())):
-                raise ValueError(f"{where}: checkpoint weight_cast_scales are not 2 finite scales > 0; it is corrupted")
+            if not (
+                isinstance(scales, torch.Tensor)
+                and scales.shape == (2,)
+                and bool((torch.isfinite(scales) & (scales > 0)).all())
+            ):
+                raise ValueError(
+                    f"{where}: checkpoint weight_cast_scales are not 2 finite scales > 0; it is corrupted"
+                )
             self._weight_cast_scales[(int(gemm), kind)] = scales.float()
