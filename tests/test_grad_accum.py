@@ -22,12 +22,15 @@ cast once per step (counted by wrapping the per-tensor recipes' `TensorQuantizat
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
 import fp8train
 from fp8train.cast import amax, cast_operand
 from fp8train.gemm import gemm
+from fp8train.modules.base import decode_extra_state
 from fp8train.quantization.per_tensor import TensorQuantization
 from fp8train.scaling import update_scaling
 
@@ -201,3 +204,18 @@ def test_a_step_resumed_after_a_load_reuses_the_cast_weight(recipe) -> None:
         assert torch.equal(a, b), (a, b)
     if isinstance(recipe, fp8train.DelayedScaling):  # the weight's amax recorded once, by microbatch 0
         assert (uninterrupted.fp8_meta["scaling_fwd"].amax_history[:, 1] > 0).sum() == 1
+
+
+def test_damaged_weight_cast_scales_are_refused() -> None:
+    layer = fp8train.Linear(16, 16)
+    with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+        layer(torch.randn(4, 16), is_first_microbatch=True)
+    state = layer.state_dict()
+    extra = decode_extra_state(state["_extra_state"])
+    assert torch.equal(extra["weight_cast_scales"]["0:delayed"], torch.ones(2))  # cast with the initial scale
+    extra["weight_cast_scales"]["0:delayed"] = torch.tensor([float("nan"), 1.0])
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    state["_extra_state"] = buffer.getvalue()
+    with pytest.raises(ValueError, match="weight_cast_scales are not 2 scales > 0; it is corrupted"):
+        fp8train.Linear(16, 16).load_state_dict(state)

@@ -4,10 +4,11 @@ marks the step boundary itself (issue 27), on 2 real gloo ranks with Lightning's
 Lightning's automatic optimization runs the step's last microbatch inside the closure it passes to
 `optimizer.step`, so a boundary before the step (a step pre-hook) came one microbatch early: with
 accumulation the run raised at its second optimizer step, without it every step was reduced one step
-late. Checked here with no fp8train code in the LightningModule (accumulate_grad_batches=1) and with
-the LightningModule's own `fp8train.end_step_on(optimizer)` (accumulate_grad_batches=2, which must not
-add a second boundary): 2 amax collectives per optimizer step, one history row per step, and each
-row's input amax the MAX over the step's microbatches and both ranks of what the first layer saw.
+late. Checked here with no fp8train code in the LightningModule (accumulate_grad_batches=1), with the
+LightningModule's own `fp8train.end_step_on(optimizer)` (accumulate_grad_batches=2, which must not
+add a second boundary), and in manual optimization (2 microbatches per `optimizer.step()`): 2 amax
+collectives per optimizer step, one history row per step, and each row's input amax the MAX over
+the step's microbatches and both ranks of what the first layer saw.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ pytestmark = [
 
 WORLD, STEPS, BATCH, HISTORY = 2, 3, 4, 8
 RECIPE = fp8train.DelayedScaling(amax_history_len=HISTORY, amax_reduction="step")
+SCENARIOS = {  # name -> (accumulate_grad_batches, end_step_on in configure_optimizers, manual optimization)
+    "accumulate=1, no fp8train code": (1, False, False),
+    "accumulate=2, end_step_on": (2, True, False),
+    "manual optimization, accumulate=2": (2, False, True),
+}
 
 
-def _run(accum: int, user_hook: bool) -> dict:
+def _run(accum: int, user_hook: bool, manual: bool = False) -> dict:
     import lightning.pytorch as pl
 
     from fp8train.integrations.lightning import FP8Precision
@@ -49,11 +55,18 @@ def _run(accum: int, user_hook: bool) -> dict:
             super().__init__()
             torch.manual_seed(0)
             self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            self.automatic_optimization = not manual
 
         def training_step(self, batch, batch_idx):
             (x,) = batch
             seen.append((batch_idx // accum, float(x.abs().max())))
-            return self.net(x).square().mean()
+            loss = self.net(x).square().mean()
+            if manual:  # the boundary at the LightningOptimizer's step, with its do-nothing closure
+                self.manual_backward(loss / accum)
+                if (batch_idx + 1) % accum == 0:
+                    self.optimizers().step()
+                    self.optimizers().zero_grad()
+            return loss
 
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=0.05)
@@ -100,14 +113,14 @@ def _worker(rank: int, world_size: int) -> dict:
 
     def run_one(name: str):
         fp8train.inspection.reset()
-        return _run(2, True) if name == "accumulate=2, end_step_on" else _run(1, False)
+        return _run(*SCENARIOS[name])
 
-    return run_scenarios(["accumulate=1, no fp8train code", "accumulate=2, end_step_on"], run_one)
+    return run_scenarios(list(SCENARIOS), run_one)
 
 
 def test_fp8_precision_marks_the_step_boundary_in_per_step_mode() -> None:
     runs = run_ranks(_worker, WORLD, timeout_s=300, pg_timeout_s=120)
-    for name in ("accumulate=1, no fp8train code", "accumulate=2, end_step_on"):
+    for name in SCENARIOS:
         outs = scenario_outcome(runs, name)
         for out in outs:
             assert out["per_step"] == [2] * STEPS and out["steps"] == STEPS, (name, out)

@@ -161,14 +161,15 @@ class FP8Module(torch.nn.Module):
             self.recipe_kind = state["recipe"]
         self.forget_cached_weights()
         parameters_loaded(self)  # torch loads a module's parameters before its extra state
-        for key, scales in state.get("weight_cast_scales", {}).items():
-            gemm, kind = key.split(":")
-            if not (
-                isinstance(scales, torch.Tensor)
-                and scales.shape == (2,)
-                and bool((torch.isfinite(scales) & (scales > 0)).all())
-            ):
-                raise ValueError(
-                    f"{where}: checkpoint weight_cast_scales are not 2 finite scales > 0; it is corrupted"
-                )
-            self._weight_cast_scales[(int(gemm), kind)] = scales.float()
+        self._weight_cast_scales.update(_cast_scales(state.get("weight_cast_scales", {}), where))
+
+
+def _cast_scales(saved: dict, where: str) -> dict[tuple[int, str], torch.Tensor]:
+    """The [scale, scale_inv] of each cached FP8 weight, as `get_extra_state` saved them."""
+    out = {}
+    for key, scales in saved.items():
+        if not (isinstance(scales, torch.Tensor) and scales.shape == (2,) and bool((scales > 0).all())):
+            raise ValueError(f"{where}: checkpoint weight_cast_scales are not 2 scales > 0; it is corrupted")
+        gemm, kind = key.split(":")
+        out[(int(gemm), kind)] = scales.float()
+    return out
