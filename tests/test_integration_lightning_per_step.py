@@ -89,8 +89,9 @@ def _run(accum: int, user_hook: bool, manual: bool = False) -> dict:
     model = Plain()
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[FP8Precision(RECIPE)],
-        accumulate_grad_batches=accum, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Count()],
+        accumulate_grad_batches=1 if manual else accum, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Count()],
     )  # fmt: skip
     with wire:
         trainer.fit(model, loader)
