@@ -22,12 +22,15 @@ cast once per step (counted by wrapping the per-tensor recipes' `TensorQuantizat
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
 import fp8train
 from fp8train.cast import amax, cast_operand
 from fp8train.gemm import gemm
+from fp8train.modules.base import decode_extra_state
 from fp8train.quantization.per_tensor import TensorQuantization
 from fp8train.scaling import update_scaling
 
@@ -158,3 +161,61 @@ def test_without_cache_weight_is_cast_every_microbatch(weight_casts: CastCounter
     assert plain["casts_per_step"] == [MICRO] * STEPS
     assert int((plain["fwd"][0][:, 1] > 0).sum()) == STEPS * MICRO
     assert not torch.equal(plain["weight"][-1], _user_loop()["weight"][-1])
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8train.DelayedScaling(amax_history_len=4), fp8train.Float8CurrentScaling()]
+)
+def test_a_step_resumed_after_a_load_reuses_the_cast_weight(recipe) -> None:
+    """Microbatch 0 (is_first_microbatch=True), then state_dict and gradients saved; a fresh model in a
+    fresh process state loads them and runs microbatch 1 with False: the same FP8 weight as the
+    uninterrupted run's cache (rebuilt from the weight and the scale it was cast with), no weight amax
+    recorded, so the weight history, every scale and the gradients are bitwise equal. Before, the load
+    dropped the cache and microbatch 1 cast the weight again with the moved scale and recorded its amax
+    (history column [0.249, 0.249, 0, 0] against [0.249, 0, 0, 0], and another weight gradient)."""
+
+    def model() -> fp8train.Linear:
+        torch.manual_seed(0)
+        return fp8train.Linear(16, 16)
+
+    def microbatch(layer, micro: int) -> None:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(micro)) * (1 + micro)
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, is_first_microbatch=micro == 0)
+        y.square().mean().backward()
+
+    def result(layer) -> list:
+        fp8 = [getattr(meta, a) for meta in layer.fp8_meta.values() for a in ("amax_history", "scale")]
+        return [t.clone() for t in (*fp8, layer.weight.grad, layer.bias.grad)]
+
+    fp8train.inspection.reset()
+    uninterrupted = model()
+    microbatch(uninterrupted, 0)
+    saved = (uninterrupted.state_dict(), [p.grad.clone() for p in uninterrupted.parameters()])
+    microbatch(uninterrupted, 1)
+
+    fp8train.inspection.reset()
+    resumed = model()
+    resumed.load_state_dict(saved[0])
+    for p, g in zip(resumed.parameters(), saved[1]):
+        p.grad = g
+    microbatch(resumed, 1)
+    for a, b in zip(result(resumed), result(uninterrupted)):
+        assert torch.equal(a, b), (a, b)
+    if isinstance(recipe, fp8train.DelayedScaling):  # the weight's amax recorded once, by microbatch 0
+        assert (uninterrupted.fp8_meta["scaling_fwd"].amax_history[:, 1] > 0).sum() == 1
+
+
+def test_damaged_weight_cast_scales_are_refused() -> None:
+    layer = fp8train.Linear(16, 16)
+    with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+        layer(torch.randn(4, 16), is_first_microbatch=True)
+    state = layer.state_dict()
+    extra = decode_extra_state(state["_extra_state"])
+    assert torch.equal(extra["weight_cast_scales"]["0:delayed"], torch.ones(2))  # cast with the initial scale
+    extra["weight_cast_scales"]["0:delayed"] = torch.tensor([float("nan"), 1.0])
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    state["_extra_state"] = buffer.getvalue()
+    with pytest.raises(ValueError, match="weight_cast_scales are not 2 scales > 0; it is corrupted"):
+        fp8train.Linear(16, 16).load_state_dict(state)

@@ -66,7 +66,6 @@ class Direction:
         self.header = Header(name, self.recipe_key)
         self._recording_task = -1  # autograd graph task of the amaxes in the recording slot
         self.recorded_columns: list[int] = []
-        self.accumulated_columns: set[int] = set()  # per-step reduction: columns the step recorded
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self.group: Optional[AmaxGroup] = None  # set by the AmaxGroup that holds this direction
 
@@ -124,24 +123,23 @@ class Direction:
             storage = self.storage
             torch.maximum(storage.accumulated, storage.recording, out=storage.accumulated)
             storage.recording.zero_()
-            self.accumulated_columns.update(self.recorded_columns)
             self.recorded_columns.clear()
 
     def restore_accumulated(self, offset: int, amaxes: torch.Tensor) -> None:
         """A checkpoint saved mid-step: the step's amaxes so far of the columns from `offset` on."""
         self.storage.accumulated[offset : offset + amaxes.numel()].copy_(amaxes)
-        self.accumulated_columns.update(offset + i for i in amaxes.nonzero().flatten().tolist())
 
     def launch_step(self, async_op: bool, step_index: int) -> None:
-        """The step boundary: launch the step's accumulated amaxes as one reduction."""
+        """The step boundary: launch the step's accumulated amaxes as one reduction of every column,
+        also when this rank recorded none (zeros: neutral for MAX, and a column whose reduced amax
+        is 0 neither rolls nor changes scale), so that the header does not depend on what ran here."""
         self.accumulate()
-        if not self.accumulated_columns:
+        if self.storage is None:
             return
         storage = self.storage
         storage.recording.copy_(storage.accumulated)
         storage.accumulated.zero_()
-        self.recorded_columns = sorted(self.accumulated_columns)
-        self.accumulated_columns.clear()
+        self.recorded_columns = list(range(storage.num_roles))
         self.launch(async_op, step_index)
 
     # ---- the collective -------------------------------------------------------------------------

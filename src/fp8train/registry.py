@@ -70,7 +70,8 @@ class Registry:
         self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self.plans: weakref.WeakKeyDictionary[torch.nn.Module, Plan] = weakref.WeakKeyDictionary()
         self._backward_pass: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
-        self.step_groups: dict[AmaxGroup, None] = {}  # per-step groups that trained since the boundary
+        self.step_groups: dict[AmaxGroup, None] = {}  # per-step groups this rank trained, in that order
+        self.boundaries = 0  # step boundaries taken (steps.py)
         self.step_parameters: dict[int, tuple] = {}  # module id -> its parameters' versions this step
         self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
         self.checkpoints: list = []  # fp8train.checkpoint calls whose forward is running: they note plans
@@ -115,8 +116,8 @@ class Registry:
         return group
 
     def note_step_group(self, group: AmaxGroup) -> None:
-        """A per-step group that trained: launched at the next step boundary, in this order (the
-        order of training, the same on every rank)."""
+        """A per-step group that trained: launched at every step boundary from now on, in the order in
+        which the groups first trained (the same on every rank)."""
         self.step_groups.setdefault(group, None)
 
     # ---- modules and their calls ---------------------------------------------------------------------

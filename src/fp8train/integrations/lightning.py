@@ -6,19 +6,22 @@ own), and enters `forward_context` around every
 `training_step`, `validation_step`, `test_step` and `predict_step` call, i.e. once per microbatch.
 So each microbatch is one FP8 region (its forward amaxes are reduced when the step's forward ends,
 its backward amaxes when its backward pass ends), and validation, run by Lightning under no_grad,
-launches no reduction. Nothing in the user's LightningModule changes.
+launches no reduction. With `DelayedScaling(amax_reduction="step")` the plugin marks the step
+boundary too (`optimizer_step`: after the closure that runs the step's last microbatch, before the
+optimizer's update). Nothing in the user's LightningModule changes.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..autocast import autocast
 from ..convert import FilterFn, convert_to_fp8
 from ..recipe import DelayedScaling, Recipe, check_recipe
+from ..steps import ending_step
 from . import require
 
 _precision = require("lightning.pytorch.plugins.precision", "lightning", "fp8train.integrations.lightning")
@@ -54,3 +57,10 @@ class FP8Precision(_precision.Precision):
 
     def forward_context(self) -> AbstractContextManager:
         return autocast(recipe=self.recipe, amax_reduction_group=self.amax_reduction_group)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Per-step amax reduction: the step boundary after the closure (the step's last forward and
+        backward, also in manual optimization), so no `end_step` is needed in the LightningModule."""
+        if getattr(self.recipe, "per_step", False):
+            closure = ending_step(closure)
+        return super().optimizer_step(optimizer, model, closure, **kwargs)

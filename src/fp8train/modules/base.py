@@ -13,6 +13,7 @@ from ..fsdp import plain_weight
 from ..plans import BWD_ROLES, FWD_ROLES
 from ..quantization.base import WeightOperands
 from ..registry import REGISTRY
+from ..steps import parameters_loaded
 from .scaling_meta import ScalingMeta, decode_extra_state
 
 __all__ = ["FP8Module", "ScalingMeta", "decode_extra_state", "FWD_ROLES", "BWD_ROLES"]
@@ -44,8 +45,10 @@ class FP8Module(torch.nn.Module):
         self.fp8_handle = REGISTRY.register_module(self)  # how compiled graphs name this module
         self.shards_checked = False  # sequence parallelism: token shards checked equal across TP ranks
         self.fsdp_gathers: dict = {}  # fsdp.py's bookkeeping of FP8 weight gathers, per GEMM
-        # (GEMM index, recipe kind) -> the weight's FP8 operands, kept across microbatches
+        # (GEMM index, recipe kind) -> the weight's FP8 operands, kept across microbatches, and the
+        # [scale, scale_inv] they were cast with (delayed scaling): what rebuilds them after a load
         self._weight_cache: dict[tuple[int, str], WeightOperands] = {}
+        self._weight_cast_scales: dict[tuple[int, str], torch.Tensor] = {}
 
     @property
     def signature(self) -> str:
@@ -69,16 +72,31 @@ class FP8Module(torch.nn.Module):
     def cached_weight(self, gemm_index: int, kind: str) -> Optional[WeightOperands]:
         return self._weight_cache.get((gemm_index, kind))
 
-    def cache_weight(self, gemm_index: int, kind: str, operands: WeightOperands, copy: bool = False) -> None:
+    def cache_weight(
+        self,
+        gemm_index: int,
+        kind: str,
+        operands: WeightOperands,
+        copy: bool = False,
+        cast_scales: Optional[torch.Tensor] = None,
+    ) -> None:
         """Keep `operands` for the next microbatches; `copy`: their 1-byte values may be a buffer that
-        someone else refills (FSDP2's gather), so keep a copy of them."""
+        someone else refills (FSDP2's gather), so keep a copy of them. `cast_scales`: [scale,
+        scale_inv] they were cast with (delayed scaling), saved with the module's state."""
         if copy and operands.forward.values.dtype.itemsize == 1:
             forward = operands.forward
             operands = WeightOperands.same(replace(forward, values=forward.values.clone()))
         self._weight_cache[(gemm_index, kind)] = operands
+        if cast_scales is not None:
+            self._weight_cast_scales[(gemm_index, kind)] = cast_scales
+
+    def weight_cast_scales(self, gemm_index: int, kind: str) -> Optional[torch.Tensor]:
+        """[scale, scale_inv] the cached weight of a GEMM was cast with, also after a load dropped it."""
+        return self._weight_cast_scales.get((gemm_index, kind))
 
     def forget_cached_weights(self) -> None:
         self._weight_cache.clear()
+        self._weight_cast_scales.clear()
 
     # ---- copies and devices ---------------------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -86,7 +104,7 @@ class FP8Module(torch.nn.Module):
         FP8 state; not FSDP2 gather bookkeeping or cached FP8 weights, which belong to this module's own
         calls (the registry keeps the current call's plan, so nothing of it is copied)."""
         state = dict(self.__dict__)
-        state.update(fsdp_gathers={}, _weight_cache={})
+        state.update(fsdp_gathers={}, _weight_cache={}, _weight_cast_scales={})
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -117,6 +135,11 @@ class FP8Module(torch.nn.Module):
         state = {"version": 2, "recipe": self.recipe_kind}
         for key in ("scaling_fwd", "scaling_bwd"):
             state[key] = self.fp8_meta[key].state()
+        if self._weight_cast_scales:  # a step with is_first_microbatch resumes with the same FP8 weight
+            state["weight_cast_scales"] = {
+                f"{gemm}:{kind}": scales.detach().cpu()
+                for (gemm, kind), scales in self._weight_cast_scales.items()
+            }
         buffer = io.BytesIO()
         torch.save(state, buffer)
         if self.extra_state_as_tensor:
@@ -137,3 +160,16 @@ class FP8Module(torch.nn.Module):
         if state.get("recipe") is not None:  # checked against the run's recipe at its first training call
             self.recipe_kind = state["recipe"]
         self.forget_cached_weights()
+        parameters_loaded(self)  # torch loads a module's parameters before its extra state
+        self._weight_cast_scales.update(_cast_scales(state.get("weight_cast_scales", {}), where))
+
+
+def _cast_scales(saved: dict, where: str) -> dict[tuple[int, str], torch.Tensor]:
+    """The [scale, scale_inv] of each cached FP8 weight, as `get_extra_state` saved them."""
+    out = {}
+    for key, scales in saved.items():
+        if not (isinstance(scales, torch.Tensor) and scales.shape == (2,) and bool((scales > 0).all())):
+            raise ValueError(f"{where}: checkpoint weight_cast_scales are not 2 scales > 0; it is corrupted")
+        gemm, kind = key.split(":")
+        out[(int(gemm), kind)] = scales.float()
+    return out

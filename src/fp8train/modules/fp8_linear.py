@@ -145,9 +145,22 @@ def fp8_linear(
         x, sp_group = TokenCollective.apply(x, sp_group, True), None  # cast where the tensor is whole
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
         ops.check_recipe_kind(module, quantization.kind)
-    cached = module.cached_weight(gemm_index, quantization.kind) if is_first_microbatch is False else None
-    weight_amax = None if cached is not None else (weight.shard_amax if gathered else lambda: amax(weight))
+    cached = rebuild = None
+    if is_first_microbatch is False:
+        cached = module.cached_weight(gemm_index, quantization.kind)
+        if cached is None:  # dropped by a load: cast again with the scale it was cast with
+            rebuild = module.weight_cast_scales(gemm_index, quantization.kind)
+            if rebuild is not None and gathered:
+                raise RuntimeError(
+                    f"{module.signature}: is_first_microbatch=False after a load, with fsdp_fp8_all_gather: "
+                    "the FP8 weight of the step's first microbatch cannot be rebuilt from the gathered "
+                    "shards. Resume the step with is_first_microbatch=True, or save at a step boundary"
+                )
+    reused = cached is not None or rebuild is not None  # the step's weight: no weight amax recorded
+    weight_amax = None if reused else (weight.shard_amax if gathered else lambda: amax(weight))
     scales, token = quantization.call_scales(module, gemm_index, x, weight_amax, precision.record)
+    if rebuild is not None:  # the weight scale the step's first microbatch cast the weight with
+        scales = torch.stack([scales[:, 0], rebuild.to(scales.device)], dim=1)
     tokens = x.numel() // x.shape[-1] * (1 if sp_group is None else dist.get_world_size(sp_group))
     call = GemmCall(
         quantization, module.fp8_handle, gemm_index, _operand_dtype(tokens, weight), scales, token
@@ -160,7 +173,8 @@ def fp8_linear(
     else:
         w_ops = quantization.quantize_weight(weight.detach(), call)
     if is_first_microbatch is not None and cached is None:  # kept across microbatches
-        module.cache_weight(gemm_index, quantization.kind, w_ops, copy=gathered)  # not FSDP2's buffer
+        cast_scales = None if scales is None else scales[:, 1]
+        module.cache_weight(gemm_index, quantization.kind, w_ops, copy=gathered, cast_scales=cast_scales)
     y = _LinearFn.apply(x, weight, bias, w_ops, call, sp_group)
     if not torch.compiler.is_compiling():  # the plan lookup (a weak dict) is not traceable in every torch
         note_training_output(REGISTRY.plan_of(module), y)

@@ -5,13 +5,33 @@ that state in checkpoints (docs/design.md, sections 2 and 5)."""
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..reduction import Direction
 
 __all__ = ["ScalingMeta", "decode_extra_state"]
+
+# A per-step group's amaxes of the open step are rank-local until the boundary reduces them, and
+# reducing them for a save would be a collective, which rank 0 saving alone cannot issue: such a
+# checkpoint is flagged when saved and refused when loaded, on every rank alike (the decision is the
+# file's, not the rank's), instead of resuming with the saving rank's amaxes as the group's.
+PARTIAL_STEP_SAVED = (
+    "fp8train: this FP8 state is saved in the middle of an optimizer step of a multi-rank "
+    "DelayedScaling(amax_reduction='step') group; it holds this rank's amaxes of the step only, and "
+    "loading it will be refused. Save at a step boundary (after fp8train.end_step() or the optimizer "
+    "step) to get a checkpoint that resumes"
+)
+PARTIAL_STEP_REFUSED = (
+    "checkpoint saved in the middle of an optimizer step under DelayedScaling(amax_reduction='step') "
+    "by one rank of a {ranks}-rank amax group: it holds that rank's amaxes of the step so far, not the "
+    "group's (they are reduced only at the step boundary), so resuming from it would silently give the "
+    "step other scales than the uninterrupted run. Resume from a checkpoint saved at a step boundary "
+    "(after fp8train.end_step() or the optimizer step: rank 0 alone may save then)"
+)
 
 
 class ScalingMeta:
@@ -111,6 +131,11 @@ class ScalingMeta:
         step_amax = self._step_amax()
         if step_amax is not None:  # per-step reduction, saved mid-step: the step's amaxes so far
             state["step_amax"] = step_amax.cpu()
+            channel = self.direction.channel if self.direction is not None else None
+            if channel is not None:  # this rank's amaxes only: the others' are reduced at the boundary
+                state["step_amax_ranks"] = dist.get_world_size(channel.process_group)
+                if bool(step_amax.any()):
+                    warnings.warn(PARTIAL_STEP_SAVED, stacklevel=4)
         return state
 
     def _step_amax(self) -> Optional[torch.Tensor]:
@@ -137,6 +162,9 @@ class ScalingMeta:
             raise ValueError(
                 f"{where}: checkpoint step_amax is not {n} amaxes >= 0; the checkpoint file is corrupted"
             )
+        ranks = state.get("step_amax_ranks", 1)
+        if step_amax is not None and (not isinstance(ranks, int) or ranks > 1) and bool(step_amax.any()):
+            raise ValueError(f"{where}: {PARTIAL_STEP_REFUSED.format(ranks=ranks)}")
         if history.shape[0] == 0:  # saved before the module ever trained: no history yet
             history = None if self.direction is None else torch.zeros_like(self._settled("history"))
         if self.direction is None:
