@@ -14,7 +14,13 @@ two FP8 linear layers, an FP8 head) trained on the standard library's source:
   `trainer.validate` (no_grad) adds none;
 - the loss decreases, and the final validation loss is within `LOSS_TOLERANCE` of the same run
   without the plugin;
-- `trainer.save_checkpoint` and `trainer.validate(ckpt_path=...)` round-trip the FP8 state.
+- `trainer.save_checkpoint` and `trainer.validate(ckpt_path=...)` round-trip the FP8 state into a
+  fresh LightningModule;
+- resuming (scenario "resume"): `trainer.fit(LitModel(), ckpt_path=...)` from an end-of-epoch
+  checkpoint ends bit for bit where the uninterrupted run ends (weights and FP8 state);
+  `validate` / `test` / `predict` with `ckpt_path` on a fresh module, `LitModel.load_from_checkpoint`
+  plus `FP8Precision.load_checkpoint`, and `ckpt_path` into a module converted and trained before, all
+  restore the saved FP8 state and give the saved module's losses.
 
 LOSS_TOLERANCE: relative gap |FP8 - fp32| / fp32 of the final validation loss of this run,
 measured over seeds 0-4 (`python tests/test_integration_lightning.py --measure`): 0.0026, 0.0024,
@@ -94,6 +100,14 @@ def _module(seed: int):
             self.log("val_loss", loss, sync_dist=True)
             return loss
 
+        def test_step(self, batch, batch_idx):
+            loss = self._loss(batch)
+            self.log("test_loss", loss, sync_dist=True)
+            return loss
+
+        def predict_step(self, batch, batch_idx):
+            return self._loss(batch)
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
@@ -103,11 +117,10 @@ def _module(seed: int):
 def _trainer(plugins: list, **kwargs):
     import lightning.pytorch as pl
 
-    return pl.Trainer(
+    settings = dict(
         accelerator="cpu",
         devices=WORLD,
         strategy="ddp",
-        plugins=plugins,
         accumulate_grad_batches=ACCUM,
         max_steps=STEPS,
         logger=False,
@@ -116,8 +129,8 @@ def _trainer(plugins: list, **kwargs):
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=4,
-        **kwargs,
     )
+    return pl.Trainer(plugins=plugins, **(settings | kwargs))
 
 
 def _run(seed: int, fp8: bool, out_dir: str) -> dict:
@@ -158,10 +171,65 @@ def _run(seed: int, fp8: bool, out_dir: str) -> dict:
         path = os.path.join(out_dir, "fp8.ckpt")
         trainer.save_checkpoint(path)
         torch.distributed.barrier()
-        fresh = _module(seed + 1)
-        FP8Precision().convert_module(fresh)  # before Lightning restores: see docs/guide.md
+        fresh = _module(seed + 1)  # a fresh LightningModule: its layers are not converted yet
         _trainer([FP8Precision()]).validate(fresh, val, ckpt_path=path, verbose=False)
         out["restored_state"] = fp8_state(fresh)
+    return out
+
+
+EPOCH_STEPS = 2  # optimizer steps per epoch in the resume scenario
+LOGGED = {"validate": "val_loss", "test": "test_loss"}
+
+
+def _resume(seed: int, out_dir: str) -> dict:
+    """One epoch, an end-of-epoch checkpoint, and every standard way back from it (module docstring)."""
+    from fp8train.integrations.lightning import FP8Precision
+
+    train = torch.utils.data.DataLoader(ByteText(EPOCH_STEPS * ACCUM * BATCH * WORLD, seed), batch_size=BATCH)
+    val = torch.utils.data.DataLoader(ByteText(32, 1000), batch_size=8)
+
+    def trainer(epochs: int):
+        return _trainer([FP8Precision()], max_epochs=epochs, max_steps=-1)
+
+    def losses(stage: str, model, **kwargs) -> list[float]:
+        run = getattr(trainer(1), stage)
+        if stage == "predict":
+            return [float(x) for x in run(model, val, **kwargs)]
+        return [run(model, val, verbose=False, **kwargs)[0][LOGGED[stage]]]
+
+    uninterrupted = _module(seed)
+    trainer(2).fit(uninterrupted, train)
+    saved_module = _module(seed)
+    first_epoch = trainer(1)
+    first_epoch.fit(saved_module, train)
+    path = os.path.join(out_dir, "epoch1.ckpt")
+    first_epoch.save_checkpoint(path)
+    torch.distributed.barrier()
+    out = {"saved": fp8_state(saved_module), "uninterrupted": fp8_state(uninterrupted)}
+    out["saved_losses"] = {stage: losses(stage, saved_module) for stage in ("validate", "test", "predict")}
+
+    resumed = _module(seed + 1)
+    trainer(2).fit(resumed, train, ckpt_path=path)
+    out["resumed"] = fp8_state(resumed)
+    out["resumed_weights_equal"] = [
+        torch.equal(a, b) for a, b in zip(resumed.parameters(), uninterrupted.parameters())
+    ]
+
+    out["fresh"] = {}
+    for stage in ("validate", "test", "predict"):
+        fresh = _module(seed + 1)
+        out["fresh"][stage] = (stage, losses(stage, fresh, ckpt_path=path), fp8_state(fresh))
+
+    loaded = type(saved_module).load_from_checkpoint(path)  # the weights only
+    FP8Precision().load_checkpoint(loaded, path)  # the FP8 state
+    out["loaded"] = ("validate", losses("validate", loaded), fp8_state(loaded))
+
+    # converted and trained before (the uninterrupted run's module, whose own FP8 state differs)
+    out["converted_before"] = (
+        "validate",
+        losses("validate", uninterrupted, ckpt_path=path),
+        fp8_state(uninterrupted),
+    )
     return out
 
 
@@ -170,6 +238,9 @@ def _worker(rank: int, world_size: int, names: list[str], out_dir: str, seed: in
 
     def run_one(name: str):
         fp8train.inspection.reset()
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+        if name == "resume":
+            return _resume(seed, os.path.join(out_dir, name))
         return _run(seed, name == "fp8", os.path.join(out_dir, name))
 
     return run_scenarios(names, run_one)
@@ -178,7 +249,7 @@ def _worker(rank: int, world_size: int, names: list[str], out_dir: str, seed: in
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as tmp:
-        yield run_ranks(_worker, WORLD, ["fp8", "fp32"], tmp, timeout_s=300, pg_timeout_s=120)
+        yield run_ranks(_worker, WORLD, ["fp8", "fp32", "resume"], tmp, timeout_s=420, pg_timeout_s=120)
 
 
 def test_lightning_trains_in_fp8_with_the_global_max_on_every_rank(runs) -> None:
@@ -208,6 +279,23 @@ def test_lightning_loss_decreases_and_ends_near_the_run_without_fp8(runs) -> Non
 def test_lightning_checkpoint_round_trips_the_fp8_state(runs) -> None:
     for out in scenario_outcome(runs, "fp8"):
         assert_same_state(out["restored_state"], out["state"], "FP8 state restored from the checkpoint")
+
+
+def test_lightning_resumes_a_fresh_module_as_the_uninterrupted_run(runs) -> None:
+    for out in scenario_outcome(runs, "resume"):
+        assert_trained(out["saved"])
+        assert_same_state(out["resumed"], out["uninterrupted"], "FP8 state resumed vs uninterrupted")
+        assert all(out["resumed_weights_equal"]), out["resumed_weights_equal"]
+
+
+def test_lightning_restores_the_fp8_state_in_every_standard_way(runs) -> None:
+    for out in scenario_outcome(runs, "resume"):
+        ways = {f"{stage}(ckpt_path=...) on a fresh module": r for stage, r in out["fresh"].items()}
+        ways["load_from_checkpoint + FP8Precision.load_checkpoint"] = out["loaded"]
+        ways["validate(ckpt_path=...) on a module converted before"] = out["converted_before"]
+        for way, (stage, losses, state) in ways.items():
+            assert_same_state(state, out["saved"], way)
+            assert losses == out["saved_losses"][stage], (way, losses, out["saved_losses"][stage])
 
 
 def test_fp8_precision_converts_in_place_once_and_checks_its_recipe() -> None:

@@ -32,6 +32,7 @@ from ..recipe import DelayedScaling, Recipe, check_recipe
 from . import require
 
 _precision = require("lightning.pytorch.plugins.precision", "lightning", "fp8train.integrations.lightning")
+_utilities = require("lightning.pytorch.utilities", "lightning", "fp8train.integrations.lightning")
 
 __all__ = ["FP8Precision", "FP8_STATE_KEY"]
 
@@ -85,6 +86,8 @@ class FP8Precision(_precision.Precision):
             module.register_load_state_dict_post_hook(_fp8_state_in_plugin_entry)
             self._hooked.add(module)
         self._module = module
+        if not self._had_fp8_layers and _fp8_state_keys(module):
+            _warn_if_evaluating_without_fp8_state(module)
         return module
 
     # ---- checkpoints (see the module's docstring) ---------------------------------------------------
@@ -127,6 +130,25 @@ class FP8Precision(_precision.Precision):
 
     def forward_context(self) -> AbstractContextManager:
         return autocast(recipe=self.recipe, amax_reduction_group=self.amax_reduction_group)
+
+
+def _warn_if_evaluating_without_fp8_state(module: torch.nn.Module) -> None:
+    """Layers converted just now have no FP8 state; evaluating them without a checkpoint to restore
+    is legitimate (a baseline before training) but is also what `LitModel.load_from_checkpoint`
+    leads to, which loads the weights and, giving the plugin no hook, drops the FP8 state."""
+    try:
+        trainer = module.trainer
+    except (AttributeError, RuntimeError):  # not a LightningModule, or not attached to a Trainer
+        return
+    stage = getattr(trainer.state.fn, "value", None) if trainer is not None else None
+    if stage in (None, "fit") or trainer.ckpt_path is not None:
+        return
+    _utilities.rank_zero_warn(
+        f"FP8Precision: {stage} runs FP8 layers that have no FP8 state yet (no amax history, initial scales) "
+        "and restores no checkpoint. If this LightningModule comes from LitModel.load_from_checkpoint(path), "
+        "which loads the weights only, add `FP8Precision().load_checkpoint(model, path)` after it "
+        f"(or pass ckpt_path=path to trainer.{stage}) to load the checkpoint's FP8 state"
+    )
 
 
 def load_fp8_state(module: torch.nn.Module, entries: dict[str, Any]) -> None:
