@@ -156,10 +156,12 @@ def load_fp8_state(module: torch.nn.Module, entries: dict[str, Any]) -> None:
     layer must find its entry and every entry its layer."""
     expected = _fp8_state_keys(module)
     missing, extra = sorted(expected - set(entries)), sorted(set(entries) - expected)
-    if missing or extra:
+    problems = [f"no saved state for {', '.join(missing[:4])}"] if missing else []
+    problems += [f"saved state for {', '.join(extra[:4])}, which are not FP8 layers here"] if extra else []
+    if problems:
         raise ValueError(
-            f"the checkpoint's FP8 state does not fit this module (no state for {missing[:4]}, state for "
-            f"layers that are not FP8 here: {extra[:4]}): it was saved from a module converted "
-            "differently; use the same FP8Precision(filter_fn=...) as the run that saved it"
+            f"the checkpoint's FP8 state does not fit this module ({'; '.join(problems)}): it was "
+            "saved from a module converted differently; use the FP8Precision(filter_fn=...) of the run "
+            "that saved it"
         )
     module.load_state_dict(entries, strict=False)
