@@ -363,7 +363,7 @@ def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData], timing: Optio
     names = [r.name for r in shown]
     color = _colors(runs)
     if ref_loss:
-        rel = [100 * (r.final_loss() - ref_loss) / ref_loss for r in shown]
+        rel = [100 * ((r.final_loss() or math.nan) - ref_loss) / ref_loss for r in shown]  # no loss: nan
         ticks = [f"{_short(r.name)}\n{_saturation_text(r)}" for r in shown]
         bars = ax_loss.bar(ticks, rel, color=[color[n] for n in names])
         ax_loss.bar_label(bars, fmt="%+.2f%%", fontsize=8)
@@ -577,14 +577,19 @@ def _markdown(
     for run in runs.values():
         if not run.steps:
             continue
-        loss = run.final_loss()
-        rel = f"{100 * (loss - ref_loss) / ref_loss:+.2f}%" if ref_loss and run is not ref else ""
+        loss = run.final_loss()  # None: a run whose records hold no loss
+        loss_text = "" if loss is None else f"{loss:.4f}"
+        rel = (
+            f"{100 * (loss - ref_loss) / ref_loss:+.2f}%"
+            if ref_loss and loss is not None and run is not ref
+            else ""
+        )
         exposed, hidden, launched, steps = _reduction_ms(run)
         ev = run.events()
         step_ms = run.median_step_ms()
         saturated = {"delayed": ev["overflow"], None: ""}.get(run.recipe_kind, "none (own amax)")
         out.append(
-            f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss:.4f} | {rel} "
+            f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss_text} | {rel} "
             f"| {_interleaved_cells(interleaved.get(run.name), ref_ms, spread.get(run.name))} "
             f"| {'' if step_ms is None else f'{step_ms:.1f}'} | {launched} | {exposed:.4f} | {hidden:.4f} "
             f"| {saturated} | {ev['nonfinite']} |"
