@@ -346,7 +346,8 @@ def _plot_losses(ax, runs: dict[str, RunData], floor: Optional[float]) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # none when no run logged a loss
+        ax.legend(fontsize=8)
 
 
 def _colors(runs: dict[str, RunData]) -> dict[str, str]:
@@ -547,9 +548,21 @@ def _summary(run_dir: str) -> dict:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
     timing = summary.get("step_timing") if isinstance(summary, dict) else None
-    if not isinstance(summary, dict) or not isinstance(timing or {}, dict):
-        raise ValueError(f"{path}: not the summary the demo writes (an object; step_timing an object)")
+    if not isinstance(summary, dict) or not (timing is None or _is_step_timing(timing)):
+        raise ValueError(
+            f"{path}: not the summary the demo writes (an object whose step_timing, if any, has "
+            '"median_ms" and "recipe_kind" objects and "rounds" and "block" counts)'
+        )
     return summary
+
+
+def _is_step_timing(timing) -> bool:
+    return (
+        isinstance(timing, dict)
+        and all(isinstance(timing.get(k), dict) for k in ("median_ms", "recipe_kind"))
+        and all(isinstance(timing.get(k), int) for k in ("rounds", "block"))
+        and all(_is_finite(v) for v in timing["median_ms"].values())
+    )
 
 
 def _loss_floor(run_dir: str) -> Optional[float]:
