@@ -96,9 +96,9 @@ class FP8Precision(_precision.Precision):
         if self._module is None:
             return
         weights = checkpoint["state_dict"]
-        checkpoint[FP8_STATE_KEY] = {
-            k: weights.pop(k) for k in sorted(_fp8_state_keys(self._module)) if k in weights
-        }
+        moved = {k: weights.pop(k) for k in sorted(_fp8_state_keys(self._module)) if k in weights}
+        if moved:
+            checkpoint[FP8_STATE_KEY] = moved
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Load `checkpoint[FP8_STATE_KEY]` into the converted module (Lightning calls this after
@@ -108,7 +108,7 @@ class FP8Precision(_precision.Precision):
         if self._module is None:
             return
         if FP8_STATE_KEY in checkpoint:
-            load_fp8_state(self._module, checkpoint[FP8_STATE_KEY])
+            _load_fp8_state(self._module, checkpoint[FP8_STATE_KEY])
         elif self._had_fp8_layers and not any(k.endswith(EXTRA_STATE) for k in checkpoint["state_dict"]):
             raise ValueError(
                 "the checkpoint holds no FP8 state (it was saved without FP8Precision), and this "
@@ -151,7 +151,7 @@ def _warn_if_evaluating_without_fp8_state(module: torch.nn.Module) -> None:
     )
 
 
-def load_fp8_state(module: torch.nn.Module, entries: dict[str, Any]) -> None:
+def _load_fp8_state(module: torch.nn.Module, entries: dict[str, Any]) -> None:
     """Load saved FP8 states ({"<layer>._extra_state": state}) into `module`'s FP8 layers: every FP8
     layer must find its entry and every entry its layer."""
     expected = _fp8_state_keys(module)

@@ -206,7 +206,8 @@ def _check_fields(value, fields: tuple, what: str, types: Optional[tuple]) -> No
         if field not in value:
             raise ValueError(f'{what} has a "{field}" field, this one has only {sorted(value)}')
         if types is not None and (not isinstance(value[field], types) or isinstance(value[field], bool)):
-            raise ValueError(f'"{field}" of {what} is a number, this one is {value[field]!r}')
+            kind = "an integer" if types == (int,) else "a number"
+            raise ValueError(f'"{field}" of {what} is {kind}, this one is {value[field]!r}')
 
 
 def _json_type(value) -> str:
