@@ -305,7 +305,8 @@ def test_fp8_precision_converts_in_place_once_and_checks_its_recipe() -> None:
 
 @pytest.fixture(scope="module")
 def one_process_checkpoints():
-    """A checkpoint of one FP8 training step and one of a step without FP8, each from one process."""
+    """Checkpoints of one FP8 training step (full and weights-only) and of one step without FP8, each
+    from one process."""
     from fp8train.integrations.lightning import FP8Precision
 
     train = torch.utils.data.DataLoader(ByteText(2 * BATCH, 0), batch_size=BATCH)
@@ -320,6 +321,8 @@ def one_process_checkpoints():
             trainer.save_checkpoint(paths[name])
             if name == "fp8":
                 paths["saved"] = fp8_state(model)
+                paths["weights_only"] = os.path.join(tmp, "weights_only.ckpt")
+                trainer.save_checkpoint(paths["weights_only"], weights_only=True)
         yield paths
         fp8train.inspection.reset()
 
@@ -361,6 +364,27 @@ def test_restoring_refuses_fp8_state_that_does_not_fit(one_process_checkpoints) 
     converted = FP8Precision().load_checkpoint(_module(1), paths["fp8"])
     with pytest.raises(ValueError, match="holds no FP8 state .* restore it into a fresh LightningModule"):
         _one_process(FP8Precision()).validate(converted, val, ckpt_path=paths["fp32"], verbose=False)
+
+
+def test_a_weights_only_checkpoint_keeps_the_fp8_state_with_the_weights(one_process_checkpoints) -> None:
+    """The documented limit: Lightning calls no plugin when it writes a weights-only checkpoint, so
+    its FP8 state stays in the weights, for a module converted before the restore."""
+    from fp8train.integrations.lightning import FP8_STATE_KEY, FP8Precision
+
+    path, val = (
+        one_process_checkpoints["weights_only"],
+        torch.utils.data.DataLoader(ByteText(8, 1000), batch_size=8),
+    )
+    saved = torch.load(path, weights_only=True)
+    assert FP8_STATE_KEY not in saved and "up._extra_state" in saved["state_dict"]
+    with pytest.raises(RuntimeError, match="Unexpected key.*_extra_state"):
+        _one_process(FP8Precision()).validate(_module(1), val, ckpt_path=path, verbose=False)
+    model = _module(1)
+    FP8Precision().convert_module(model)
+    _one_process(FP8Precision()).validate(model, val, ckpt_path=path, verbose=False)
+    assert_same_state(
+        fp8_state(model), one_process_checkpoints["saved"], "weights-only restore, converted first"
+    )
 
 
 def _measure_worker(rank: int, world_size: int, seeds: list[int], out_dir: str) -> list:
