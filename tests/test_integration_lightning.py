@@ -271,6 +271,11 @@ def test_lightning_loss_decreases_and_ends_near_the_run_without_fp8(runs) -> Non
 def test_lightning_resumes_a_fresh_module_as_the_uninterrupted_run(runs) -> None:
     for out in scenario_outcome(runs, "resume"):
         assert_trained(out["saved"])
+        assert any(  # the second epoch changed the FP8 state: the comparisons below can fail
+            not torch.equal(a, b)
+            for name in out["saved"]
+            for a, b in zip(out["saved"][name], out["uninterrupted"][name])
+        )
         assert_same_state(out["resumed"], out["uninterrupted"], "FP8 state resumed vs uninterrupted")
         assert all(out["resumed_weights_equal"]), out["resumed_weights_equal"]
 
