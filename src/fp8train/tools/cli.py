@@ -112,8 +112,10 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"run directory {args.run_dir!r} has no {METRICS_FILE} (not an fp8train run directory)")
     try:
         outputs = render(args.run_dir)
-    except ValueError as err:
+    except ValueError as err:  # a record or the summary the report cannot read
         parser.error(f"cannot render {args.run_dir!r}: {err}")
+    except OSError as err:  # the run directory not readable or writable
+        parser.error(f"cannot render {args.run_dir!r}: {err.strerror}: {err.filename}")
     print(f"report: {outputs['png']}\nsummary: {outputs['markdown']}")
     return 0
 
