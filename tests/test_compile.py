@@ -111,6 +111,89 @@ def test_fullgraph_is_one_graph_and_aot_eager_equals_eager_bitwise() -> None:
     _assert_bitwise(compiled, _train(None))
 
 
+def _after_reset(compiled: bool) -> tuple[torch.Tensor, str]:
+    """Train 2 steps, reset the registry (fp8train.inspection.reset), then evaluate and train again:
+    the evaluation's output, and the error of the training call."""
+    fp8train.inspection.reset()
+    torch._dynamo.reset()
+    model = Net()
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            run(x).square().mean().backward()
+        sgd(model, LR)
+    fp8train.inspection.reset()
+    with torch.no_grad(), fp8train.fp8_autocast(fp8_recipe=RECIPE):
+        evaluated = run(x)
+    with pytest.raises(RuntimeError) as error, fp8train.fp8_autocast(fp8_recipe=RECIPE):
+        run(x)
+    return evaluated, str(error.value)
+
+
+def test_graphs_compiled_before_a_registry_reset_find_their_modules() -> None:
+    """A module keeps its handle across a reset, so a graph built before it still finds its modules
+    (it raised KeyError): it evaluates as eager code does, and a training call gets eager's error (its
+    FP8 state belongs to a dropped amax group)."""
+    compiled, eager = _after_reset(compiled=True), _after_reset(compiled=False)
+    assert torch.equal(compiled[0], eager[0])
+    assert compiled[1] == eager[1] and "trains under one recipe and amax group" in eager[1]
+
+
+class Blocks(torch.nn.Module):
+    """A stack of residual blocks of one kind, each compiled on its own (torchtitan's pattern)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = fp8train.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+def _train_blocks(backend, n: int = 12, steps: int = 2) -> dict:
+    fp8train.inspection.reset()
+    torch._dynamo.reset()
+    model = Blocks(n)
+    if backend is not None:
+        for block in model.blocks:
+            block.compile(backend=backend, fullgraph=True)
+    out = {"loss": [], "state": []}
+    for step in range(steps):
+        # requiring grad, as every later block's input does (else the first block compiles apart)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            loss = model(x).square().mean()
+        loss.backward()
+        sgd(model, LR)
+        out["loss"].append(loss.detach())
+        out["state"].append(fp8_state(model))
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_blocks_compiled_one_by_one_share_one_graph() -> None:
+    """Twelve blocks compiled separately: one compilation, not one per block (an int handle attribute
+    would be guarded by value: dynamo's recompile limit, 8, hit at the ninth block), and each block's
+    calls still reach its own FP8 state: bit for bit eager."""
+    counter = GraphCounter("aot_eager")
+    compiled = _train_blocks(counter)
+    assert counter.graphs == 1
+    _assert_bitwise(compiled, _train_blocks(None))
+
+
 @pytest.mark.parametrize("mode", ["evaluate", "calibrate", "accumulate"])
 def test_evaluation_calibration_and_accumulation_compile_bitwise(mode: str) -> None:
     _assert_bitwise(_train("aot_eager", steps=3, mode=mode), _train(None, steps=3, mode=mode))

@@ -43,7 +43,6 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
             return CallPrecision(False, False)
         record = settings.quantization.reduces_amax and (settings.calibrating or torch.is_grad_enabled())
         return CallPrecision(settings.enabled, record, settings.quantization)
-    REGISTRY.register_module(module, module.fp8_handle)  # (again: the registry may have been reset)
     if gemm_index == 0:
         REGISTRY.set_plan(module, plan_forward(module, torch.is_grad_enabled()))
     plan = REGISTRY.plan_of(module)
@@ -94,9 +93,10 @@ def _backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch
 
 
 # ---- the custom ops ---------------------------------------------------------------------------------
+# Each op names its module by handle (registry.py): a host tensor, an input of the graph.
 @torch.library.custom_op("fp8train::forward_scales", mutates_args=())
 def _forward_scales_op(
-    handle: int,
+    handle: torch.Tensor,
     gemm_index: int,
     x_amax: Optional[torch.Tensor],
     w_amax: Optional[torch.Tensor],
@@ -113,7 +113,7 @@ def _(handle, gemm_index, x_amax, w_amax, like, training):
 
 @torch.library.custom_op("fp8train::backward_scales", mutates_args=())
 def _backward_scales_op(
-    handle: int, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
+    handle: torch.Tensor, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
 ) -> torch.Tensor:
     return _backward_scales(REGISTRY.module(handle), gemm_index, g_amax, token)
 
@@ -124,7 +124,7 @@ def _(handle, gemm_index, g_amax, token):
 
 
 @torch.library.custom_op("fp8train::check_recipe_kind", mutates_args=())
-def _check_recipe_kind_op(handle: int, kind: str) -> None:
+def _check_recipe_kind_op(handle: torch.Tensor, kind: str) -> None:
     REGISTRY.module(handle).claim_recipe_kind(kind)
 
 
@@ -158,7 +158,7 @@ def forward_scales(
 
 
 def backward_scales(
-    module_handle: int, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
+    module_handle: torch.Tensor, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
 ) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _backward_scales_op(module_handle, gemm_index, g_amax, token)

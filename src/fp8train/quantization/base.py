@@ -52,7 +52,7 @@ class GemmCall:
     """One FP8 GEMM call of a module: what its quantization needs besides the tensors."""
 
     quantization: Quantization
-    module_handle: int  # names the module to the protocol's ops (ops.py)
+    module_handle: Optional[torch.Tensor]  # names the module to the protocol's ops (registry.py, ops.py)
     gemm_index: int
     operand_dtype: torch.dtype  # per-tensor operands: an FP8 dtype (hardware GEMM), or bf16/fp32
     scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
@@ -61,11 +61,12 @@ class GemmCall:
     def without_tensors(self) -> GemmCall:
         """What backward keeps on its context (the tensors travel through save_for_backward). Built
         field by field: dataclasses.replace is not traceable by dynamo in every torch."""
-        return GemmCall(self.quantization, self.module_handle, self.gemm_index, self.operand_dtype)
+        return GemmCall(self.quantization, None, self.gemm_index, self.operand_dtype)
 
-    def with_token(self, token: Optional[torch.Tensor]) -> GemmCall:
+    def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> GemmCall:
+        """The backward's call: this one's fields with the saved tensors."""
         return GemmCall(
-            self.quantization, self.module_handle, self.gemm_index, self.operand_dtype, None, token
+            self.quantization, module_handle, self.gemm_index, self.operand_dtype, None, token
         )
 
 
