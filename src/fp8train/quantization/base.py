@@ -65,9 +65,7 @@ class GemmCall:
 
     def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> GemmCall:
         """The backward's call: this one's fields with the saved tensors."""
-        return GemmCall(
-            self.quantization, module_handle, self.gemm_index, self.operand_dtype, None, token
-        )
+        return GemmCall(self.quantization, module_handle, self.gemm_index, self.operand_dtype, None, token)
 
 
 class Quantization:
