@@ -16,6 +16,8 @@ The FP8 math traces as ordinary ops; what each call asks of the amax protocol ru
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -192,6 +194,39 @@ def test_blocks_compiled_one_by_one_share_one_graph() -> None:
     compiled = _train_blocks(counter)
     assert counter.graphs == 1
     _assert_bitwise(compiled, _train_blocks(None))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8train.Float8BlockScaling(),
+        pytest.param(fp8train.MXFP8BlockScaling(), marks=pytest.mark.slow),
+        pytest.param(fp8train.NVFP4BlockScaling(), marks=pytest.mark.slow),
+    ],
+    ids=lambda recipe: type(recipe).__name__,
+)
+def test_emulation_warning_is_given_once_outside_the_graph(monkeypatch, recipe) -> None:
+    """On CUDA the block-scaled recipes warn that their GEMM is emulated. `warnings.warn` in traced code
+    is a graph break per layer, and fullgraph=True raises: it is said once, at trace time, outside the
+    graph, and the model still compiles into one graph (the CUDA branch taken on the CPU)."""
+    from fp8train.quantization import base
+
+    monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")
+    base._warn_emulated.cache_clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fp8train.Linear(32, 32)
+    counter = GraphCounter("aot_eager")
+    run = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(32, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with fp8train.fp8_autocast(fp8_recipe=recipe):
+                run(x).square().mean().backward()
+    emulated = [str(w.message) for w in caught if "runs an emulated GEMM" in str(w.message)]
+    assert counter.graphs == 1
+    assert len(emulated) == 1 and emulated[0].startswith(f"fp8train.{type(recipe).__name__} on CUDA")
 
 
 @pytest.mark.parametrize("mode", ["evaluate", "calibrate", "accumulate"])
