@@ -316,3 +316,110 @@ def test_two_ranks_aot_eager_equals_eager_with_the_same_collectives() -> None:
             for a, b in zip(runs[0]["compiled"]["state"][step], runs[1]["compiled"]["state"][step])
         )
     assert not torch.equal(runs[0]["compiled"]["loss"][0], runs[1]["compiled"]["loss"][0])
+
+
+# ---- CUDA graphs (mode="reduce-overhead") and GPU division, decided on the CPU --------------------------
+PROTOCOL_OPS = ["fp8train::forward_scales", "fp8train::backward_scales", "fp8train::check_recipe_kind"]
+
+
+def test_inductor_is_told_to_keep_the_protocol_ops_out_of_cuda_graphs() -> None:
+    assert set(PROTOCOL_OPS) <= set(torch._inductor.config.custom_should_partition_ops)
+
+
+@pytest.mark.slow
+def test_reduce_overhead_partitions_the_graph_around_every_protocol_op(monkeypatch) -> None:
+    """Under mode="reduce-overhead" inductor captures a CUDA graph per partition of its graph; it splits
+    the graph around CPU work and ops it was told about, not around Python side effects. Inductor runs
+    here with every node taken for a GPU node (as on CUDA), and its decision on each protocol op is
+    read: each one is a partition boundary (captured, its Python would be skipped at every replay)."""
+    from torch._inductor import ir, scheduler
+
+    decided = []
+    should_partition = scheduler.Scheduler.should_partition
+
+    def spy(self, node):
+        with monkeypatch.context() as gpu:
+            gpu.setattr(scheduler.BaseSchedulerNode, "is_gpu", lambda node: True)
+            reason = should_partition(self, node)
+        kernel = node.node
+        if isinstance(kernel, ir.FallbackKernel) and kernel.op_overload is not None:
+            if kernel.op_overload.namespace == "fp8train":
+                decided.append((kernel.op_overload.name(), reason))
+        return reason
+
+    monkeypatch.setattr(scheduler.Scheduler, "should_partition", spy)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # every graph scheduled here
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    fp8train.inspection.reset()
+    run = torch.compile(fp8train.Linear(32, 32), mode="reduce-overhead", fullgraph=True)
+    with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+        y = run(torch.randn(32, 32))
+    y.square().mean().backward()
+    assert {name for name, _ in decided} == set(PROTOCOL_OPS)
+    assert all(reason == f"custom partition op: {name}.default" for name, reason in decided), decided
+
+
+def test_fp8_calls_refuse_cuda_graph_capture(monkeypatch) -> None:
+    """Where a CUDA graph would capture the protocol's Python (torch.cuda.graph around FP8 modules, or
+    a torch whose inductor cannot be told to partition) the call refuses, naming the way out, rather
+    than be skipped at every replay. The capture is simulated on the CPU."""
+    from fp8train import ops
+
+    monkeypatch.setattr(ops, "capturing_cuda_graph", lambda device: True)
+    fp8train.inspection.reset()
+    model = fp8train.Linear(32, 32)
+    with pytest.raises(RuntimeError, match="captured into a CUDA graph.*mode='default'"):
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            model(torch.randn(32, 32))
+
+
+def test_fp8_graphs_are_compiled_with_divisions_rounded_as_eager() -> None:
+    """Triton's float32 `/` is approximate unless inductor's eager_numerics.division_rounding is set:
+    it is in force when the forward and the backward graph of an FP8 module are compiled, so that
+    current, block and NVFP4 scales (fp8_max / amax, 1 / scale) divide as eager ones on GPUs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    seen = []
+
+    def compiler(gm, example_inputs):
+        seen.append(torch._inductor.config.eager_numerics.division_rounding)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    fp8train.inspection.reset()
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    run = torch.compile(fp8train.Linear(32, 32), backend=backend, fullgraph=True)
+    with fp8train.fp8_autocast(fp8_recipe=fp8train.Float8CurrentScaling()):
+        y = run(torch.randn(32, 32))
+    y.square().mean().backward()
+    assert seen == [True, True]
+
+
+class _DivisionByConstantAsOnGpu(torch.utils._python_dispatch.TorchDispatchMode):
+    """What inductor's GPU lowering makes of a division by a constant (a number or a constant-filled
+    tensor): a multiplication by the reciprocal, rounded to the dividend's dtype."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.div.Tensor:
+            a, b = args
+            divisor = b if not isinstance(b, torch.Tensor) else b.flatten()[0].item()
+            if not isinstance(b, torch.Tensor) or bool((b == divisor).all()):
+                return a * torch.tensor(1.0 / divisor, dtype=a.dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_quotients_by_the_format_maxima_round_as_eager_under_gpu_lowering() -> None:
+    """MXFP8's E8M0 scale and NVFP4's block scale divide by a constant (448, 57344, 6), which inductor
+    on GPUs turns into a multiplication by a rounded reciprocal: about half of all float32 quotients
+    come out one ulp off, and an E8M0 scale whose quotient lies by a power of two moves a whole step.
+    Every float32 in [1, 2) (for normal numbers the rounding depends on the mantissa only), divided
+    under that lowering, equals the correctly rounded eager quotient."""
+    from fp8train import microscaling
+
+    a = (torch.arange(2**23, dtype=torch.int32) | (127 << 23)).view(torch.float32)
+    for b in (6.0, 448.0, 57344.0):
+        with _DivisionByConstantAsOnGpu():
+            lowered = microscaling._true_div(a, b)
+        assert torch.equal(lowered, a / torch.tensor(b)), b
