@@ -48,38 +48,6 @@ def refuse_cuda_graph_capture(like: torch.Tensor) -> None:
         )
 
 
-# ---- what FP8 GEMM calls use: the op while torch.compile traces, the function otherwise -------------------
-def forward_scales(
-    module,
-    gemm_index: int,
-    x_amax: Optional[torch.Tensor],
-    w_amax: Optional[torch.Tensor],
-    like: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.compiler.is_compiling():  # the graph runs without grad: whether the call trains is passed
-        training = torch.is_grad_enabled()
-        return _forward_scales_op(module.fp8_handle, gemm_index, x_amax, w_amax, like, training)
-    return _forward_scales(module, gemm_index, x_amax, w_amax, like)
-
-
-def backward_scales(
-    module_handle: torch.Tensor, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
-) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _backward_scales_op(module_handle, gemm_index, g_amax, token)
-    return _backward_scales(REGISTRY.module(module_handle), gemm_index, g_amax, token)
-
-
-def check_recipe_kind(module, kind: str) -> None:
-    """A training call of `module` under a recipe of `kind`: refused if the module trained (or was
-    loaded) with another kind. Under torch.compile the check runs in the graph, at run time, so that its
-    error reaches the caller as it is (raised while tracing, dynamo would hide it)."""
-    if torch.compiler.is_compiling():
-        _check_recipe_kind_op(module.fp8_handle, kind)
-    else:
-        module.claim_recipe_kind(kind)
-
-
 def call_precision(module, gemm_index: int) -> CallPrecision:
     """How GEMM `gemm_index` of `module`'s current forward call runs.
 
@@ -200,3 +168,35 @@ ORDERED_EFFECTS = register_ordered_effects(op.default for op in PROTOCOL_OPS)
 KEPT_OUT_OF_CUDA_GRAPHS = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
 # compiled scales are eager's: fp8_max / amax and 1 / scale correctly rounded on GPUs too
 DIVISIONS_ROUNDED_AS_EAGER = round_divisions_as_eager()
+
+
+# ---- what FP8 GEMM calls use: the op while torch.compile traces, the function otherwise -------------------
+def forward_scales(
+    module,
+    gemm_index: int,
+    x_amax: Optional[torch.Tensor],
+    w_amax: Optional[torch.Tensor],
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.compiler.is_compiling():  # the graph runs without grad: whether the call trains is passed
+        training = torch.is_grad_enabled()
+        return _forward_scales_op(module.fp8_handle, gemm_index, x_amax, w_amax, like, training)
+    return _forward_scales(module, gemm_index, x_amax, w_amax, like)
+
+
+def backward_scales(
+    module_handle: torch.Tensor, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _backward_scales_op(module_handle, gemm_index, g_amax, token)
+    return _backward_scales(REGISTRY.module(module_handle), gemm_index, g_amax, token)
+
+
+def check_recipe_kind(module, kind: str) -> None:
+    """A training call of `module` under a recipe of `kind`: refused if the module trained (or was
+    loaded) with another kind. Under torch.compile the check runs in the graph, at run time, so that its
+    error reaches the caller as it is (raised while tracing, dynamo would hide it)."""
+    if torch.compiler.is_compiling():
+        _check_recipe_kind_op(module.fp8_handle, kind)
+    else:
+        module.claim_recipe_kind(kind)
