@@ -11,7 +11,12 @@ The FP8 math traces as ordinary ops; what each call asks of the amax protocol ru
   last bit, differently on each CPU) stays close step by step, measured against FP8's own error, and
   every scale is still exactly fp8_max / amax of its own history;
 - evaluation, calibration, gradient accumulation with `is_first_microbatch` and activation
-  checkpointing inside the compiled model also equal eager bit for bit.
+  checkpointing inside the compiled model also equal eager bit for bit;
+- blocks compiled one by one share one graph; graphs built before a registry reset still run; the
+  block-scaled recipes' CUDA warning is given at trace time, outside the graph (issue 26);
+- what only a GPU would show, decided on the CPU: inductor's partitioning around the protocol's ops
+  under mode="reduce-overhead", the refusal of CUDA-graph capture, and scale divisions that round
+  as eager ones under inductor's GPU lowering.
 """
 
 from __future__ import annotations
