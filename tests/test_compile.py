@@ -21,7 +21,9 @@ The FP8 math traces as ordinary ops; what each call asks of the amax protocol ru
 
 from __future__ import annotations
 
+import math
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -428,3 +430,60 @@ def test_quotients_by_the_format_maxima_round_as_eager_under_gpu_lowering() -> N
         with _DivisionByConstantAsOnGpu():
             lowered = microscaling._true_div(a, b)
         assert torch.equal(lowered, a / torch.tensor(b)), b
+
+
+def _constant_value(divisor) -> Optional[float]:
+    """The value of a divisor that is a constant (a number, a constant-filled tensor), else None."""
+    if not isinstance(divisor, torch.fx.Node):
+        return float(divisor)
+    fills = {
+        torch.ops.aten.full.default: lambda node: node.args[1],
+        torch.ops.aten.full_like.default: lambda node: node.args[1],
+        torch.ops.aten.scalar_tensor.default: lambda node: node.args[0],
+        torch.ops.aten.ones_like.default: lambda node: 1.0,
+    }
+    return float(fills[divisor.target](divisor)) if divisor.target in fills else None
+
+
+def _float32_divisions_by_constants(recipe) -> list[str]:
+    """The float32 divisions by a constant other than a power of two (whose reciprocal is exact) in
+    the forward and backward graphs of an FP8 Linear's training step under `recipe`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    found = []
+
+    def compiler(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target in (torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar):
+                value = _constant_value(node.args[1])
+                inexact = value is not None and math.frexp(value)[0] != 0.5
+                if inexact and node.meta["val"].dtype == torch.float32:
+                    found.append(node.format_node())
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    fp8train.inspection.reset()
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    run = torch.compile(fp8train.Linear(32, 32), backend=backend, fullgraph=True)
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        y = run(torch.randn(32, 32))
+    y.square().mean().backward()
+    return found
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8train.Float8CurrentScaling(),
+        pytest.param(fp8train.Float8BlockScaling(), marks=pytest.mark.slow),
+        pytest.param(fp8train.MXFP8BlockScaling(), marks=pytest.mark.slow),
+        pytest.param(fp8train.NVFP4BlockScaling(), marks=pytest.mark.slow),
+    ],
+    ids=lambda recipe: type(recipe).__name__,
+)
+def test_no_float32_division_by_a_constant_in_fp8_graphs(recipe) -> None:
+    """Inductor on GPUs lowers a division by a constant to a multiplication by a rounded reciprocal,
+    which the division-rounding setting does not cover: no float32 scale arithmetic of the traced
+    graphs divides by one (the quotients by the format maxima are taken in float64, see above)."""
+    assert _float32_divisions_by_constants(recipe) == []
