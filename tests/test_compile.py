@@ -125,9 +125,10 @@ def _after_reset(compiled: bool) -> tuple[torch.Tensor, str]:
     the evaluation's output, and the error of the training call."""
     fp8train.inspection.reset()
     torch._dynamo.reset()
-    model = Net()
+    torch.manual_seed(0)
+    model = fp8train.Linear(32, 32)
     run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         with fp8train.fp8_autocast(fp8_recipe=RECIPE):
             run(x).square().mean().backward()
@@ -140,6 +141,7 @@ def _after_reset(compiled: bool) -> tuple[torch.Tensor, str]:
     return evaluated, str(error.value)
 
 
+@pytest.mark.slow
 def test_graphs_compiled_before_a_registry_reset_find_their_modules() -> None:
     """A module keeps its handle across a reset, so a graph built before it still finds its modules
     (it raised KeyError): it evaluates as eager code does, and a training call gets eager's error (its
