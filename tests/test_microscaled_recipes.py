@@ -315,8 +315,7 @@ def test_fsdp2_gathers_in_high_precision_under_these_recipes_and_trains_alike() 
 def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monkeypatch) -> None:
     """MXFP8, NVFP4 and block scaling call the warning with their own name when quantizing an input
     (it fires for CUDA tensors only); the per-tensor recipes, whose GEMM is torch._scaled_mm on GPUs,
-    do not. Python's default filter shows it once per place."""
-    import types
+    do not. It is given once per recipe and process (tests/test_compile.py: also under torch.compile)."""
     import warnings
 
     from fp8train.quantization import base, block, mxfp8, nvfp4
@@ -335,13 +334,15 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     ):
         q = quantization_of(recipe)
         scales = torch.ones(2, 2) if isinstance(recipe, fp8train.DelayedScaling) else None
-        q.quantize_input(x, GemmCall(q, -1, 0, torch.float32, scales))
+        q.quantize_input(x, GemmCall(q, None, 0, torch.float32, scales))
     assert seen == ["Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"]
+    base._warn_emulated.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
+        warnings.simplefilter("always")
         base.warn_emulated_on_cuda(x, "NVFP4BlockScaling")  # a CPU tensor: nothing to say
+        monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")  # the CUDA branch, on the CPU
         for _ in range(3):
-            base.warn_emulated_on_cuda(types.SimpleNamespace(is_cuda=True), "NVFP4BlockScaling")
+            base.warn_emulated_on_cuda(x, "NVFP4BlockScaling")
     assert len(caught) == 1 and "fp8train.NVFP4BlockScaling on CUDA runs an emulated GEMM" in str(
         caught[0].message
     )

@@ -91,9 +91,15 @@ def _expand(per_block: torch.Tensor, shape: torch.Size, dim: int, block: int, tw
 
 
 def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
-    """a / b correctly rounded on every device: CUDA turns a division by a Python number into a
-    multiplication by its rounded reciprocal, a division by a tensor of the same shape it does not."""
-    return a / torch.full_like(a, b)
+    """float32 a / b (b = 6, 448 or 57344) correctly rounded, eager and compiled alike. Inductor on
+    GPUs turns a division by any constant (a Python number, a constant-filled tensor) into a
+    multiplication by its rounded reciprocal, which misses the correctly rounded quotient in about
+    half the cases. So the quotient is taken in float64 and rounded once to float32: correctly
+    rounded as an fp64 division (53 >= 2 x 24 + 2 bits: double rounding is innocuous), and as an fp64
+    multiplication by 1/b too, because its error (2**-52) is far below the distance of a / b from any
+    float32 rounding midpoint (b's odd part is 3 or 7: at least 2**-28 relative, for normal
+    quotients; subnormal ones only choose between E8M0 bytes 0 and 1, and are 0 in E4M3)."""
+    return (a.double() / b).float()
 
 
 # ---- MXFP8 ---------------------------------------------------------------------------------------

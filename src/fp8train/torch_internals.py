@@ -8,6 +8,7 @@ says how). When a torch upgrade breaks fp8train, this is the file to read first.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable, Iterable, Optional
 
@@ -18,6 +19,8 @@ __all__ = [
     "in_backward",
     "at_end_of_backward",
     "register_ordered_effects",
+    "keep_out_of_cuda_graphs",
+    "round_divisions_as_eager",
     "scaled_mm",
     "has_scaled_mm",
     "unsafe_view",
@@ -61,6 +64,38 @@ def register_ordered_effects(ops: Iterable) -> bool:
     for op in ops:
         _register_effectful_op(op, _EffectType.ORDERED)
     return True
+
+
+# ---- inductor (torch.compile's code generator) ----------------------------------------------------------
+def keep_out_of_cuda_graphs(op_names: Iterable[str]) -> bool:
+    """Have inductor split its graphs around these custom ops when it uses CUDA graphs
+    (`config.custom_should_partition_ops`): with mode="reduce-overhead" the compute between them is
+    captured and replayed, and they run, Python and all, at every call. An effectful op lowered on a
+    CUDA tensor would otherwise be captured (inductor partitions around CPU ops and ops it knows, not
+    around Python side effects) and skipped at replay. False where torch lacks the option."""
+    from torch._inductor import config
+
+    names = getattr(config, "custom_should_partition_ops", None)
+    if names is None:
+        return False
+    config.custom_should_partition_ops = [*names, *(name for name in op_names if name not in names)]
+    return True
+
+
+def round_divisions_as_eager() -> bool:
+    """Have inductor's GPU kernels round float32 divisions as eager kernels do
+    (`config.eager_numerics.division_rounding`): Triton's `/` is an approximate division, so compiled
+    scales (fp8_max / amax, 1 / scale) could differ from eager ones in the last bit. Process-wide, for
+    every compiled graph; left as it is where TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING is set (the
+    user's choice). Whether divisions are rounded as eager; False where torch lacks the option."""
+    from torch._inductor import config
+
+    numerics = getattr(config, "eager_numerics", None)
+    if numerics is None or not hasattr(numerics, "division_rounding"):
+        return False
+    if "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING" not in os.environ:
+        numerics.division_rounding = True
+    return bool(numerics.division_rounding)
 
 
 # ---- ops --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ uses; a block-scaled recipe quantizes each use along its own GEMM's reduction di
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
@@ -52,7 +53,7 @@ class GemmCall:
     """One FP8 GEMM call of a module: what its quantization needs besides the tensors."""
 
     quantization: Quantization
-    module_handle: int  # names the module to the protocol's ops (ops.py)
+    module_handle: Optional[torch.Tensor]  # names the module to the protocol's ops (registry.py, ops.py)
     gemm_index: int
     operand_dtype: torch.dtype  # per-tensor operands: an FP8 dtype (hardware GEMM), or bf16/fp32
     scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
@@ -61,12 +62,11 @@ class GemmCall:
     def without_tensors(self) -> GemmCall:
         """What backward keeps on its context (the tensors travel through save_for_backward). Built
         field by field: dataclasses.replace is not traceable by dynamo in every torch."""
-        return GemmCall(self.quantization, self.module_handle, self.gemm_index, self.operand_dtype)
+        return GemmCall(self.quantization, None, self.gemm_index, self.operand_dtype)
 
-    def with_token(self, token: Optional[torch.Tensor]) -> GemmCall:
-        return GemmCall(
-            self.quantization, self.module_handle, self.gemm_index, self.operand_dtype, None, token
-        )
+    def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> GemmCall:
+        """The backward's call: this one's fields with the saved tensors."""
+        return GemmCall(self.quantization, module_handle, self.gemm_index, self.operand_dtype, None, token)
 
 
 class Quantization:
@@ -114,13 +114,31 @@ class Quantization:
         raise NotImplementedError
 
 
+# The device type on which the block-scaled recipes say that their GEMM is emulated: where a user may
+# expect tensor-core speed (the tests set "cpu" to take this branch).
+EMULATION_NOTED_ON = "cuda"
+
+
 def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
-    """Block-scaled recipes run an emulated GEMM on every device: say so once on CUDA, where a user
-    may expect tensor-core speed (Python's default warning filter shows it once per place)."""
-    if x.is_cuda:
-        warnings.warn(
-            f"fp8train.{recipe_name} on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
-            "matmul): the numerics of the recipe without its speed. Use DelayedScaling or "
-            "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
-            stacklevel=5,
-        )
+    """Block-scaled recipes run an emulated GEMM on every device: say so on CUDA, once per recipe."""
+    if x.device.type == EMULATION_NOTED_ON:
+        _note_emulated(recipe_name)
+
+
+@torch.compiler.assume_constant_result
+def _note_emulated(recipe_name: str) -> bool:
+    """Eager code calls it; torch.compile runs it while tracing and leaves it out of the graph (the
+    mark), where `warnings.warn` cannot be traced (a graph break per layer, an error with
+    fullgraph=True). Its result, always True, is the constant the graph would see."""
+    _warn_emulated(recipe_name)
+    return True
+
+
+@functools.cache  # once per process: a compilation resets Python's record of warnings already shown
+def _warn_emulated(recipe_name: str) -> None:
+    warnings.warn(
+        f"fp8train.{recipe_name} on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
+        "matmul): the numerics of the recipe without its speed. Use DelayedScaling or "
+        "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
+        stacklevel=1,  # here: no caller's line would mean more (torch.compile calls it from its tracer)
+    )
