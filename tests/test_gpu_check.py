@@ -33,15 +33,16 @@ SECTIONS = (
 
 
 def _run(out_dir, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_RESULTS", "GPU_CHECK_BUDGET_S")}
-    environ.update(PYTHON=sys.executable, GPU_RESULTS=str(out_dir), **env)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GPU_") and k != "OUT"}
+    # a shared CPU runs the dry run many times slower than a GPU runs the check: limits 10x
+    environ.update(PYTHON=sys.executable, GPU_RESULTS=str(out_dir), GPU_CHECK_LIMIT_FACTOR="10", **env)
     return subprocess.run(
         ["bash", "scripts/gpu_check.sh", *args],
         cwd=ROOT,
         env=environ,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
     )
 
 
@@ -85,7 +86,9 @@ def test_gemm_contract_three_layouts_and_three_calls_per_layer(dry_run) -> None:
 def test_steady_steps_make_no_host_read_host_tensor_or_host_copy(dry_run) -> None:
     """Every recipe, both reduction modes, with and without telemetry: no site at all (a Python number
     written into a device tensor, a tensor built from Python data, a host read) in steady steps."""
-    sites = dry_run[1]["syncs"]["sites"]
+    syncs = dry_run[1]["syncs"]
+    assert syncs["detector_sees_state_dict_reads"] > 0  # the detector can fail: a host point reads
+    sites = syncs["sites"]
     assert len(sites) == 2 * 2 + 4  # delayed: 2 modes x telemetry on and off; the 4 other recipes
     found = {config: sorted(s) for config, s in sites.items() if s}
     assert not found, json.dumps(found, indent=1)
@@ -97,6 +100,7 @@ def test_reduction_timing_stays_bounded_and_reading_counters_waits_for_nothing(d
     `reduction_stats(complete=False)` must not wait on any."""
     timing = dry_run[1]["syncs"]["timing"]
     assert timing["events"] != "real CUDA events" and not timing["events"].startswith("not available")
+    assert timing["forcing_took_effect"], timing
     assert timing["growth_per_10_steps"] < 10, timing  # fewer than one event kept per step
     assert timing["waits_in_reduction_stats_complete_false"] == 0, timing
 
@@ -163,7 +167,7 @@ def test_without_cuda_the_check_stops_at_once(tmp_path) -> None:
 
 
 def test_a_spent_budget_skips_sections_and_says_so(tmp_path) -> None:
-    done = _run(tmp_path, "--device", "cpu", "--quick", GPU_CHECK_BUDGET_S="1")
+    done = _run(tmp_path, "--device", "cpu", "--quick", GPU_CHECK_BUDGET_S="1", GPU_CHECK_LIMIT_FACTOR="1")
     assert done.returncode == 1, _log(done)
     for name in SECTIONS:
         assert f"section {name} skipped: the budget of 1 s is spent" in done.stdout
