@@ -18,7 +18,6 @@ Sections (scripts/gpu_check.sh runs them in this order, each with its own time l
   reduction's timing events stay bounded and `reduction_stats(complete=False)` waits for none.
 - te_table: TransformerEngine's GEMM table (src/fp8train/tools/bench/gpu.py): bf16 vs fp8train delayed
   vs pre-quantized torch._scaled_mm at its 5B model's shapes, beside TE's H200 figures.
-- train: a Linear forward+backward per shape of that table, eager and compiled, with peak memory.
 - compile: fullgraph compile (one graph, close to eager), blocks compiled one by one (compiles
   independent of their number), the block recipes' emulation warning under fullgraph, and
   mode="reduce-overhead" (CUDA graphs: 2 launches per step, scales follow the data).
@@ -26,6 +25,7 @@ Sections (scripts/gpu_check.sh runs them in this order, each with its own time l
 - emulation: the device's training against the CPU's exact emulation.
 - overlap: the asynchronous reduction against a collective of 0, 2 and 10 ms simulated on a side stream.
 - idle: the share of a steady step's wall time in which the GPU ran no kernel (torch.profiler).
+- train: a Linear forward+backward per shape of that table, eager and compiled, with peak memory.
 With `--device cpu` (`--quick`: smaller sizes) each section runs its code on the CPU: what can go wrong
 before a GPU is lent (tests/test_gpu_check.py).
 """
@@ -241,10 +241,6 @@ def _sync(device: torch.device) -> None:
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm())
-
-
-def _finite(value) -> Optional[float]:
-    return value if value is None or math.isfinite(value) else None
 
 
 @dataclass
@@ -692,33 +688,30 @@ def _counting_event_waits(events: Optional[StandInEvents]) -> Iterator[dict]:
 
 
 def te_table(ctx: Context) -> dict:
-    if ctx.quick:
-        rows_iter = gpu_bench.te_gemm_table(ctx.device, m=64, hidden=64, ffn=128, warmup=2, iters=3)
-    else:
-        rows_iter = gpu_bench.te_gemm_table(ctx.device)
-    rows = []
-    for row in rows_iter:
-        rows.append(row)
-        ctx.progress({"rows": rows})
+    sizes = {"m": 64, "hidden": 64, "ffn": 128, "warmup": 2, "iters": 3} if ctx.quick else {}
+    rows = _measured_rows(ctx, gpu_bench.te_gemm_table(ctx.device, **sizes))
     total = rows[-1]
     return {
-        "ok": all(_finite(r.get("bf16_ms")) and _finite(r.get("fp8train_delayed_ms")) for r in rows),
-        "timing": "10 warm-ups, 50 back-to-back iterations, one CUDA event pair (TE's)"
+        "ok": all(r["bf16_ms"] and r["fp8train_delayed_ms"] for r in rows),
+        "timing": "a leading 4096^2 GEMM, 10 warm-ups, 50 back-to-back iterations, one CUDA event pair"
         if ctx.cuda
         else "host clock",
         "te_h200": gpu_bench.TE_H200,
         "rows": rows,
-        "figure": "layer of 12 GEMMs, M={m}: bf16 {b:.3g} ms, fp8train delayed {d:.3g} ms = {dx} x bf16 "
-        "(TE H200 1.69x), "
-        "pre-quantized fast accum on {q} x (TE 1.92x), off {qo} x".format(
-            m=total["m"],
-            b=total["bf16_ms"],
-            d=total["fp8train_delayed_ms"],
-            dx=_fmt2(total["fp8train_delayed_vs_bf16"]),
-            q=_fmt2(total["scaled_mm_fast_accum_on_vs_bf16"]),
-            qo=_fmt2(total["scaled_mm_fast_accum_off_vs_bf16"]),
-        ),
+        "figure": f"layer of 12 GEMMs, M={total['m']}: bf16 {total['bf16_ms']:.3g} ms, fp8train delayed "
+        f"{total['fp8train_delayed_ms']:.3g} ms = {_fmt2(total['fp8train_delayed_vs_bf16'])}x bf16 (TE H200 "
+        f"1.69x); pre-quantized, fast accum on {_fmt2(total['scaled_mm_fast_accum_on_vs_bf16'])}x (TE "
+        f"1.92x), off {_fmt2(total['scaled_mm_fast_accum_off_vs_bf16'])}x",
     }
+
+
+def _measured_rows(ctx: Context, rows: Iterator[dict]) -> list[dict]:
+    """The rows of a long measurement, each written into the results as soon as it is measured."""
+    done: list[dict] = []
+    for row in rows:
+        done.append(row)
+        ctx.progress({"rows": done})
+    return done
 
 
 def _fmt2(v) -> str:
@@ -727,16 +720,8 @@ def _fmt2(v) -> str:
 
 def train(ctx: Context) -> dict:
     backend = "inductor" if ctx.cuda else "aot_eager"
-    if ctx.quick:
-        rows_iter = gpu_bench.training_steps(
-            ctx.device, m=64, hidden=64, ffn=128, warmup=1, iters=2, compile_backend=backend
-        )
-    else:
-        rows_iter = gpu_bench.training_steps(ctx.device, compile_backend=backend)
-    rows = []
-    for row in rows_iter:
-        rows.append(row)
-        ctx.progress({"rows": rows})
+    sizes = {"m": 64, "hidden": 64, "ffn": 128, "warmup": 1, "iters": 2} if ctx.quick else {}
+    rows = _measured_rows(ctx, gpu_bench.training_steps(ctx.device, compile_backend=backend, **sizes))
     return {
         "ok": len(rows) == 4,
         "compile_backend": backend,
@@ -744,7 +729,11 @@ def train(ctx: Context) -> dict:
         "figure": "fwd+bwd vs bf16, eager/compiled: "
         + ", ".join(
             f"{r['layer']} {_fmt2(r['fp8train_eager_vs_bf16'])}/{_fmt2(r.get('fp8train_compiled_vs_bf16'))}"
-            + (f" ({r['fp8train_eager_peak_gib']:.1f} GiB)" if "fp8train_eager_peak_gib" in r else "")
+            + (
+                f" (peak {r['fp8train_eager_peak_gib']:.1f} vs {r['bf16_peak_gib']:.1f} GiB)"
+                if "bf16_peak_gib" in r
+                else ""
+            )
             for r in rows
         ),
     }
@@ -899,9 +888,8 @@ def _warning_under_fullgraph(ctx: Context, backend: str, hidden: int) -> dict:
 
 def _reduce_overhead(ctx: Context, backend: str, hidden: int) -> dict:
     """mode="reduce-overhead" (CUDA graphs): the amax protocol still runs each step (2 launches per step
-    with a reducing group) and the scales follow the data as in an eager twin."""
-    if not ctx.cuda:
-        return {"ok": True, "figure": "not on this device (CUDA graphs)"}
+    with a reducing group) and the scales follow the data as in an eager twin. On the CPU (no CUDA
+    graphs) the same steps run compiled with `backend`."""
     runs = {}
     with check_settings(reduce_on_one_rank=ctx.device, async_reduction=True):
         for name in ("eager", "reduce-overhead"):
@@ -911,7 +899,12 @@ def _reduce_overhead(ctx: Context, backend: str, hidden: int) -> dict:
             model = torch.nn.Sequential(
                 ft.Linear(hidden, hidden, device=ctx.device), ft.Linear(hidden, hidden, device=ctx.device)
             )
-            run = model if name == "eager" else torch.compile(model, mode="reduce-overhead")
+            if name == "eager":
+                run = model
+            elif ctx.cuda:
+                run = torch.compile(model, mode="reduce-overhead")
+            else:
+                run = torch.compile(model, backend=backend)
             launched, scales = [], []
             for step in range(6):
                 x = torch.randn(64, hidden, device=ctx.device) * 2.0**step  # amaxes grow: scales must shrink
@@ -933,8 +926,9 @@ def _reduce_overhead(ctx: Context, backend: str, hidden: int) -> dict:
         "launched_per_step": per_step,
         "eager_launched_per_step": [b - a for a, b in zip(eager_launched, eager_launched[1:])],
         "scales_equal_eager": follow,
-        "figure": f"launched per step {per_step}, "
-        f"scales {'follow' if follow else 'do NOT follow'} the eager twin's",
+        "compiled_with": "mode=reduce-overhead" if ctx.cuda else f"backend={backend} (no CUDA graphs here)",
+        "figure": f"launched per step {per_step}, scales {'follow' if follow else 'do NOT follow'} the eager "
+        f"twin's{'' if ctx.cuda else f' (backend {backend}: no CUDA graphs here)'}",
     }
 
 
@@ -1160,12 +1154,12 @@ SECTIONS: dict[str, Callable[[Context], dict]] = {
     "contract": contract,
     "syncs": syncs,
     "te_table": te_table,
-    "train": train,
     "compile": compiled,
     "recipes": recipes,
     "emulation": emulation,
     "overlap": overlap,
     "idle": idle,
+    "train": train,
 }
 
 

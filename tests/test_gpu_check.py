@@ -35,7 +35,9 @@ SECTIONS = (
 def _run(out_dir, *args: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("GPU_") and k != "OUT"}
     # a shared CPU runs the dry run many times slower than a GPU runs the check: limits 10x
-    environ.update(PYTHON=sys.executable, GPU_RESULTS=str(out_dir), GPU_CHECK_LIMIT_FACTOR="10", **env)
+    environ.update(
+        {"PYTHON": sys.executable, "GPU_RESULTS": str(out_dir), "GPU_CHECK_LIMIT_FACTOR": "10", **env}
+    )
     return subprocess.run(
         ["bash", "scripts/gpu_check.sh", *args],
         cwd=ROOT,
@@ -171,3 +173,18 @@ def test_a_spent_budget_skips_sections_and_says_so(tmp_path) -> None:
     assert done.returncode == 1, _log(done)
     for name in SECTIONS:
         assert f"section {name} skipped: the budget of 1 s is spent" in done.stdout
+
+
+def test_a_section_alone_refuses_to_run_without_cuda(tmp_path) -> None:
+    environ = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_RESULTS")}
+    environ.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.path.join(ROOT, "src"))
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "env", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "no CUDA device" in done.stderr, done.stderr
+    assert not (tmp_path / "gpu-check.json").exists()
