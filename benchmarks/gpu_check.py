@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import ctypes
 import inspect
+import io
 import json
 import math
 import os
@@ -277,8 +278,7 @@ def env(ctx: Context) -> dict:
             nccl=_nccl_version(),
             cublaslt=_cublaslt_version(ctx.device),
         )
-    info = getattr(ft_gemm, "describe_paths", None)  # which GEMM each recipe uses here, where fp8train says
-    out["gemm_per_recipe"] = info(ctx.device) if callable(info) else "not available"
+    out["fp8train_info"] = _fp8train_info()
     out["ok"] = not ctx.cuda or tuple(out["capability"]) >= (8, 9)
     gpu = f"{out.get('gpu')} sm{''.join(map(str, out.get('capability', [])))}" if ctx.cuda else "cpu"
     out["figure"] = (
@@ -287,6 +287,16 @@ def env(ctx: Context) -> dict:
         f"{gpu} tf32 {'on' if out['allow_tf32_matmul'] else 'off'} _scaled_mm {out['scaled_mm']}"
     )
     return out
+
+
+def _fp8train_info() -> list[str]:
+    """What `fp8train info` prints here (versions, the GEMM path chosen and why, settings in effect)."""
+    from fp8train.tools.cli import main as cli
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        status = cli(["info"])
+    return text.getvalue().splitlines() + ([] if status == 0 else [f"(exit status {status})"])
 
 
 def _nccl_version():
@@ -419,7 +429,7 @@ def _contract_errors(
             outputs[label] = ft_gemm.matmul(a, b, out_dtype, **kwargs)
             row[f"{label}_rel_err"] = _rel(outputs[label], exact)
         except Exception as exc:
-            row[f"{label}_rel_err"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            row[f"{label}_rel_err"] = f"failed: {_summary(exc)}"
     for fast in (False, True):
         key = f"scaled_mm_fast_accum_{'on' if fast else 'off'}"
         raw = _raw_scaled_mm(a, b, out_dtype, fast)
@@ -514,12 +524,21 @@ def syncs(ctx: Context) -> dict:
     return out
 
 
+def _first_line(message) -> str:
+    lines = str(message).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+def _summary(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
 def _guarded(fn: Callable[..., dict], *args) -> dict:
     """One part of a section: its result, or what it raised (the section's other parts still run)."""
     try:
         return fn(*args)
     except Exception as exc:
-        return {"ok": False, "error": format_exception(exc), "figure": f"raised {type(exc).__name__}"}
+        return {"ok": False, "error": format_exception(exc), "figure": f"raised {_summary(exc)}"}
 
 
 def _state_dict_reads(ctx: Context) -> int:
@@ -869,7 +888,7 @@ def _warning_under_fullgraph(ctx: Context, backend: str, hidden: int) -> dict:
                 except Exception as exc:
                     results[name] = {
                         "ok": False,
-                        "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                        "error": _summary(exc),
                     }
             results[name]["emulation_warnings"] = sum("emulated" in str(w.message) for w in caught)
             results[name]["eager_emulation_warnings"] = eager_warnings
@@ -951,7 +970,7 @@ def recipes(ctx: Context) -> dict:
             row.update(
                 ms=1e3 * (time.perf_counter() - start), loss=float(loss), ok=bool(torch.isfinite(loss))
             )
-            row["warnings"] = sorted({str(w.message).splitlines()[0][:160] for w in caught})
+            row["warnings"] = sorted({_first_line(w.message) for w in caught})
         except Exception as exc:
             row.update(ok=False, error=format_exception(exc))
         rows.append(row)
@@ -1238,7 +1257,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     start = time.perf_counter()
 
     def progress(partial: dict) -> None:
-        results.write(args.section, _clean({"ok": False, "status": "running", **partial}))
+        status = f"running: if this stays, the section was killed{limit} or crashed after these parts"
+        results.write(args.section, _clean({"ok": False, "status": status, **partial}))
 
     try:
         result = SECTIONS[args.section](Context(device, args.quick, progress))
@@ -1246,7 +1266,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = {
             "ok": False,
             "error": format_exception(exc),
-            "figure": f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+            "figure": f"raised {_summary(exc)}",
         }
     result = _clean(result)
     result.update(

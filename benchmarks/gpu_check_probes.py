@@ -291,7 +291,7 @@ class SyncDebugSites:
         ours = [f for f in frames if os.path.abspath(f.filename).startswith(PACKAGE_DIR)]
         site = ours[-1] if ours else frames[-1]
         where = f"{os.path.relpath(site.filename, PACKAGE_DIR)}:{site.lineno}"
-        key = f"sync-debug: {str(message).splitlines()[0][:80]} at {where}"
+        key = f"sync-debug: {str(message).strip()[:80]} at {where}"
         entry = self.sites.setdefault(
             key,
             {
