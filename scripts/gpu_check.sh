@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What only a GPU can show (benchmarks/gpu_check.py), on a machine with an NVIDIA GPU and some torch
 # >= 2.7 installed, no network needed. About 5 minutes: each section has its own time limit, and all
-# of them together stay within GPU_CHECK_BUDGET_S (default 330 s; a section that no longer fits is
+# of them together stay within GPU_CHECK_BUDGET_S (default 300 s; a section that no longer fits is
 # skipped, and says so).
 #
 #   bash scripts/gpu_check.sh [--out DIR] [--device cuda|cpu] [--quick] [--sections a,b,...]
@@ -25,11 +25,21 @@ sections=""
 pass=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --out) out_dir=$2; shift 2 ;;
-    --device) device=$2; pass+=(--device "$2"); shift 2 ;;
+    --out) out_dir=${2:?--out needs a folder}; shift 2 ;;
+    --device) device=${2:?--device needs cuda or cpu}; pass+=(--device "$2"); shift 2 ;;
     --sections) sections=${2//,/ }; shift 2 ;;
     *) pass+=("$1"); shift ;;
   esac
+done
+
+# section:limit in seconds, most telling first (the limits add up to more than the budget: most
+# sections end well within theirs; train, which compiles a layer per shape, takes what is left)
+all="env:40 contract:45 syncs:75 te_table:90 compile:110 recipes:45 emulation:45 overlap:60 idle:45 train:120"
+for section in $sections; do
+  if [[ " $all " != *" $section:"* ]]; then
+    echo "gpu_check: no section $section; the sections: $(echo "$all" | sed 's/:[0-9]*//g')" >&2
+    exit 2
+  fi
 done
 
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -55,9 +65,6 @@ mkdir -p "$out_dir" || exit 2
 if [ -z "$sections" ]; then  # a whole run starts afresh; --sections adds to (or redoes) earlier ones
   rm -f "$out_dir/gpu-check.json" "$out_dir/summary.txt"
 fi
-# section:limit in seconds, most telling first (the limits add up to more than the budget: most
-# sections end well within theirs; train, which compiles a layer per shape, takes what is left)
-all="env:40 contract:45 syncs:75 te_table:90 compile:110 recipes:45 emulation:45 overlap:60 idle:45 train:120"
 # GPU_CHECK_LIMIT_FACTOR stretches every limit and the budget (the CPU dry run on a shared machine)
 factor=${GPU_CHECK_LIMIT_FACTOR:-1}
 budget=$(( ${GPU_CHECK_BUDGET_S:-300} * factor ))
@@ -89,5 +96,5 @@ for entry in $all; do
   fi
 done
 echo "== summary ($((SECONDS - start)) s; results in $out_dir/gpu-check.json)"
-cat "$out_dir/summary.txt"
+cat "$out_dir/summary.txt" 2>/dev/null
 exit $status

@@ -168,6 +168,11 @@ def test_without_cuda_the_check_stops_at_once(tmp_path) -> None:
     assert not (tmp_path / "gpu-check.json").exists()
 
 
+def test_an_unknown_section_is_refused_with_the_list(tmp_path) -> None:
+    done = _run(tmp_path, "--sections", "env,speed")
+    assert done.returncode == 2 and "no section speed; the sections: env contract syncs" in done.stderr
+
+
 def test_a_spent_budget_skips_sections_and_says_so(tmp_path) -> None:
     done = _run(tmp_path, "--device", "cpu", "--quick", GPU_CHECK_BUDGET_S="1", GPU_CHECK_LIMIT_FACTOR="1")
     assert done.returncode == 1, _log(done)

@@ -106,16 +106,22 @@ def time_like_te(fn: Callable[[], object], device: torch.device, warmup: int = 1
     return begin.elapsed_time(end) / iters
 
 
-def _pre_quantized(m: int, k: int, n: int, device: torch.device, fast_accum: bool) -> Optional[Callable]:
-    """`torch._scaled_mm` of e4m3 operands made beforehand (a row-major, b column-major), bf16 out."""
+def _pre_quantized(m: int, k: int, n: int, device: torch.device) -> dict[str, Optional[Callable]]:
+    """`torch._scaled_mm` of e4m3 operands made beforehand (a row-major, b column-major), bf16 out,
+    fast accumulation off and on (None where torch has no such kernel on the device)."""
+    labels = {f"scaled_mm_fast_accum_{'on' if fast else 'off'}": fast for fast in (False, True)}
     if not has_scaled_mm(device.type):
-        return None
+        return dict.fromkeys(labels)
     a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device)
-    return lambda: torch._scaled_mm(
-        a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
-    )
+
+    def product(fast: bool) -> Callable:
+        return lambda: torch._scaled_mm(
+            a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+
+    return {label: product(fast) for label, fast in labels.items()}
 
 
 def te_gemm_table(
@@ -141,8 +147,7 @@ def te_gemm_table(
                 layer(x)
 
         fns = {"bf16": lambda: torch.matmul(x, w), "fp8train_delayed": fp8train_forward}
-        for fast in (False, True):
-            fns[f"scaled_mm_fast_accum_{'on' if fast else 'off'}"] = _pre_quantized(mm, k, n, device, fast)
+        fns.update(_pre_quantized(mm, k, n, device))
         flops = 2 * mm * k * n
         flops_total += flops
         row: dict = {"gemm": name, "m": mm, "k": k, "n": n, "path": choose_path(device, mm, k, n)}
