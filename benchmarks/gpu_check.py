@@ -494,13 +494,9 @@ def syncs(ctx: Context) -> dict:
     # the GEMM path the GPU takes; on the CPU its _scaled_mm kernel where torch has one, else the emulation
     paths = ("auto",) if ctx.cuda else ("scaled_mm" if has_scaled_mm("cpu") else "bf16",)
     configs = [
-        (r, p, m, t)
-        for r in ("delayed",)
-        for p in paths
-        for m in ("async", "blocking")
-        for t in (True, False)
+        ("delayed", p, mode, tel) for p in paths for mode in ("async", "blocking") for tel in (True, False)
     ]
-    configs += [(r, paths[0], "async", False) for r in RECIPES if r != "delayed"]
+    configs += [(recipe, paths[0], "async", False) for recipe in RECIPES if recipe != "delayed"]
     sites: dict = {}
     for recipe, path, mode, telemetry in configs:
         name = f"{recipe} {path} {mode}{' telemetry' if telemetry else ''}"
