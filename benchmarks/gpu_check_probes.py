@@ -6,6 +6,9 @@
   stream; on the CPU nothing stalls, but the same code makes the same calls, so counting them is the
   CPU's view of "no host synchronisation in a steady step". Allowed by design: tensors fp8train marks
   as host memory (`_fp8train_host_mirror`: the failure flag's host copy, the region tokens).
+- `SyncDebugSites`: on CUDA, every warning of `torch.cuda.set_sync_debug_mode("warn")` with the call
+  stack that raised it.
+- `OpCount`: how often given aten ops ran (`torch._scaled_mm` per layer).
 - `StandInEvents`: CUDA events for the CPU, which complete only after later events were recorded (a
   GPU running behind the host): the CUDA branch of the reduction's timing, forced on the CPU.
 - `DelayedCollective`: `torch.distributed.all_reduce` as a collective of a chosen latency on its own
