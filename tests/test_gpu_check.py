@@ -26,10 +26,10 @@ SECTIONS = (
     "compile",
     "recipes",
     "emulation",
-    "train",
     "overlap",
     "idle",
-)
+    "train",
+)  # the script's order
 
 
 def _run(out_dir, *args: str, **env: str) -> subprocess.CompletedProcess:
