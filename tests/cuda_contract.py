@@ -121,7 +121,8 @@ class ContractChecker:
     def check(self, a, b, sa, sb, bias, scale_result, out_dtype, fast_accum, out=None) -> str:
         summary = (
             f"{tuple(a.shape)}{tuple(a.stride())} {a.dtype} x {tuple(b.shape)}{tuple(b.stride())} {b.dtype}, "
-            f"scales {sa.dtype}{tuple(sa.shape)}{tuple(sa.stride())} / {sb.dtype}{tuple(sb.shape)}{tuple(sb.stride())}, "
+            f"scales {sa.dtype}{tuple(sa.shape)}{tuple(sa.stride())} / "
+            f"{sb.dtype}{tuple(sb.shape)}{tuple(sb.stride())}, "
             f"out {out_dtype}, bias {None if bias is None else bias.dtype}, fast_accum {fast_accum}"
         )
         call = {"summary": summary}
@@ -129,24 +130,42 @@ class ContractChecker:
         need(a.dim() == 2 and b.dim() == 2, "operands must be 2-D", call)
         need(a.shape[1] == b.shape[0], "inner dimensions differ", call)
         operand_types = FP8 + ((FP4,) if FP4 is not None else ())
-        need(a.dtype in operand_types and b.dtype in operand_types, "operands must be FP8 or packed FP4", call)
+        need(
+            a.dtype in operand_types and b.dtype in operand_types, "operands must be FP8 or packed FP4", call
+        )
         need((a.dtype == FP4) == (b.dtype == FP4), "FP4 only with FP4", call)
         need(not (a.dtype == b.dtype == torch.float8_e5m2), "e5m2 x e5m2 is not supported", call)
         need(_row_major(a), "mat1 must be row-major", call)
         need(_col_major(b), "mat2 must be column-major", call)
         need(a.shape[1] % 16 == 0, "mat1.size(1) must be a multiple of 16", call)
-        need(b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, "both dimensions of mat2 must be multiples of 16", call)
+        need(
+            b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0,
+            "both dimensions of mat2 must be multiples of 16",
+            call,
+        )
         for name, t in (("mat1", a), ("mat2", b)):
             need(t.data_ptr() % 16 == 0, f"{name} must be 16-byte aligned", call)
-        need(a.shape[0] <= 1 or (a.stride(0) * a.element_size()) % 16 == 0, "mat1's leading dimension: 16 bytes", call)
-        need(b.shape[1] <= 1 or (b.stride(1) * b.element_size()) % 16 == 0, "mat2's leading dimension: 16 bytes", call)
+        need(
+            a.shape[0] <= 1 or (a.stride(0) * a.element_size()) % 16 == 0,
+            "mat1's leading dimension: 16 bytes",
+            call,
+        )
+        need(
+            b.shape[1] <= 1 or (b.stride(1) * b.element_size()) % 16 == 0,
+            "mat2's leading dimension: 16 bytes",
+            call,
+        )
         out_dtype = out_dtype if out_dtype is not None else a.dtype
         need(out_dtype in OUT_DTYPES, f"output dtype {out_dtype} is not supported", call)
         if bias is not None:
             need(bias.numel() == b.shape[1], "bias must have N elements", call)
             need(out_dtype != torch.float32, "no bias with fp32 output", call)
             need(bias.dtype in (torch.bfloat16, torch.float16), "bias must be bf16 or fp16", call)
-            need(out_dtype not in (torch.bfloat16, torch.float16) or bias.dtype == out_dtype, "bias dtype = out", call)
+            need(
+                out_dtype not in (torch.bfloat16, torch.float16) or bias.dtype == out_dtype,
+                "bias dtype = out",
+                call,
+            )
         need(scale_result is None or (scale_result.numel() == 1 and scale_result.dtype == torch.float32),
              "scale_result must be an fp32 scalar", call)  # fmt: skip
         need(not (fast_accum and a.dtype == FP4), "no fast accumulation with FP4", call)
@@ -198,11 +217,15 @@ def cuda_contract() -> Iterator[ContractChecker]:
     which inductor calls). The override is removed on exit, whatever happens."""
     checker = ContractChecker()
 
-    def functional(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    def functional(
+        a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False
+    ):
         kind = checker.check(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
         return checker.compute(a, b, scale_a, scale_b, bias, out_dtype, kind)
 
-    def out_form(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, *, out):
+    def out_form(
+        a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, *, out
+    ):
         kind = checker.check(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum, out)
         result = checker.compute(a, b, scale_a, scale_b, bias, out_dtype, kind)
         out.resize_(result.shape)

@@ -30,7 +30,16 @@ from .torch_internals import scaled_mm
 if TYPE_CHECKING:
     from .gemm import Operand
 
-__all__ = ["BLOCK_FORMATS", "block_format", "fits", "KOperand", "k_major", "block_scaled_mm", "e8m0_bytes", "kernel_adds_bias"]
+__all__ = [
+    "BLOCK_FORMATS",
+    "block_format",
+    "fits",
+    "KOperand",
+    "k_major",
+    "block_scaled_mm",
+    "e8m0_bytes",
+    "kernel_adds_bias",
+]
 
 TILE = 128
 # the size of a format's blocks along K, by the format's name
@@ -115,15 +124,23 @@ def block_scaled_mm(
     if fmt == "block":
         mat1 = ka.values.to(torch.float8_e4m3fn).contiguous()  # FP8 values: exact
         mat2 = kb.values.to(torch.float8_e4m3fn).contiguous().t()
-        scale_a = ka.scales.float().contiguous() if ka.rows_per_scale == TILE else ka.scales.float().t().contiguous().t()
-        scale_b = kb.scales.float().contiguous().t() if kb.rows_per_scale == TILE else kb.scales.float().t().contiguous()
+        scale_a = (
+            ka.scales.float().contiguous()
+            if ka.rows_per_scale == TILE
+            else ka.scales.float().t().contiguous().t()
+        )
+        scale_b = (
+            kb.scales.float().contiguous().t()
+            if kb.rows_per_scale == TILE
+            else kb.scales.float().t().contiguous()
+        )
     elif fmt == "mxfp8":
         mat1, mat2 = ka.values.contiguous(), kb.values.contiguous().t()
         scale_a = swizzle_scales(e8m0_bytes(_per_row(ka))).view(torch.float8_e8m0fnu)
         scale_b = swizzle_scales(e8m0_bytes(_per_row(kb))).view(torch.float8_e8m0fnu)
     else:  # nvfp4: E2M1 values packed along K; no fast accumulation with FP4 (torch refuses it)
-        mat1 = pack_e2m1(ka.values.float()).view(torch.float4_e2m1fn_x2)
-        mat2 = pack_e2m1(kb.values.float()).view(torch.float4_e2m1fn_x2).t()
+        mat1 = pack_e2m1(ka.values.float().contiguous()).view(torch.float4_e2m1fn_x2)
+        mat2 = pack_e2m1(kb.values.float().contiguous()).view(torch.float4_e2m1fn_x2).t()
         scale_a = swizzle_scales(_per_row(ka).to(torch.float8_e4m3fn))  # E4M3 values: exact
         scale_b = swizzle_scales(_per_row(kb).to(torch.float8_e4m3fn))
         y = scaled_mm(mat1, mat2, scale_a, scale_b, torch.float32)

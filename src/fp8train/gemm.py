@@ -45,6 +45,7 @@ __all__ = [
     "choose_path",
     "kernel_choice",
     "kernel_runs",
+    "recipe_gemm",
     "fast_accumulation",
     "bf16_kernel",
     "cpu_bf16_instructions",
@@ -93,7 +94,10 @@ def kernel_runs(kernel: str, device: torch.device) -> tuple[bool, str]:
         cap = cuda_capability(device_index(device))
         needs, what = _NEEDS[kernel]
         if not needs(cap):
-            return False, f"the {kernel} kernel needs compute capability {what}; this GPU has {cap[0]}.{cap[1]}"
+            return (
+                False,
+                f"the {kernel} kernel needs compute capability {what}; this GPU has {cap[0]}.{cap[1]}",
+            )
     problem = scaled_mm_problem(device.type, device_index(device), kernel)
     if problem:
         return False, problem
@@ -113,6 +117,31 @@ def kernel_choice(kernel: str, device: torch.device) -> tuple[bool, str]:
 
 def _scaled_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
     return all(d % 16 == 0 and d > 0 for d in (m, k, n)) and kernel_runs("tensorwise", device)[0]
+
+
+# the torch._scaled_mm kernel of each recipe kind (quantization/*.py `kind`)
+RECIPE_KERNELS = {
+    "delayed": "tensorwise",
+    "current": "tensorwise",
+    "block": "block",
+    "mxfp8": "mxfp8",
+    "nvfp4": "nvfp4",
+}
+
+
+def recipe_gemm(kind: str, device: torch.device) -> tuple[str, str]:
+    """Which GEMM a recipe of `kind` runs on `device` for shapes its kernel takes, and why (what
+    `fp8train info` prints): "torch._scaled_mm (<kernel>)" or the emulation that replaces it."""
+    kernel = RECIPE_KERNELS[kind]
+    native, why = kernel_choice(kernel, device)
+    if kernel == "tensorwise" and device.type == "cpu" and _forced() == "auto":
+        why = "the CPU default is the exact emulation"
+    if native:
+        return f"torch._scaled_mm ({kernel} scales)", why
+    if kernel == "tensorwise":
+        path = choose_path(device, 1024, 1024, 1024)
+        return f"the {path} emulation (FP8 values exact, fp32 accumulation)", why
+    return "the emulation (block-dequantized operands, an fp32 matmul)", why
 
 
 def choose_path(device: torch.device, m: int, k: int, n: int) -> str:

@@ -124,7 +124,9 @@ def _probe(kernel: str, device: torch.device) -> None:
     for mat1, mat2, scale_a, scale_b, out_dtype, expected in calls:
         y = torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         if not bool((y.float() == expected).all()):  # a host read, once per device and kernel
-            raise RuntimeError(f"torch._scaled_mm computed a wrong product ({y.flatten()[0].item()} for {expected})")
+            raise RuntimeError(
+                f"torch._scaled_mm computed a wrong product ({y.flatten()[0].item()} for {expected})"
+            )
 
 
 @torch.compiler.assume_constant_result  # traced code reads the answer as a constant

@@ -25,7 +25,9 @@ import torch
 
 from ..gemm import Operand
 
-__all__ = ["Quantization", "GemmCall", "WeightOperands", "InputOperands", "GradOperands"]
+__all__ = [
+    "Quantization", "GemmCall", "WeightOperands", "InputOperands", "GradOperands", "check_whole_blocks"
+]  # fmt: skip
 
 
 class WeightOperands(NamedTuple):
@@ -79,12 +81,15 @@ class Quantization:
       calls have plans with frozen scales, amaxes are recorded and reduced (regions.py, plans.py);
     - `casts_before_gather`: a tensor's scale is known before the tensor is whole, so sequence-parallel
       inputs and FSDP2 weights are cast on each rank and gathered as FP8 bytes; otherwise they are
-      gathered in high precision and quantized whole.
+      gathered in high precision and quantized whole;
+    - `whole_blocks`: the block every GEMM dimension must fill (`check_whole_blocks`; convert_to_fp8
+      keeps layers whose features are off it in high precision).
     """
 
     kind: ClassVar[str]
     reduces_amax: ClassVar[bool] = False
     casts_before_gather: ClassVar[bool] = False
+    whole_blocks: ClassVar[int] = 1  # tokens, in and out features must be multiples of it (MX, NVFP4)
 
     def __init__(self, recipe) -> None:
         self.recipe = recipe
@@ -112,6 +117,21 @@ class Quantization:
     def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
         """The output gradient's operands for dgrad and wgrad (`needs`: which of them are needed)."""
         raise NotImplementedError
+
+
+def check_whole_blocks(tensor: torch.Tensor, names: tuple[str, str], block: int, recipe_name: str) -> None:
+    """Refuse a GEMM operand whose dimensions are not whole blocks: MXFP8 (32) and NVFP4 (16) quantize
+    along each GEMM's reduction dimension, and tokens, in_features and out_features are each one of
+    them. TransformerEngine refuses such shapes and cuBLAS's block-scaled GEMMs cannot take them, so
+    fp8train does not pad them silently either."""
+    off = [f"{name} = {size}" for name, size in zip(names, tensor.shape) if size % block]
+    if off:
+        raise ValueError(
+            f"fp8train.{recipe_name} quantizes in blocks of {block} along each GEMM's reduction dimension, "
+            f"so tokens, in_features and out_features must be multiples of {block}; got {', '.join(off)}. "
+            f"Pad the batch (tokens) to a multiple of {block}, or keep this layer in high precision "
+            "(convert_to_fp8 and prepare skip layers whose dimensions are not whole blocks of their recipe)"
+        )
 
 
 def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
