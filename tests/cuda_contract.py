@@ -174,7 +174,7 @@ class ContractChecker:
         if out is not None:
             need(out.dtype == out_dtype, "out's dtype must be out_dtype", call)
             need(out.data_ptr() % 16 == 0 or out.numel() == 0, "out must be 16-byte aligned", call)
-        call["kind"] = kind
+        call["kind"], call["out"] = kind, out is not None
         self.calls.append(call)
         return kind or "invalid"
 

@@ -13,9 +13,10 @@ transposed), and the scales per row of those [rows, K] matrices:
 - "mxfp8" (SM100+): E8M0 scales per 32 values, per row, in cuBLAS's blocked layout
   (`microscaling.swizzle_scales`); a weight's 32x32 scales are repeated to its rows first.
 - "nvfp4" (SM100+): E2M1 values packed two per byte (`float4_e2m1fn_x2`), E4M3 scales per 16 values
-  in the blocked layout; the two per-tensor scales divide the fp32 output, as in the emulation.
+  in the blocked layout; the two per-tensor scales divide the fp32 output (the emulation divides
+  each element).
 
-Pure layout functions; which GEMM runs where is gemm.py's choice (`block_gemm_kernel`).
+Layouts and the call; which GEMM runs where is gemm.py's choice (`gemm.kernel_choice`, `fits`).
 """
 
 from __future__ import annotations
