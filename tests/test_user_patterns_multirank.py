@@ -148,7 +148,7 @@ def tensor_parallel(rank: int, world: int) -> dict:
         )
         losses = []
         for step in range(4):
-            x = torch.randn(16, 128, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(32, 128, generator=torch.Generator().manual_seed(step))  # whole MX blocks
             with fp8train.fp8_autocast(fp8_recipe=recipe):
                 h = torch.relu_(model[0](x))
                 h = model[1](h).mul_(0.5)  # row-parallel output, summed over the group in place
