@@ -386,9 +386,8 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     tr, tc = SWIZZLE_TILE
     padded = scales.new_zeros(-(-rows // tr) * tr, -(-cols // tc) * tc)
     padded[:rows, :cols] = scales
-    tiles = padded.view(
-        padded.shape[0] // tr, 4, 32, padded.shape[1] // tc, tc
-    )  # [R/128, r//32, r%32, C/4, c]
+    # [row tile, r // 32, r % 32, column tile, c] -> [row tile, column tile, r % 32, r // 32, c]
+    tiles = padded.view(padded.shape[0] // tr, 4, 32, padded.shape[1] // tc, tc)
     return tiles.permute(0, 3, 2, 1, 4).contiguous().flatten()
 
 
