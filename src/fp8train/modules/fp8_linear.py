@@ -74,12 +74,12 @@ class _LinearFn(torch.autograd.Function):
             if isinstance(weight, GatheredWeight) and not torch.compiler.is_compiling():
                 fsdp.gathered_backward_ran(call.module_handle, call.gemm_index, ctx)  # owed nothing now
             if needs[0]:
-                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype)
+                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad")
                 if ctx.sp_group is not None:  # each rank's tokens: summed over the group
                     grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if needs[1]:
-                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype)
+                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad")
         if create_graph:  # differentiable, with the same values (second_order.py)
             grad_x, grad_w = second_order.linear_grads(
                 grad_x, grad_w, g2d,

@@ -24,9 +24,11 @@ from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
-from ..gemm import Operand
+from ..gemm import RECIPE_KERNELS, Operand, kernel_choice
 
-__all__ = ["Quantization", "GemmCall", "WeightOperands", "InputOperands", "GradOperands"]
+__all__ = [
+    "Quantization", "GemmCall", "WeightOperands", "InputOperands", "GradOperands", "check_whole_blocks"
+]  # fmt: skip
 
 
 class WeightOperands(NamedTuple):
@@ -79,12 +81,15 @@ class Quantization:
       calls have plans with frozen scales, amaxes are recorded and reduced (regions.py, plans.py);
     - `casts_before_gather`: a tensor's scale is known before the tensor is whole, so sequence-parallel
       inputs and FSDP2 weights are cast on each rank and gathered as FP8 bytes; otherwise they are
-      gathered in high precision and quantized whole.
+      gathered in high precision and quantized whole;
+    - `whole_blocks`: the block every GEMM dimension must fill (`check_whole_blocks`; convert_to_fp8
+      keeps layers whose features are off it in high precision).
     """
 
     kind: ClassVar[str]
     reduces_amax: ClassVar[bool] = False
     casts_before_gather: ClassVar[bool] = False
+    whole_blocks: ClassVar[int] = 1  # tokens, in and out features must be multiples of it (MX, NVFP4)
 
     def __init__(self, recipe) -> None:
         self.recipe = recipe
@@ -119,26 +124,47 @@ class Quantization:
 EMULATION_NOTED_ON = "cuda"
 
 
+def check_whole_blocks(tensor: torch.Tensor, names: tuple[str, str], block: int, recipe_name: str) -> None:
+    """Refuse a GEMM operand whose dimensions are not whole blocks: MXFP8 (32) and NVFP4 (16) quantize
+    along each GEMM's reduction dimension, and tokens, in_features and out_features are each one of
+    them. TransformerEngine refuses such shapes and cuBLAS's block-scaled GEMMs cannot take them, so
+    fp8train does not pad them silently either."""
+    off = [f"{name} = {size}" for name, size in zip(names, tensor.shape) if size % block]
+    if off:
+        raise ValueError(
+            f"fp8train.{recipe_name} quantizes in blocks of {block} along each GEMM's reduction dimension, "
+            f"so tokens, in_features and out_features must be multiples of {block}; got {', '.join(off)}. "
+            f"Pad the batch (tokens) to a multiple of {block}, or keep this layer in high precision "
+            "(convert_to_fp8 and prepare skip layers whose dimensions are not whole blocks of their recipe)"
+        )
+
+
 def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
-    """Block-scaled recipes run an emulated GEMM on every device: say so on CUDA, once per recipe."""
+    """Block-scaled recipes run an emulated GEMM where the GPU has no native kernel for them (the
+    kernel's capability or its probe, `gemm.kernel_choice`): say so on CUDA, once per recipe."""
     if x.device.type == EMULATION_NOTED_ON:
-        _note_emulated(recipe_name)
+        _note_emulated(recipe_name, x.device)
+
+
+_RECIPE_KINDS = {"Float8BlockScaling": "block", "MXFP8BlockScaling": "mxfp8", "NVFP4BlockScaling": "nvfp4"}
 
 
 @torch.compiler.assume_constant_result
-def _note_emulated(recipe_name: str) -> bool:
+def _note_emulated(recipe_name: str, device: torch.device) -> bool:
     """Eager code calls it; torch.compile runs it while tracing and leaves it out of the graph (the
     mark), where `warnings.warn` cannot be traced (a graph break per layer, an error with
     fullgraph=True). Its result, always True, is the constant the graph would see."""
-    _warn_emulated(recipe_name)
+    if not kernel_choice(RECIPE_KERNELS[_RECIPE_KINDS[recipe_name]], device)[0]:
+        _warn_emulated(recipe_name)
     return True
 
 
 @functools.cache  # once per process: a compilation resets Python's record of warnings already shown
 def _warn_emulated(recipe_name: str) -> None:
     warnings.warn(
-        f"fp8train.{recipe_name} on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
-        "matmul): the numerics of the recipe without its speed. Use DelayedScaling or "
-        "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
+        f"fp8train.{recipe_name} on this GPU runs an emulated GEMM (block-dequantized operands, fp32 "
+        "matmul): the numerics of the recipe without its speed, because torch._scaled_mm's kernel for it "
+        "does not run here (`fp8train info` says why). Use DelayedScaling or Float8CurrentScaling for "
+        "FP8 tensor-core GEMMs on this GPU.",
         stacklevel=1,  # here: no caller's line would mean more (torch.compile calls it from its tracer)
     )
