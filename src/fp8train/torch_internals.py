@@ -7,7 +7,6 @@ says how). When a torch upgrade breaks fp8train, this is the file to read first.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import warnings
