@@ -27,7 +27,7 @@ from .base import FP8Module
 from .fp8_linear import fp8_linear
 from .linear import Linear
 
-__all__ = ["StoredFP8Linear"]
+__all__ = ["StoredFP8Linear", "BlockFP8Linear"]
 
 
 class StoredFP8Linear(FP8Module):
@@ -88,10 +88,10 @@ class StoredFP8Linear(FP8Module):
             self.weight_scale_inv.copy_(scale_inv)
         self.forget_cached_weights()
 
-    def to_linear(self, dtype: torch.dtype = torch.float32) -> Linear:
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> BlockFP8Linear:
         """An fp8train.Linear whose master weight is the dequantized stored weight, trainable (full
         fine-tuning). Its first block-scaled forward's operand: see docs/guide.md."""
-        new = Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        new = BlockFP8Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         new.weight = torch.nn.Parameter(self.dequantized().to(dtype))
         if self.bias is not None:
             new.bias = torch.nn.Parameter(self.bias.detach().to(dtype))
@@ -105,3 +105,8 @@ class StoredFP8Linear(FP8Module):
     def extra_repr(self) -> str:
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{sizes}, bias={self.bias is not None}, weight=float8_e4m3fn in 128x128 blocks"
+
+
+class BlockFP8Linear(Linear):
+    """An fp8train.Linear trained from a stored block-FP8 weight (`StoredFP8Linear.to_linear`): the
+    same layer, whose type tells an export to write it back in the checkpoint's format."""
