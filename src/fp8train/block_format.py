@@ -18,6 +18,7 @@ from .quantization.block import TILE, Float8BlockScaling, quantize_tiles
 
 __all__ = [
     "BLOCK",
+    "DEFAULT_RECIPE",
     "BlockFormatError",
     "scale_grid",
     "stored_operand",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 BLOCK = (TILE, TILE)
+DEFAULT_RECIPE = Float8BlockScaling()  # its power_2_scale=True: exported scales are powers of 2
 SCALE_FORMATS = ("float", "ue8m0")
 
 
@@ -108,7 +110,7 @@ def dequantize_block_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> to
 
 
 def quantize_block_weight(
-    weight: torch.Tensor, recipe: Float8BlockScaling = Float8BlockScaling()
+    weight: torch.Tensor, recipe: Float8BlockScaling = DEFAULT_RECIPE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scale_inv) by the recipe's own weight quantizer: what
     `BlockQuantization.quantize_weight` gives the training forward, bit for bit."""

@@ -18,13 +18,14 @@ import torch
 
 from ..block_format import (
     BLOCK,
+    DEFAULT_RECIPE,
     BlockFormatError,
     check_stored_weight,
     quantize_block_weight,
     scales_to_float32,
     scales_to_format,
 )
-from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear
+from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
 from ..quantization.block import Float8BlockScaling
 from . import require
 
@@ -40,6 +41,7 @@ __all__ = [
     "iter_fp8_weights",
     "export_fp8_checkpoint",
     "quantization_config_of",
+    "exclude_stored_from_ddp",
     "SCALE_SUFFIX",
 ]
 
@@ -120,7 +122,9 @@ def _stored_layers(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> 
         except AttributeError:
             raise BlockFormatError(f"{key}: the model has no module {name!r} for it") from None
         shape = getattr(module, "weight", None)
-        if not isinstance(module, (torch.nn.Linear, StoredFP8Linear)) or tuple(shape.shape) != tuple(weight.shape):
+        if not isinstance(module, (torch.nn.Linear, StoredFP8Linear)) or tuple(shape.shape) != tuple(
+            weight.shape
+        ):
             raise BlockFormatError(
                 f"{key} {tuple(weight.shape)} does not fit the model's {name} ({type(module).__name__} "
                 f"{tuple(shape.shape) if shape is not None else ''}): not a linear layer of that shape"
@@ -152,7 +156,7 @@ def _build_on_meta(directory: str, model_class: Any) -> torch.nn.Module:
 
 def load_fp8_checkpoint(
     directory: str,
-    recipe: Float8BlockScaling = Float8BlockScaling(),
+    recipe: Float8BlockScaling = DEFAULT_RECIPE,
     model: Optional[torch.nn.Module] = None,
     model_class: Any = None,
     dtype: Optional[torch.dtype] = None,
@@ -184,14 +188,32 @@ def load_fp8_checkpoint(
     model.load_state_dict(plain, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    _materialize_buffers(model)
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if left:
         raise BlockFormatError(f"{directory} has no tensor for {', '.join(left[:4])}")
     return model
 
 
+def _materialize_buffers(model: torch.nn.Module) -> None:
+    """Buffers a meta-device build left on "meta" (non-persistent ones: no checkpoint has them),
+    computed again by transformers' initialisation of their module (rotary frequencies)."""
+    for name, module in model.named_modules():
+        meta = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+        if not meta:
+            continue
+        if list(module.parameters(recurse=False)) or not hasattr(model, "_init_weights"):
+            raise BlockFormatError(
+                f"{name}'s buffers {meta} are on the meta device and not in the checkpoint: build the "
+                "model with accelerate.init_empty_weights(include_buffers=False)"
+            )
+        for n in meta:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        model._init_weights(module)
+
+
 def convert_fp8_model(
-    model: torch.nn.Module, recipe: Float8BlockScaling = Float8BlockScaling(), compute_dtype=None
+    model: torch.nn.Module, recipe: Float8BlockScaling = DEFAULT_RECIPE, compute_dtype=None
 ) -> torch.nn.Module:
     """An already built model whose quantized linears hold FP8 tensors (transformers' FP8Linear:
     float8 `weight` and `weight_scale_inv`) with those layers swapped for `StoredFP8Linear`, sharing
@@ -206,7 +228,9 @@ def convert_fp8_model(
                 tensors[f"{name}.weight{SCALE_SUFFIX}"] = scale.data
             block = getattr(module, "block_size", None)
             if block is not None and tuple(block) != BLOCK:
-                raise BlockFormatError(f"{name} has block_size {block}, not Float8BlockScaling's {list(BLOCK)}")
+                raise BlockFormatError(
+                    f"{name} has block_size {block}, not Float8BlockScaling's {list(BLOCK)}"
+                )
             if getattr(module, "bias", None) is not None:
                 tensors[f"{name}.bias"] = module.bias.data
     layers = _stored_layers(tensors, model)
@@ -236,7 +260,7 @@ def _merged_weight(module: torch.nn.Module) -> torch.Tensor:
 
 
 def iter_fp8_weights(
-    model: torch.nn.Module, recipe: Float8BlockScaling = Float8BlockScaling()
+    model: torch.nn.Module, recipe: Float8BlockScaling = DEFAULT_RECIPE
 ) -> Iterator[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
     """(name, tensor, scale_inv) for every tensor of the checkpoint `model` exports, one layer at a
     time (an RL weight sync streams these to an inference engine): a quantized layer's FP8 weight
@@ -273,7 +297,7 @@ def iter_fp8_weights(
 
 
 def export_fp8_checkpoint(
-    model: torch.nn.Module, directory: str, recipe: Float8BlockScaling = Float8BlockScaling()
+    model: torch.nn.Module, directory: str, recipe: Float8BlockScaling = DEFAULT_RECIPE
 ) -> dict:
     """Write `model` to `directory` in the block-FP8 format it was loaded from (model.safetensors and
     config.json with its quantization_config; `iter_fp8_weights` gives the tensors), loadable by
@@ -286,7 +310,9 @@ def export_fp8_checkpoint(
         if scale_inv is not None:
             tensors[name + SCALE_SUFFIX] = scales_to_format(scale_inv, scale_fmt, name + SCALE_SUFFIX)
     os.makedirs(directory, exist_ok=True)
-    _safetensors_torch.save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    _safetensors_torch.save_file(
+        tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"}
+    )
     config = copy.deepcopy(_base(model).config)
     config.quantization_config = quantization
     config.save_pretrained(directory)

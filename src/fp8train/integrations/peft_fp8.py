@@ -55,7 +55,9 @@ class FP8LoraLinear(_lora.Linear):
         for adapter in adapter_names:
             weight += self.get_delta_weight(adapter).float()
         if not torch.isfinite(weight).all():
-            raise ValueError(f"non-finite values in the merged weight of adapters {adapter_names}: not merged")
+            raise ValueError(
+                f"non-finite values in the merged weight of adapters {adapter_names}: not merged"
+            )
         base.set_weight(weight)
         self.merged_adapters.extend(adapter_names)
 

@@ -6,4 +6,13 @@ from .linear import Linear
 from .norms import LayerNorm, RMSNorm
 from .stored_linear import BlockFP8Linear, StoredFP8Linear
 
-__all__ = ["FP8Module", "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "StoredFP8Linear", "BlockFP8Linear"]
+__all__ = [
+    "FP8Module",
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "LayerNorm",
+    "RMSNorm",
+    "StoredFP8Linear",
+    "BlockFP8Linear",
+]

@@ -67,7 +67,8 @@ class _LinearFn(torch.autograd.Function):
             )
         needs = ctx.needs_input_grad[:2]
         g2d = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_bias = g2d.sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[2] else None
+        needs_bias = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        grad_bias = g2d.sum(0).to(ctx.b_dtype) if needs_bias else None
         grad_x = grad_w = None
         with torch.no_grad():
             g_ops = call.quantization.quantize_grad(g2d, call, needs)
@@ -153,7 +154,8 @@ def fp8_linear(
         ops.check_recipe_kind(module, quantization.kind)
     cached = module.cached_weight(gemm_index, quantization.kind) if is_first_microbatch is False else None
     stored = stored_weight is not None
-    weight_amax = None if cached is not None or stored else (weight.shard_amax if gathered else lambda: amax(weight))
+    cast = cached is None and not stored
+    weight_amax = None if not cast else (weight.shard_amax if gathered else lambda: amax(weight))
     scales, token = quantization.call_scales(module, gemm_index, x, weight_amax, precision.record)
     tokens = x.numel() // x.shape[-1] * (1 if sp_group is None else dist.get_world_size(sp_group))
     call = GemmCall(
@@ -168,7 +170,7 @@ def fp8_linear(
         w_ops = WeightOperands.same(Operand(fp8_weight.to(call.operand_dtype), w_scale_inv))  # exact
     else:
         w_ops = quantization.quantize_weight(weight.detach(), call)
-    if is_first_microbatch is not None and cached is None and not stored:  # kept across microbatches
+    if is_first_microbatch is not None and cast:  # kept across microbatches
         module.cache_weight(gemm_index, quantization.kind, w_ops, copy=gathered)  # not FSDP2's buffer
     y = _LinearFn.apply(x, weight, bias, w_ops, call, sp_group)
     if not torch.compiler.is_compiling():  # the plan lookup (a weak dict) is not traceable in every torch

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..block_format import (
+    DEFAULT_RECIPE,
     check_stored_weight,
     dequantize_block_weight,
     quantize_block_weight,
@@ -21,13 +22,14 @@ from ..block_format import (
     stored_operand,
 )
 from ..gemm import Operand
-from ..quantization.block import Float8BlockScaling
 from ..quantization.base import WeightOperands
+from ..quantization.block import Float8BlockScaling
+from ..torch_internals import ddp_ignore
 from .base import FP8Module
 from .fp8_linear import fp8_linear
 from .linear import Linear
 
-__all__ = ["StoredFP8Linear", "BlockFP8Linear"]
+__all__ = ["StoredFP8Linear", "BlockFP8Linear", "exclude_stored_from_ddp"]
 
 
 class StoredFP8Linear(FP8Module):
@@ -46,7 +48,7 @@ class StoredFP8Linear(FP8Module):
         weight_scale_inv: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
         compute_dtype: torch.dtype = torch.float32,
-        recipe: Float8BlockScaling = Float8BlockScaling(),
+        recipe: Float8BlockScaling = DEFAULT_RECIPE,
         name: str = "weight",
     ) -> None:
         super().__init__()
@@ -110,3 +112,17 @@ class StoredFP8Linear(FP8Module):
 class BlockFP8Linear(Linear):
     """An fp8train.Linear trained from a stored block-FP8 weight (`StoredFP8Linear.to_linear`): the
     same layer, whose type tells an export to write it back in the checkpoint's format."""
+
+
+def exclude_stored_from_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """Call on the module you wrap in DistributedDataParallel: its StoredFP8Linear weights and scales
+    are left out of DDP's construction-time broadcast (gloo cannot send FP8 dtypes, and every rank
+    loaded the same checkpoint) and, being frozen, were never reduced. Returns `model`."""
+    names = [
+        f"{name}.{param}" if name else param
+        for name, module in model.named_modules()
+        if isinstance(module, StoredFP8Linear)
+        for param in ("weight", "weight_scale_inv")
+    ]
+    ddp_ignore(model, names)
+    return model
