@@ -120,7 +120,9 @@ def train(rank: int, world_size: int, directory: str, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
@@ -144,7 +146,10 @@ def main() -> None:
         ids = batches(1000, 1)[0]
         with torch.no_grad():
             difference = (reloaded(ids).logits - ours(ids).logits).abs().max().item()
-        print(f"export reloaded by transformers ({type(reloaded).__name__}): max |logits - fp8train's| = {difference:.2e}")
+        print(
+            f"export reloaded by transformers ({type(reloaded).__name__}): "
+            f"max |logits - fp8train's| = {difference:.2e}"
+        )
 
 
 if __name__ == "__main__":

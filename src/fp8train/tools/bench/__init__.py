@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "checkpoint")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -87,6 +87,12 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         return fsdp_gather.run()
     if suite == "scale":
         return _scale(args)
+    if suite == "checkpoint":
+        from . import fp8_checkpoint
+
+        if args.quick:
+            return fp8_checkpoint.run(hidden=128, intermediate=256, layers=1, batch=2, seq=16, repeats=2)
+        return fp8_checkpoint.run()
     if suite == "gpu":
         from . import gpu
 
