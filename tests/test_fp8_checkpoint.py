@@ -244,6 +244,54 @@ def test_convert_a_built_transformers_fp8_model_shares_its_tensors(checkpoint) -
     assert q_proj.weight.data_ptr() == stored["model.layers.0.self_attn.q_proj.weight"].data_ptr()
 
 
+class TinyMoE(torch.nn.Module):
+    """Top-1 routing over experts stored as separate linears (experts.N.up / experts.N.down)."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(128, experts, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {"up": torch.nn.Linear(128, 256, bias=False), "down": torch.nn.Linear(256, 128, bias=False)}
+            )
+            for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = choice == i
+            out[rows] = expert["down"](torch.relu(expert["up"](x[rows])))
+        return out
+
+
+def test_moe_experts_stored_as_separate_linears() -> None:
+    """Each expert's FP8 linears (an nn.Linear holding float8 weight + weight_scale_inv, as
+    transformers' FP8Linear does) become StoredFP8Linear layers; routing is untouched."""
+    from fp8train.integrations.fp8_checkpoint import convert_fp8_model
+
+    torch.manual_seed(0)
+    model = TinyMoE()
+    reference = TinyMoE()
+    reference.load_state_dict(model.state_dict())
+    for source, target in zip(model.experts, reference.experts):
+        for key in ("up", "down"):
+            q, s = deepseek_quantize(source[key].weight.detach())
+            source[key].weight = torch.nn.Parameter(q, requires_grad=False)
+            source[key].weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+            target[key].weight.data = dequantize_ref(q, s)
+    convert_fp8_model(model)
+    assert all(isinstance(e[k], fp8train.StoredFP8Linear) for e in model.experts for k in ("up", "down"))
+    assert type(model.router) is torch.nn.Linear
+    x = torch.randn(32, 128)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+        fp8 = model(x)
+    assert 0 < (fp8 - reference(x)).abs().max() < 0.1 * reference(x).abs().max()
+
+
 def _corrupt(src: str, dst: str, edit) -> None:
     from safetensors.torch import save_file
 
@@ -359,12 +407,19 @@ def test_lora_trains_base_bytes_unchanged_export_read_by_transformers(aligned, t
 
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["float-scales", "ue8m0-scales"])
 def test_untouched_model_round_trips_bit_for_bit(tmp_path, ue8m0: bool) -> None:
+    import peft
+
     from fp8train.integrations.fp8_checkpoint import export_fp8_checkpoint, load_fp8_checkpoint
+    from fp8train.integrations.peft_fp8 import lora_config
 
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     write_checkpoint(src, 128, 256, ue8m0=ue8m0)
     export_fp8_checkpoint(load_fp8_checkpoint(src), out)
     a, b = read(src), read(out)
+    assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
+    # fresh adapters (B = 0) add nothing: their layers are untouched too
+    export_fp8_checkpoint(peft.get_peft_model(load_fp8_checkpoint(src), lora_config(**LORA)), out)
+    b = read(out)
     assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["quantization_config"].get("scale_fmt", "float") == (

@@ -169,10 +169,10 @@ def load_fp8_checkpoint(
     error naming the tensor, and a given `model` is left as it was."""
     if model is None:
         model = _build_on_meta(directory, model_class)
+        quantization = model.config.quantization_config
     else:
         with open(os.path.join(directory, "config.json")) as f:
-            quantization = json.load(f).get("quantization_config")
-        model.config.quantization_config = check_quantization_config(quantization, directory)
+            quantization = check_quantization_config(json.load(f).get("quantization_config"), directory)
     tensors = _read_checkpoint(directory)
     layers = _stored_layers(tensors, model)
     plain = {k: v for k, v in tensors.items() if k.rpartition(".")[0] not in layers}
@@ -186,6 +186,7 @@ def load_fp8_checkpoint(
     compute_dtype = dtype or (floats[0] if floats else torch.float32)
     _swap_in(model, layers, recipe, compute_dtype)
     model.load_state_dict(plain, strict=False, assign=True)
+    model.config.quantization_config = quantization  # what an export writes back
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     _materialize_buffers(model)
@@ -249,14 +250,17 @@ def full_finetuning(model: torch.nn.Module, dtype: torch.dtype = torch.float32) 
     return model
 
 
-def _merged_weight(module: torch.nn.Module) -> torch.Tensor:
-    """W + sum of the active, unmerged adapters' B A (scaled) of a PEFT LoRA layer, in float32."""
-    weight = module.get_base_layer().dequantized()
-    if not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False):
-        for adapter in module.active_adapters:
-            if adapter in getattr(module, "lora_A", {}):
-                weight += module.get_delta_weight(adapter).float()
-    return weight
+def _adapted_weight(module: torch.nn.Module) -> Optional[torch.Tensor]:
+    """W + the active, unmerged adapters' B A (scaled) of a PEFT LoRA layer, in float32; None when
+    no adapter adds anything (merged into the base already, disabled, none active, or all zero:
+    B starts at zero)."""
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return None
+    adapters = [a for a in module.active_adapters if a in getattr(module, "lora_A", {})]
+    deltas = [module.get_delta_weight(a).float() for a in adapters]
+    if not any(bool(d.any()) for d in deltas):
+        return None
+    return module.get_base_layer().dequantized() + sum(deltas)
 
 
 def iter_fp8_weights(
@@ -273,12 +277,13 @@ def iter_fp8_weights(
     def walk(module: torch.nn.Module, prefix: str):
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         if isinstance(base, StoredFP8Linear) or isinstance(module, BlockFP8Linear):
+            adapted = None if base is module else _adapted_weight(module)
             if isinstance(module, BlockFP8Linear):
                 weight, scale_inv = quantize_block_weight(module.weight, recipe)
-            elif base is module:
-                weight, scale_inv = module.weight.detach(), module.weight_scale_inv.detach()
-            else:
-                weight, scale_inv = quantize_block_weight(_merged_weight(module), recipe)
+            elif adapted is not None:
+                weight, scale_inv = quantize_block_weight(adapted, recipe)
+            else:  # untouched: the stored bytes
+                weight, scale_inv = base.weight.detach(), base.weight_scale_inv.detach()
             yield f"{prefix}weight", weight, scale_inv
             if base.bias is not None:
                 yield f"{prefix}bias", base.bias.detach(), None

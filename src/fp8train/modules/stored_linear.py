@@ -18,7 +18,6 @@ from ..block_format import (
     check_stored_weight,
     dequantize_block_weight,
     quantize_block_weight,
-    scale_grid,
     stored_operand,
 )
 from ..gemm import Operand
@@ -52,26 +51,13 @@ class StoredFP8Linear(FP8Module):
         name: str = "weight",
     ) -> None:
         super().__init__()
-        if weight.device.type != "meta":
-            check_stored_weight(name, weight, weight_scale_inv)
+        check_stored_weight(name, weight, weight_scale_inv)
         self.out_features, self.in_features = weight.shape
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = torch.nn.Parameter(weight_scale_inv, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.compute_dtype = compute_dtype
         self.recipe = recipe
-
-    @classmethod
-    def empty(
-        cls, in_features: int, out_features: int, bias: bool = False, device=None, **kwargs
-    ) -> StoredFP8Linear:
-        """A layer of this shape with uninitialised storage (on "meta": nothing allocated), for a
-        load that fills it (`load_state_dict`)."""
-        weight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
-        scale_inv = torch.empty(scale_grid(out_features, in_features), dtype=torch.float32, device=device)
-        dtype = kwargs.get("compute_dtype", torch.float32)
-        b = torch.empty(out_features, dtype=dtype, device=device) if bias else None
-        return cls(weight, scale_inv, b, **kwargs)
 
     @property
     def operand(self) -> Operand:
