@@ -318,8 +318,9 @@ KEY = "model.layers.1.mlp.up_proj.weight"
             "weight_block_size=[1, 128]",
         ),
         (lambda t, c: t.update({KEY: t[KEY][None]}), "fused or grouped expert tensors are not supported"),
+        (lambda t, c: t.pop("model.norm.weight"), "has no tensor for model.norm.weight"),
     ],
-    ids=["scale-shape", "missing-scale", "block-size", "3d-experts"],
+    ids=["scale-shape", "missing-scale", "block-size", "3d-experts", "missing-tensor"],
 )
 def test_bad_checkpoint_is_a_clear_error_and_nothing_is_loaded(checkpoint, tmp_path, edit, message) -> None:
     from transformers import AutoConfig, LlamaForCausalLM

@@ -182,6 +182,9 @@ def load_fp8_checkpoint(
     unexpected = sorted(set(plain) - expected)
     if unexpected:
         raise BlockFormatError(f"{directory} has tensors the model does not: {', '.join(unexpected[:4])}")
+    missing = sorted(expected - set(plain) - set(getattr(model, "all_tied_weights_keys", None) or {}))
+    if missing:  # tied weights (lm_head to the embedding) are tied again below
+        raise BlockFormatError(f"{directory} has no tensor for {', '.join(missing[:4])}")
     floats = [v.dtype for v in plain.values() if v.is_floating_point()]
     compute_dtype = dtype or (floats[0] if floats else torch.float32)
     _swap_in(model, layers, recipe, compute_dtype)
