@@ -37,7 +37,8 @@ class StoredFP8Linear(FP8Module):
     `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (float32, one per block) are frozen
     parameters, so state dicts, meta-device builds (`to_empty` then `load_state_dict`) and
     `requires_grad` work as for any layer; `bias` (high precision) is frozen too unless set trainable.
-    `compute_dtype` is the dtype the layer computes in outside FP8 (PEFT gives its adapters this dtype).
+    `compute_dtype` is the high-precision dtype of the model around the layer (its output takes the
+    input's dtype); PEFT gives adapters on the layer this dtype.
     `recipe` is the block recipe whose weight quantizer writes a new weight into the layer
     (`set_weight`: a merged adapter)."""
 
