@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -50,6 +51,21 @@ def test_gpu_mode_runs_on_cpu_in_a_tiny_configuration(tmp_path) -> None:
     assert row["n"] == 32 and row["path"] == "bf16"
     assert 1e-3 < row["fp8_rel_error"] < 0.1  # FP8 operands, not bf16 or fp32 ones
     assert row["speedup"] == pytest.approx(row["bf16_ms"] / row["fp8_ms"])
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("transformers", "peft", "safetensors", "accelerate")),
+    reason='needs pip install "fp8train[hf,peft]"',
+)
+def test_checkpoint_benchmark_reports_base_bytes_of_each_path(tmp_path) -> None:
+    """The stored FP8 base holds 1 byte per parameter plus the scales (4 bytes per 128x128 block);
+    transformers' dequantizing load holds fp32 weights (4 bytes)."""
+    ours, theirs = _rows(tmp_path, "checkpoint")
+    assert ours["path"].startswith("fp8train") and theirs["path"].startswith("transformers")
+    assert ours["base bytes/param"] == pytest.approx(1 + 4 / 128**2, abs=1e-4)
+    assert theirs["base bytes/param"] == 4.0
+    assert theirs["time vs transformers"] == 1.0 and ours["time vs transformers"] > 0
 
 
 @pytest.mark.multirank

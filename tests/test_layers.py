@@ -26,6 +26,8 @@ INTEGRATIONS = PACKAGE / "integrations"
 FRAMEWORKS = {
     "__init__.py": set(),
     "hf.py": {"transformers", "safetensors"},
+    "fp8_checkpoint.py": {"transformers", "safetensors", "accelerate"},
+    "peft_fp8.py": {"peft"},
     "lightning.py": {"lightning"},
     "torchtitan.py": {"torchtitan"},
 }

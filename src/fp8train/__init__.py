@@ -9,7 +9,16 @@ from .convert import convert_to_fp8
 from .distributed import broadcast_fp8_state
 from .errors import AmaxReductionError, LayoutMismatchError, StateMismatchError
 from .inspection import reduction_stats, reset_reduction_stats, synchronize
-from .modules import FP8Module, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .modules import (
+    BlockFP8Linear,
+    FP8Module,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    RMSNorm,
+    StoredFP8Linear,
+)
 from .prepare import first_and_last_linear_filter, is_prepared, prepare
 from .recipe import (
     DelayedScaling,
@@ -47,6 +56,8 @@ __all__ = [
     "LayerNormMLP",
     "LayerNorm",
     "RMSNorm",
+    "StoredFP8Linear",
+    "BlockFP8Linear",
     "LayoutMismatchError",
     "StateMismatchError",
     "AmaxReductionError",

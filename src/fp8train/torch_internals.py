@@ -35,6 +35,7 @@ __all__ = [
     "fsdp_param_of_caller",
     "pipeline_group_of_caller",
     "in_pipeline_shape_inference",
+    "ddp_ignore",
 ]
 
 
@@ -312,3 +313,13 @@ def reset_fsdp_gather_buffers(fsdp_param: Optional[Any] = None) -> None:
 def set_fsdp_unsharded_buffer(data: torch.Tensor) -> None:
     """Tell FSDP2 which buffer to free when the calling parameter is resharded."""
     fsdp_param_of_caller()._unsharded_inner_tensors = [data]
+
+
+def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
+    """Make DistributedDataParallel(module) leave these parameters alone (neither broadcast at
+    construction nor reduced): DDP's private `_set_params_and_buffers_to_ignore_for_model`, torch >=
+    1.8. Stored FP8 weights need it: gloo cannot broadcast FP8 dtypes."""
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(names)
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        module, sorted(ignored)
+    )

@@ -4,5 +4,15 @@ from .base import FP8Module
 from .layernorm_linear import LayerNormLinear, LayerNormMLP
 from .linear import Linear
 from .norms import LayerNorm, RMSNorm
+from .stored_linear import BlockFP8Linear, StoredFP8Linear
 
-__all__ = ["FP8Module", "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm"]
+__all__ = [
+    "FP8Module",
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "LayerNorm",
+    "RMSNorm",
+    "StoredFP8Linear",
+    "BlockFP8Linear",
+]

@@ -48,7 +48,8 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.layouts = (x_ops.wgrad.layout, w_ops.dgrad.layout)
         ctx.call, ctx.sp_group = call.without_tensors(), sp_group  # its tensors: saved above
-        ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
         # not a view of y: FSDP2 warns on (and in-place ops would bypass hooks of) a view output
         return unsafe_view(y, (*shape[:-1], y.shape[-1]))
 
@@ -67,7 +68,8 @@ class _LinearFn(torch.autograd.Function):
             )
         needs = ctx.needs_input_grad[:2]
         g2d = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_bias = g2d.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        needs_bias = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        grad_bias = g2d.sum(0).to(ctx.b_dtype) if needs_bias else None
         grad_x = grad_w = None
         with torch.no_grad():
             g_ops = call.quantization.quantize_grad(g2d, call, needs)
@@ -120,9 +122,12 @@ def fp8_linear(
     gemm_index: int = 0,
     is_first_microbatch: Optional[bool] = None,
     sp_group=None,
+    stored_weight: Optional[WeightOperands] = None,
 ) -> torch.Tensor:
     """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so. With `sp_group`
-    (sequence parallelism: the TP group) x is this rank's block of tokens, all-gathered first."""
+    (sequence parallelism: the TP group) x is this rank's block of tokens, all-gathered first.
+    `stored_weight`: the weight's operands as stored (a frozen FP8 `weight`, StoredFP8Linear), used
+    as they are in FP8 and dequantized outside it."""
     if isinstance(weight, GatheredWeight) and torch.compiler.is_compiling():
         raise RuntimeError(
             "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
@@ -137,7 +142,9 @@ def fp8_linear(
         # gathered in FP8 for another region (FSDP2 kept it gathered), or needed in high precision
         weight, gathered = _HighPrecision.apply(weight), False  # gathered again, in the parameter dtype
     if not precision.fp8 or weight.numel() == 0:  # an empty GEMM (Linear(0, n)): the bias, as torch gives
-        if precision.record and weight.numel():  # calibrating: amaxes only
+        if stored_weight is not None:
+            weight = stored_weight.forward.dequantize().to(x.dtype)
+        elif precision.record and weight.numel():  # calibrating: amaxes only
             quantization.call_scales(module, gemm_index, x, lambda: amax(weight), record=True)
         if sp_group is not None:
             x = TokenCollective.apply(x, sp_group, True)
@@ -146,8 +153,9 @@ def fp8_linear(
         x, sp_group = TokenCollective.apply(x, sp_group, True), None  # cast where the tensor is whole
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
         ops.check_recipe_kind(module, quantization.kind)
+    stored = stored_weight is not None  # used as it is: never cast, cached or recorded
     cached = rebuild = None
-    if is_first_microbatch is False:
+    if is_first_microbatch is False and not stored:
         cached = module.cached_weight(gemm_index, quantization.kind)
         if cached is None:  # dropped by a load: cast again with the scale it was cast with
             rebuild = module.weight_cast_scales(gemm_index, quantization.kind)
@@ -158,7 +166,7 @@ def fp8_linear(
                     "shards. Resume the step with is_first_microbatch=True, or save at a step boundary"
                 )
     reused = cached is not None or rebuild is not None  # the step's weight: no weight amax recorded
-    weight_amax = None if reused else (weight.shard_amax if gathered else lambda: amax(weight))
+    weight_amax = None if reused or stored else (weight.shard_amax if gathered else lambda: amax(weight))
     scales, token = quantization.call_scales(module, gemm_index, x, weight_amax, precision.record)
     if rebuild is not None:  # the weight scale the step's first microbatch cast the weight with
         scales = torch.stack([scales[:, 0], rebuild.to(scales.device)], dim=1)
@@ -166,14 +174,16 @@ def fp8_linear(
     call = GemmCall(
         quantization, module.fp8_handle, gemm_index, _operand_dtype(tokens, weight), scales, token
     )
-    if cached is not None:
+    if stored:  # used as it is, whatever the recipe (a block operand: matmul dequantizes it)
+        w_ops = stored_weight
+    elif cached is not None:
         w_ops = quantization.reuse_weight(cached, call)
     elif gathered:  # cast on the shard before the gather, with this region's weight scale
         fp8_weight, w_scale_inv = weight.fp8_values()
         w_ops = WeightOperands.same(Operand(fp8_weight.to(call.operand_dtype), w_scale_inv))  # exact
     else:
         w_ops = quantization.quantize_weight(weight.detach(), call)
-    if is_first_microbatch is not None and cached is None:  # kept across microbatches
+    if is_first_microbatch is not None and cached is None and not stored:  # kept across microbatches
         cast_scales = None if scales is None else scales[:, 1]
         module.cache_weight(gemm_index, quantization.kind, w_ops, copy=gathered, cast_scales=cast_scales)
     y = _LinearFn.apply(x, weight, bias, w_ops, call, sp_group)

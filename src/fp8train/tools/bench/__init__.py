@@ -16,7 +16,7 @@ from typing import Optional
 from ..demo import int_at_least
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "comm")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "comm", "checkpoint")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -118,6 +118,12 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return grad_comm.run(worlds=worlds[:1], size="tiny", batch=2, rounds=1)
         return grad_comm.run(worlds=worlds, rounds=args.steps or 10)
+    if suite == "checkpoint":
+        from . import fp8_checkpoint
+
+        if args.quick:
+            return fp8_checkpoint.run(hidden=128, intermediate=256, layers=1, batch=2, seq=16, repeats=2)
+        return fp8_checkpoint.run()
     if suite == "gpu":
         from . import gpu
 

@@ -1,0 +1,115 @@
+"""fp8train.StoredFP8Linear: a linear layer whose weight is a stored block-FP8 operand (a published
+FP8 checkpoint's `weight` and `weight_scale_inv`), frozen, with no high-precision copy.
+
+Inside an FP8 region its forward multiplies the stored operand as it is (block_format.py: nothing is
+requantized) with the input quantized by the region's recipe; backward gives the input gradient
+through the same FP8 operand and no weight gradient. Outside a region it multiplies the dequantized
+weight in the input's dtype (a temporary of one layer). docs/design.md, section 9.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..block_format import (
+    DEFAULT_RECIPE,
+    check_stored_weight,
+    dequantize_block_weight,
+    quantize_block_weight,
+    stored_operand,
+)
+from ..gemm import Operand
+from ..quantization.base import WeightOperands
+from ..quantization.block import Float8BlockScaling
+from ..torch_internals import ddp_ignore
+from .base import FP8Module
+from .fp8_linear import fp8_linear
+from .linear import Linear
+
+__all__ = ["StoredFP8Linear", "BlockFP8Linear", "exclude_stored_from_ddp"]
+
+
+class StoredFP8Linear(FP8Module):
+    """y = x @ W.T + bias with W = weight * weight_scale_inv (128x128 blocks), stored as loaded.
+
+    `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (float32, one per block) are frozen
+    parameters, so state dicts, meta-device builds (`to_empty` then `load_state_dict`) and
+    `requires_grad` work as for any layer; `bias` (high precision) is frozen too unless set trainable.
+    `compute_dtype` is the high-precision dtype of the model around the layer (its output takes the
+    input's dtype); PEFT gives adapters on the layer this dtype.
+    `recipe` is the block recipe whose weight quantizer writes a new weight into the layer
+    (`set_weight`: a merged adapter)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale_inv: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        compute_dtype: torch.dtype = torch.float32,
+        recipe: Float8BlockScaling = DEFAULT_RECIPE,
+        name: str = "weight",
+    ) -> None:
+        super().__init__()
+        check_stored_weight(name, weight, weight_scale_inv)
+        self.out_features, self.in_features = weight.shape
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(weight_scale_inv, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.compute_dtype = compute_dtype
+        self.recipe = recipe
+
+    @property
+    def operand(self) -> Operand:
+        """The stored weight as the GEMM operand (views of the parameters)."""
+        return stored_operand(self.weight, self.weight_scale_inv)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the layer multiplies, in float32 (a new tensor)."""
+        return dequantize_block_weight(self.weight, self.weight_scale_inv)
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Store `weight` (high precision) quantized by the layer's recipe, in place of the stored one."""
+        values, scale_inv = quantize_block_weight(weight, self.recipe)
+        with torch.no_grad():
+            self.weight.copy_(values)
+            self.weight_scale_inv.copy_(scale_inv)
+        self.forget_cached_weights()
+
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> BlockFP8Linear:
+        """An fp8train.Linear whose master weight is the dequantized stored weight, trainable (full
+        fine-tuning). Its first block-scaled forward's operand: see docs/guide.md."""
+        new = BlockFP8Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        new.weight = torch.nn.Parameter(self.dequantized().to(dtype))
+        if self.bias is not None:
+            new.bias = torch.nn.Parameter(self.bias.detach().to(dtype))
+        new.train(self.training)
+        return new
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        stored = WeightOperands.same(self.operand)
+        return fp8_linear(self, x, self.weight, self.bias, 0, stored_weight=stored)
+
+    def extra_repr(self) -> str:
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, bias={self.bias is not None}, weight=float8_e4m3fn in 128x128 blocks"
+
+
+class BlockFP8Linear(Linear):
+    """An fp8train.Linear trained from a stored block-FP8 weight (`StoredFP8Linear.to_linear`): the
+    same layer, whose type tells an export to write it back in the checkpoint's format."""
+
+
+def exclude_stored_from_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """Call on the module you wrap in DistributedDataParallel: its StoredFP8Linear weights and scales
+    are left out of DDP's construction-time broadcast (gloo cannot send FP8 dtypes, and every rank
+    loaded the same checkpoint) and, being frozen, were never reduced. Returns `model`."""
+    names = [
+        f"{name}.{param}" if name else param
+        for name, module in model.named_modules()
+        if isinstance(module, StoredFP8Linear)
+        for param in ("weight", "weight_scale_inv")
+    ]
+    ddp_ignore(model, names)
+    return model
