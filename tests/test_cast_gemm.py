@@ -68,7 +68,7 @@ def _naive_cast(x: torch.Tensor, scale: float, encoding: str) -> torch.Tensor:
     return (x.float() * torch.tensor(scale)).clamp(-limit, limit).to(DTYPES[encoding])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hard_values(encoding: str) -> torch.Tensor:
     """Every FP8 value, every tie between neighbours and its float32 neighbours, zeros of both signs,
     NaN, values beyond the range, and a wide random sample, of both signs."""
