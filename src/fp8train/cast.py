@@ -123,15 +123,10 @@ def _pieces(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
     """(x, scale, out) in pieces along dim 0 of about PIECE_ELEMENTS per thread: on the CPU, eagerly,
     for contiguous tensors larger than that; else whole. A scale that varies along dim 0 (block
     scales) is cut alike; the pieces are views, so `out` is written in place."""
-    n = x.numel()
-    piece = PIECE_ELEMENTS * torch.get_num_threads()
-    if (
-        x.device.type != "cpu"
-        or n <= piece
-        or x.dim() == 0
-        or not (x.is_contiguous() and out.is_contiguous())
-        or torch.compiler.is_compiling()
-    ):
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or x.dim() == 0:
+        return [(x, scale, out)]
+    n, piece = x.numel(), PIECE_ELEMENTS * torch.get_num_threads()
+    if n <= piece or not (x.is_contiguous() and out.is_contiguous()):
         return [(x, scale, out)]
     rows = max(1, piece * x.shape[0] // n)
     cut = scale.dim() == x.dim() and scale.shape[0] > 1

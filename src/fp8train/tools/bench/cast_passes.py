@@ -20,7 +20,9 @@ from .step_time import _mlp
 _FORMATS = {"e4m3": (3, -6), "e5m2": (2, -14)}
 
 
-def unfused_cast_operand(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dtype) -> torch.Tensor:
+def unfused_cast_operand(
+    x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dtype
+) -> torch.Tensor:
     """The cast before fusion (fp8train 0.x up to this benchmark's commit): an upcast copy, the
     product, abs, saturation, the rounding's five passes on a second temporary, copysign and a copy:
     9 to 11 passes, two or three temporaries the size of the operand."""
@@ -106,7 +108,9 @@ def _step_rows(hidden: int, ffn: int, tokens: int, repeats: int) -> list[dict]:
     ]
 
 
-def run(shapes=((1024, 1024), (4096, 1024), (4096, 4096)), step=(1024, 4096, 1024), repeats=12, threads=2) -> dict:
+def run(
+    shapes=((1024, 1024), (4096, 1024), (4096, 4096)), step=(1024, 4096, 1024), repeats=12, threads=2
+) -> dict:
     torch.set_num_threads(threads)
     return {
         "threads": threads,
