@@ -65,14 +65,18 @@ def cast_operand(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: tor
 
 
 def _cast_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, encoding: str) -> None:
-    """out = the cast of x: 3 passes to an FP8 dtype, 4 through one on CUDA (eager), else 7."""
+    """out = the cast of x: 3 passes to an FP8 dtype; to bf16 or fp32, 4 through FP8 on CUDA (eager),
+    else 7 into fp32 and 8 into bf16 (the product rounded in place, its sign restored, copied: the
+    CPU would make copysign(out=bf16) the same two passes, through a hidden float32 temporary)."""
     product = _saturated_product(x, scale, encoding, out if out.dtype == torch.float32 else None)
     if out.dtype in _FP8_DTYPES:
         out.copy_(product)
     elif _rounds_by_conversion(out.device):
         out.copy_(product.to(fp8_dtype(encoding)))
     else:
-        torch.copysign(_round_to_fp8_grid(product, encoding), x, out=out)
+        _round_to_fp8_grid(product, encoding).copysign_(x)  # -0.0 back
+        if product is not out:
+            out.copy_(product)
 
 
 def _rounds_by_conversion(device: torch.device) -> bool:
@@ -90,10 +94,10 @@ def _saturated_product(
     it is and multiplied in float32 (exact upcast), because a scale with x's number of dimensions
     takes part in type promotion (a 0-dim one would not, and the product would round to bf16).
     Clamping after the product makes overflow identical for every FP8 dtype."""
-    if x.dtype in (torch.bfloat16, torch.float16):
+    if x.dtype in (torch.bfloat16, torch.float16) and scale.device == x.device:
         scale = scale.reshape((1,) * x.dim()) if scale.dim() == 0 else scale
-    else:
-        x = x.to(torch.float32)  # a no-op for float32; float64 rounds to float32 first
+    else:  # a no-op for float32; float64 rounds to float32 first; a host scale stays a 0-dim scalar
+        x = x.to(torch.float32)
     product = torch.mul(x, scale) if out is None else torch.mul(x, scale, out=out)
     limit = fp8_max(encoding)
     return product.clamp_(-limit, limit)
@@ -108,15 +112,16 @@ def _round_to_fp8_grid(t: torch.Tensor, encoding: str) -> torch.Tensor:
     binade whose float32 spacing is the FP8 spacing at e, for either sign of t (|t| < 2**(e+1) is far
     below k / 2). k is on that grid and k / spacing = 1.5 * 2**23 is even, so the addition rounds t
     exactly as the FP8 cast rounds it, ties to even included, and subtracting k is exact (Sterbenz).
-    `add_(k, alpha)` multiplies 2**e by a power of two times 1.5: exact, so fused or not it is one
-    rounding. NaN stays NaN (its k is inf). Checked against the FP8 cast on every tie, their
-    neighbours and a wide sample (tests/test_cast_gemm.py); the unsigned form of the trick was
-    checked once on all 2**32 float32 bit patterns."""
+    `add_(binade, alpha)` forms k = alpha * 2**e exactly (1.5 times a power of two), so fused or
+    not the addition is one rounding. NaN stays NaN (its k is inf). Checked against the FP8 cast on
+    every FP8 value, every tie and its neighbours and a wide sample, of both signs
+    (tests/test_cast_gemm.py); the unsigned form of the trick was checked once on all 2**32 float32
+    bit patterns."""
     mantissa_bits, min_exponent = _FORMATS[encoding]
-    k = (t.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**e (inf for NaN)
-    k.clamp_(min=2.0**min_exponent)
-    alpha = 1.5 * 2.0 ** (23 - mantissa_bits)
-    return t.add_(k, alpha=alpha).sub_(k, alpha=alpha)
+    binade = (t.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**e of |t| (inf for NaN)
+    binade.clamp_(min=2.0**min_exponent)
+    alpha = 1.5 * 2.0 ** (23 - mantissa_bits)  # k = alpha * binade
+    return t.add_(binade, alpha=alpha).sub_(binade, alpha=alpha)
 
 
 def _pieces(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):

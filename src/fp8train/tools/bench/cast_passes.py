@@ -5,6 +5,7 @@ scaling) with either cast against bf16 torch.nn. All side by side in one process
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import contextmanager
 
 import torch
@@ -14,7 +15,8 @@ import fp8train as ft
 from ... import cast
 from ...formats import fp8_dtype, fp8_max
 from ...quantization import per_tensor
-from .common import PassCounter, interleaved_medians, train_step
+from ..timing import interleaved_times, medians
+from .common import PassCounter, train_step
 from .step_time import _mlp
 
 _FORMATS = {"e4m3": (3, -6), "e5m2": (2, -14)}
@@ -65,7 +67,7 @@ def _cast_rows(shapes, repeats: int) -> list[dict]:
                     with PassCounter() as counter:
                         result = fn()
                     census[name] = (counter.kernels, counter.largest_temporary(result) * 4 / 2**20)
-                times = interleaved_medians(fns, repeats)
+                times = medians(interleaved_times(fns, repeats, warmup_blocks=2, clock=_clock()))
                 rows.append({
                     "shape": "x".join(map(str, shape)), "x": str(x_dtype)[6:], "to": str(target)[6:],
                     "unfused_ms": 1e3 * times["unfused"], "fused_ms": 1e3 * times["fused"],
@@ -100,7 +102,7 @@ def _step_rows(hidden: int, ffn: int, tokens: int, repeats: int) -> list[dict]:
 
     fns = {"bf16 torch.nn": train_step(bf16, x_bf16, None, False, backward)}
     fns.update({f"fp8 fp8train, {name} cast": step_with(impl) for name, impl in CASTS.items()})
-    times = interleaved_medians(fns, repeats)
+    times = medians(interleaved_times(fns, repeats, warmup_blocks=2, clock=_clock()))
     unfused = times["fp8 fp8train, unfused cast"]
     return [
         {"config": name, "ms": 1e3 * t, "vs_bf16": t / times["bf16 torch.nn"], "vs_unfused": t / unfused}
@@ -108,12 +110,18 @@ def _step_rows(hidden: int, ffn: int, tokens: int, repeats: int) -> list[dict]:
     ]
 
 
+def _clock():
+    """One thread: its CPU time, which a loaded machine's other jobs do not inflate; else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def run(
-    shapes=((1024, 1024), (4096, 1024), (4096, 4096)), step=(1024, 4096, 1024), repeats=12, threads=2
+    shapes=((1024, 1024), (4096, 1024), (4096, 4096)), step=(1024, 4096, 1024), repeats=12, threads=1
 ) -> dict:
     torch.set_num_threads(threads)
     return {
         "threads": threads,
+        "clock": "thread CPU time" if threads == 1 else "wall time",
         "cpu": _cpu_model(),
         "rows": _cast_rows(shapes, repeats),
         "step_shape": dict(zip(("hidden", "ffn", "tokens"), step)),
