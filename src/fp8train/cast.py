@@ -25,7 +25,7 @@ __all__ = ["amax", "quantize", "cast_operand", "PIECE_ELEMENTS"]
 # mantissa bits and smallest normal exponent of each encoding
 _FORMATS = {"e4m3": (3, -6), "e5m2": (2, -14)}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-PIECE_ELEMENTS = 1 << 18  # per thread, of a CPU cast in pieces: float32 temporaries of 1 MiB
+PIECE_ELEMENTS = 1 << 20  # per thread, of a CPU cast in pieces: float32 temporaries of 4 MiB
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
