@@ -9,8 +9,8 @@ several times slower than float arithmetic, so there the values are rounded in f
 Few passes (docs/design.md, section 6): the product x * scale is the one float32 temporary, made in
 one pass from x as it is (bf16 included); saturation and rounding work on it in place, and the last
 pass writes the output. On the CPU, in eager mode, a large tensor is cast in pieces of about
-`PIECE_ELEMENTS` per thread, so the temporaries are small, cache-resident and reused by the
-allocator, where full-size ones would be fresh pages, faulted in on every cast. Under torch.compile
+`PIECE_ELEMENTS` per thread, so the temporaries are small and reused by the allocator, where
+full-size ones would be fresh pages, faulted in on every cast. Under torch.compile
 inductor fuses the whole cast into one kernel.
 """
 
@@ -25,7 +25,8 @@ __all__ = ["amax", "quantize", "cast_operand", "PIECE_ELEMENTS"]
 # mantissa bits and smallest normal exponent of each encoding
 _FORMATS = {"e4m3": (3, -6), "e5m2": (2, -14)}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-PIECE_ELEMENTS = 1 << 20  # per thread, of a CPU cast in pieces: float32 temporaries of 4 MiB
+PIECE_ELEMENTS = 1 << 20  # per thread, of a CPU cast in pieces: float32 temporaries of 4 MiB; each
+# op is a parallel region, so fewer, larger pieces on an oversubscribed CPU
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
