@@ -207,3 +207,21 @@ def test_the_model_reproduces_the_measured_points_it_was_not_fitted_on() -> None
         if r["mode"] != "blocking" and (r["ranks"], r["latency_ms"], r["M"]) in blocking:
             cost = blocking[(r["ranks"], r["latency_ms"], r["M"])]["measured_ms"]
             assert abs(r["model_ms"] - r["measured_ms"]) <= 0.5 * cost, r
+
+
+def test_cast_benchmark_compares_the_fused_cast_with_the_unfused_one(tmp_path) -> None:
+    """Each row: the same bits from both casts (checked inside), fewer kernels fused; the step table
+    times bf16 and the FP8 step with either cast, as ratios of one run."""
+    assert main(["cast", "--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "cast.json").read_text())
+    assert {(r["x"], r["to"]) for r in result["rows"]} == {
+        (x, to) for x in ("float32", "bfloat16") for to in ("bfloat16", "float8_e4m3fn")
+    }
+    for r in result["rows"]:
+        assert r["fused_kernels"] < r["unfused_kernels"] or r["x"] == "float32" and r["to"] != "bfloat16"
+        assert r["speedup"] == pytest.approx(r["unfused_ms"] / r["fused_ms"])
+    step = {r["config"]: r for r in result["step"]}
+    assert set(step) == {"bf16 torch.nn", "fp8 fp8train, unfused cast", "fp8 fp8train, fused cast"}
+    assert step["fp8 fp8train, fused cast"]["vs_unfused"] == pytest.approx(
+        step["fp8 fp8train, fused cast"]["ms"] / step["fp8 fp8train, unfused cast"]["ms"]
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 import fp8train
+from fp8train import cast
 from fp8train.cast import amax, cast_operand, quantize
 from fp8train.gemm import choose_path, cpu_bf16_instructions, gemm, has_scaled_mm
+from fp8train.tools.bench.common import PassCounter
 from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -59,28 +62,123 @@ def test_quantize_rounding_error_is_bounded(encoding: str) -> None:
     assert err.max() > 0  # it really was rounded to FP8
 
 
-@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_emulated_cast_equals_the_fp8_cast_bit_for_bit(encoding: str, dtype: torch.dtype) -> None:
-    """cast_operand's float arithmetic gives exactly what casting to FP8 and back gives: every FP8
-    value, every tie between neighbours (ties to even) and its float32 neighbours, zeros of both
-    signs, subnormals, NaN, values beyond the range, and a wide random sample."""
-    limit = 448.0 if encoding == "e4m3" else 57344.0
+def _naive_cast(x: torch.Tensor, scale: float, encoding: str) -> torch.Tensor:
+    """The FP8 cast in its plainest form: the float32 product, saturated, converted by torch."""
+    limit = FORMAT[encoding][2]
+    return (x.float() * torch.tensor(scale)).clamp(-limit, limit).to(DTYPES[encoding])
+
+
+@functools.cache
+def _hard_values(encoding: str) -> torch.Tensor:
+    """Every FP8 value, every tie between neighbours and its float32 neighbours, zeros of both signs,
+    NaN, values beyond the range, and a wide random sample, of both signs."""
+    limit = FORMAT[encoding][2]
     grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(DTYPES[encoding]).float()
     grid = grid[grid.isfinite()].unique()
     ties = (grid[1:] + grid[:-1]) / 2
     inf = torch.tensor(float("inf"))
     g = torch.Generator().manual_seed(7)
-    sample = [torch.randn(200_000, generator=g) * 10.0**e for e in range(-12, 8, 2)]
+    sample = [torch.randn(100_000, generator=g) * 10.0**e for e in range(-12, 8, 2)]
     special = torch.tensor([0.0, -0.0, float("nan"), 2 * limit, -2 * limit, float("inf"), -float("inf")])
     x = torch.cat([grid, ties, torch.nextafter(ties, inf), torch.nextafter(ties, -inf), special, *sample])
-    x = torch.cat([x, -x])
+    return torch.cat([x, -x])  # callers do not modify it (cached)
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    return (got.view(bits) == want.view(bits)) | (got.float().isnan() & want.float().isnan())
+
+
+@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, "fp8"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_casts_equal_the_fp8_cast_bit_for_bit(encoding: str, dtype, x_dtype: torch.dtype) -> None:
+    """cast_operand (float arithmetic, in pieces on the CPU) and quantize give exactly what torch's
+    FP8 cast of the saturated float32 product gives (and back, for bf16/fp32 operands), -0.0 and
+    NaN included, from float32 and from bf16 inputs (read as they are, multiplied in float32)."""
+    dtype = DTYPES[encoding] if dtype == "fp8" else dtype
+    x = _hard_values(encoding).to(x_dtype)
     for scale in (1.0, 3.0, 2.0**-7):
+        want = _naive_cast(x, scale, encoding).to(dtype)
         got = cast_operand(x, torch.tensor(scale), encoding, dtype)
-        want = quantize(x, torch.tensor(scale), encoding).to(dtype)
-        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-        same = (got.view(bits) == want.view(bits)) | (got.isnan() & want.isnan())
-        assert bool(same.all()), x[~same][:5]
+        same = _same_bits(got, want)
+        assert got.dtype == dtype and bool(same.all()), x[~same][:5]
+        if dtype in DTYPES.values():
+            assert torch.equal(
+                quantize(x, torch.tensor(scale), encoding).view(torch.uint8), got.view(torch.uint8)
+            )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_rounding_by_conversion_equals_the_arithmetic(monkeypatch, dtype) -> None:
+    """CUDA rounds bf16/fp32 operands by converting to FP8 and back (4 kernels): forced here on the
+    CPU, it gives the arithmetic's values bit for bit."""
+    x = _hard_values("e4m3")
+    want = cast_operand(x, torch.tensor(3.0), "e4m3", dtype)
+    monkeypatch.setattr(cast, "_rounds_by_conversion", lambda device: True)
+    with PassCounter() as counter:
+        got = cast_operand(x, torch.tensor(3.0), "e4m3", dtype)
+    assert bool(_same_bits(got, want).all())
+    assert counter.kernels == 4 * len(cast._pieces(x, torch.tensor(3.0), got))
+
+
+# the kernels (= passes over the operand) of each cast; before fusion: 10 to a bf16 operand and 9 to
+# an fp32 one from float32 (one more from bf16: an upcast copy first), 3 to FP8 (4 from bf16)
+CAST_PASSES = {torch.bfloat16: 8, torch.float32: 7, torch.float8_e4m3fn: 3}
+
+
+@pytest.mark.parametrize("dtype", list(CAST_PASSES))
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cast_makes_few_passes_and_no_full_size_temporaries(monkeypatch, dtype, x_dtype) -> None:
+    """Whole (as on CUDA and under compile): 8 kernels to a bf16 operand, 7 to fp32, 3 to FP8, each
+    one pass. In pieces (the CPU, eagerly, for large tensors; made small here): the same passes, and no
+    temporary larger than a piece."""
+    x, scale = torch.randn(64, 512).to(x_dtype), torch.tensor(5.0)
+    with PassCounter() as whole:
+        want = cast_operand(x, scale, "e4m3", dtype)
+    assert whole.kernels == CAST_PASSES[dtype] and whole.elements == CAST_PASSES[dtype] * x.numel()
+    monkeypatch.setattr(cast, "PIECE_ELEMENTS", 1024)
+    piece = 1024 * torch.get_num_threads()
+    with PassCounter() as pieces:
+        got = cast_operand(x, scale, "e4m3", dtype)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert pieces.elements == CAST_PASSES[dtype] * x.numel()
+    assert 0 < pieces.largest_temporary(got) <= piece < x.numel()
+
+
+def test_cast_in_pieces_cuts_scales_that_vary_along_the_first_dimension(monkeypatch) -> None:
+    """Block scales (one per tile, broadcast over the tile) are cut with the rows they scale; a scale
+    that broadcasts over dim 0 is shared; rows longer than a piece go one by one."""
+    g = torch.Generator().manual_seed(3)
+    tiles = torch.randn(8, 4, 3, 128, generator=g) * 50
+    block_scales = torch.rand(8, 1, 3, 1, generator=g) * 4 + 0.5
+    cases = [
+        (tiles, block_scales),
+        (tiles, torch.rand(1, 1, 3, 1, generator=g) + 0.5),
+        (torch.randn(3, 5000, generator=g), torch.rand(5000, generator=g) + 0.5),
+        (torch.randn(70_000, generator=g), torch.tensor(7.0)),
+    ]
+    wants = [cast_operand(x, s, "e4m3", torch.bfloat16) for x, s in cases]
+    monkeypatch.setattr(cast, "PIECE_ELEMENTS", 700)
+    for (x, s), want in zip(cases, wants):
+        assert len(cast._pieces(x, s, want)) > 1
+        assert torch.equal(cast_operand(x, s, "e4m3", torch.bfloat16), want)
+
+
+def test_amax_is_one_pass() -> None:
+    """The CPU's amax: one aminmax pass (then scalar ops); elsewhere one vector_norm kernel, which
+    gives the same values (NaN propagates, infinities count, bf16 read as it is)."""
+    for x in (torch.randn(64, 512), torch.randn(64, 512).bfloat16()):
+        with PassCounter() as counter:
+            amax(x)
+        assert counter.elements < 2 * x.numel()
+    for values in ([1.0, -7.5, 3.0], [1.0, float("nan"), -2.0], [1.0, -float("inf")], [-0.0, 0.0]):
+        for x in (torch.tensor(values), torch.tensor(values).bfloat16()):
+            with PassCounter() as counter:
+                by_norm = cast._amax_by_norm(x)
+            want = x.float().abs().amax()
+            assert counter.kernels == 1 and by_norm.dtype == torch.float32
+            assert torch.equal(by_norm, want) or (by_norm.isnan() and want.isnan())
 
 
 # ---- GEMM paths --------------------------------------------------------------------------------

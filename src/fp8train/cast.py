@@ -2,9 +2,16 @@
 
 Two forms of the same values. `quantize` gives real FP8 tensors (for `torch._scaled_mm`).
 `cast_operand` gives the operand a GEMM consumes: real FP8 for the hardware path, else the FP8
-values held exactly in bf16 or fp32, rounded by `fp8_round` in ordinary float arithmetic. On CPUs
-the conversions to and from FP8 dtypes are scalar code, several times slower than that arithmetic,
-and under torch.compile the arithmetic fuses with the scaling into one pass.
+values held exactly in bf16 or fp32. On CPUs the conversions to and from FP8 dtypes are scalar code,
+several times slower than float arithmetic, so there the values are rounded in float32 arithmetic
+(`_round_to_fp8_grid`); CUDA converts in one kernel each way.
+
+Few passes (docs/design.md, section 6): the product x * scale is the one float32 temporary, made in
+one pass from x as it is (bf16 included); saturation and rounding work on it in place, and the last
+pass writes the output. On the CPU, in eager mode, a large tensor is cast in pieces of about
+`PIECE_ELEMENTS` per thread, so the temporaries are small and reused by the allocator, where
+full-size ones would be fresh pages, faulted in on every cast. Under torch.compile
+inductor fuses the whole cast into one kernel.
 """
 
 from __future__ import annotations
@@ -13,51 +20,124 @@ import torch
 
 from .formats import fp8_dtype, fp8_max
 
-__all__ = ["amax", "quantize", "fp8_round", "cast_operand"]
+__all__ = ["amax", "quantize", "cast_operand", "PIECE_ELEMENTS"]
 
 # mantissa bits and smallest normal exponent of each encoding
 _FORMATS = {"e4m3": (3, -6), "e5m2": (2, -14)}
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+PIECE_ELEMENTS = 1 << 20  # per thread, of a CPU cast in pieces: float32 temporaries of 4 MiB; each
+# op is a parallel region, so fewer, larger pieces on an oversubscribed CPU
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| as a float32 scalar; NaN propagates, an empty tensor gives 0."""
+    """max|x| as a float32 scalar in one pass; NaN propagates, an empty tensor gives 0."""
     if x.numel() == 0:
         return torch.zeros((), device=x.device)
-    low, high = torch.aminmax(x.detach())  # one pass; faster than abs().amax() on CPU
+    x = x.detach()
+    return _amax_by_aminmax(x) if x.device.type == "cpu" else _amax_by_norm(x)
+
+
+def _amax_by_aminmax(x: torch.Tensor) -> torch.Tensor:
+    """The CPU's: one vectorized pass (its vector_norm(inf) is scalar code, ~20x slower)."""
+    low, high = torch.aminmax(x)
     return torch.maximum(high, -low).to(torch.float32)
 
 
-def _scaled(x: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tensor:
-    """saturate(x * scale) in float32. Clamping first makes overflow identical for every FP8 dtype."""
-    limit = fp8_max(encoding)
-    return (x.to(torch.float32) * scale).clamp_(-limit, limit)
+def _amax_by_norm(x: torch.Tensor) -> torch.Tensor:
+    """One kernel, where aminmax is followed by three tiny ones; NaN propagates (torch's max
+    reductions propagate NaN on every device)."""
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tensor:
     """saturate(x * scale) as an FP8 tensor."""
-    return _scaled(x, scale, encoding).to(fp8_dtype(encoding))
-
-
-def fp8_round(magnitude: torch.Tensor, sign: torch.Tensor, encoding: str) -> torch.Tensor:
-    """`magnitude` (float32, in [0, fp8_max]; overwritten) rounded to the nearest FP8 value, ties to
-    even, with the sign of `sign`, in float32.
-
-    Equal bit for bit to the FP8 cast (checked on every float32 bit pattern; the tests check every tie
-    and a wide sample). Adding k = 1.5 * 2**(e + 23 - mantissa_bits), where 2**e is the value's binade
-    (at least the smallest normal), leaves the sum in a binade whose float32 spacing is the FP8
-    spacing there, so the addition rounds exactly as the cast does; subtracting k is exact. NaN stays
-    NaN; copysign restores negative values and -0.0.
-    """
-    mantissa_bits, min_exponent = _FORMATS[encoding]
-    k = (magnitude.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**e
-    k.clamp_(min=2.0**min_exponent).mul_(1.5 * 2.0 ** (23 - mantissa_bits))
-    return magnitude.add_(k).sub_(k).copysign_(sign)
+    return cast_operand(x, scale, encoding, fp8_dtype(encoding))
 
 
 def cast_operand(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dtype) -> torch.Tensor:
     """saturate(x * scale) rounded to FP8, as `dtype`: an FP8 dtype, or bfloat16/float32 holding FP8
-    values exactly (every FP8 value is a bf16 value). Scales are positive: the sign is x's."""
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return quantize(x, scale, encoding)
-    magnitude = (x.to(torch.float32) * scale).abs_().clamp_(max=fp8_max(encoding))
-    return fp8_round(magnitude, x, encoding).to(dtype)
+    values exactly (every FP8 value is a bf16 value). Scales are positive: the sign is x's. Not
+    differentiable (x is read detached). The output has x's layout."""
+    x = x.detach()
+    out = torch.empty_like(x, dtype=dtype)
+    for x_piece, scale_piece, out_piece in _pieces(x, scale, out):
+        _cast_into(out_piece, x_piece, scale_piece, encoding)
+    return out
+
+
+def _cast_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, encoding: str) -> None:
+    """out = the cast of x: 3 passes to an FP8 dtype; to bf16 or fp32, 4 through FP8 on CUDA (eager),
+    else 7 into fp32 and 8 into bf16 (the product rounded in place, its sign restored, copied: the
+    CPU would make copysign(out=bf16) the same two passes, through a hidden float32 temporary)."""
+    product = _saturated_product(x, scale, encoding, out if out.dtype == torch.float32 else None)
+    if out.dtype in _FP8_DTYPES:
+        out.copy_(product)
+    elif _rounds_by_conversion(out.device):
+        out.copy_(product.to(fp8_dtype(encoding)))
+    else:
+        _round_to_fp8_grid(product, encoding).copysign_(x)  # -0.0 back
+        if product is not out:
+            out.copy_(product)
+
+
+def _rounds_by_conversion(device: torch.device) -> bool:
+    """Whether bf16/fp32 operands are rounded by converting to FP8 and back (CUDA: one kernel each
+    way, the definition of the values) rather than by float32 arithmetic (CPUs convert FP8 in scalar
+    code). Not under torch.compile: inductor fuses the arithmetic into the cast's one kernel, and
+    Triton has no E4M3 conversion before SM89, where the emulated GEMM runs."""
+    return device.type == "cuda" and not torch.compiler.is_compiling()
+
+
+def _saturated_product(
+    x: torch.Tensor, scale: torch.Tensor, encoding: str, out: torch.Tensor | None
+) -> torch.Tensor:
+    """saturate(x * scale) in float32, in `out` if given. One rounding: a bf16 or fp16 x is read as
+    it is and multiplied in float32 (exact upcast), because a scale with x's number of dimensions
+    takes part in type promotion (a 0-dim one would not, and the product would round to bf16).
+    Clamping after the product makes overflow identical for every FP8 dtype."""
+    if x.dtype in (torch.bfloat16, torch.float16) and scale.device == x.device:
+        scale = scale.reshape((1,) * x.dim()) if scale.dim() == 0 else scale
+    else:  # a no-op for float32; float64 rounds to float32 first; a host scale stays a 0-dim scalar
+        x = x.to(torch.float32)
+    product = torch.mul(x, scale) if out is None else torch.mul(x, scale, out=out)
+    limit = fp8_max(encoding)
+    return product.clamp_(-limit, limit)
+
+
+def _round_to_fp8_grid(t: torch.Tensor, encoding: str) -> torch.Tensor:
+    """`t` (float32, in [-fp8_max, fp8_max]; overwritten) rounded to the nearest FP8 value, ties to
+    even, except that a value rounding to zero gives +0.0 (the caller restores the sign).
+
+    Equal to the FP8 cast: let 2**e be the binade of |t| (at least the smallest normal) and
+    k = 1.5 * 2**(e + 23 - m), m the mantissa bits. k + t lies in [2**(e+23-m), 2**(e+24-m)), the
+    binade whose float32 spacing is the FP8 spacing at e, for either sign of t (|t| < 2**(e+1) is far
+    below k / 2). k is on that grid and k / spacing = 1.5 * 2**23 is even, so the addition rounds t
+    exactly as the FP8 cast rounds it, ties to even included, and subtracting k is exact (Sterbenz).
+    `add_(binade, alpha)` forms k = alpha * 2**e exactly (1.5 times a power of two), so fused or
+    not the addition is one rounding. NaN stays NaN (its k is inf). Checked against the FP8 cast on
+    every FP8 value, every tie and its neighbours and a wide sample, of both signs
+    (tests/test_cast_gemm.py); once on every negative float32 pattern up to 2 * fp8_max, E4M3 and
+    E5M2 (scripts/check_cast_exhaustively.py; the positive ones compute what the unsigned form of the trick
+    did, which was checked on all 2**32 patterns)."""
+    mantissa_bits, min_exponent = _FORMATS[encoding]
+    binade = (t.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**e of |t| (inf for NaN)
+    binade.clamp_(min=2.0**min_exponent)
+    alpha = 1.5 * 2.0 ** (23 - mantissa_bits)  # k = alpha * binade
+    return t.add_(binade, alpha=alpha).sub_(binade, alpha=alpha)
+
+
+def _pieces(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
+    """(x, scale, out) in pieces along dim 0 of about PIECE_ELEMENTS per thread: on the CPU, eagerly,
+    for contiguous tensors larger than that; else whole. A scale that varies along dim 0 (block
+    scales) is cut alike; the pieces are views, so `out` is written in place."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or x.dim() == 0:
+        return [(x, scale, out)]
+    n, piece = x.numel(), PIECE_ELEMENTS * torch.get_num_threads()
+    if n <= piece or not (x.is_contiguous() and out.is_contiguous()):
+        return [(x, scale, out)]
+    rows = max(1, piece * x.shape[0] // n)
+    cut = scale.dim() == x.dim() and scale.shape[0] > 1
+    return [
+        (x[i : i + rows], scale[i : i + rows] if cut else scale, out[i : i + rows])
+        for i in range(0, x.shape[0], rows)
+    ]

@@ -79,7 +79,8 @@ def float32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _blocks_1d(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
     """x (float32) with `dim` moved last, zero-padded to a multiple of `block`, as [..., nb, block]."""
     moved = x.movedim(dim, -1)
-    padded = F.pad(moved, (0, -moved.shape[-1] % block))
+    pad = -moved.shape[-1] % block
+    padded = F.pad(moved, (0, pad)) if pad else moved.contiguous()  # copied only where needed
     return padded.unflatten(-1, (padded.shape[-1] // block, block))
 
 
@@ -91,14 +92,25 @@ def _blocks_2d(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [R, C] (float32) zero-padded to multiples of `block`, as [R/block, block, C/block, block]."""
     if x.dim() != 2:
         raise ValueError(f"2D blocks need a 2-D tensor, got shape {tuple(x.shape)}")
-    padded = F.pad(x, (0, -x.shape[1] % block, 0, -x.shape[0] % block))
+    pad = (0, -x.shape[1] % block, 0, -x.shape[0] % block)
+    padded = F.pad(x, pad) if any(pad) else x.contiguous()  # copied only where needed
     r, c = padded.shape
     return padded.view(r // block, block, c // block, block)
 
 
 def _block_amax(blocks: torch.Tensor, two_d: bool) -> torch.Tensor:
-    """max|x| per block, NaN if the block holds a NaN (torch's max reductions propagate NaN)."""
-    return blocks.abs().amax(dim=(1, 3) if two_d else -1)
+    """max|x| per block (+0.0 for a zero block), NaN if the block holds a NaN (torch's max
+    reductions propagate NaN). Blocks along one dimension: the max and the min along the contiguous
+    dimension, two reductions without the temporary |x| (faster on CPU, as 2-D blocks are not)."""
+    if two_d:
+        return blocks.abs().amax(dim=(1, 3))
+    return torch.maximum(blocks.amax(-1), blocks.amin(-1).neg()).abs_()
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| in one pass (aminmax) without the temporary |x|; NaN propagates."""
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, low.neg()).abs_()
 
 
 def _per_block(t: torch.Tensor, two_d: bool) -> torch.Tensor:
@@ -187,7 +199,7 @@ def mx_quantize(
     block whose amax is at most fp8_max * 2**-127 has scale 0 and zero values (see
     `_mx_encode_multiplier`). A partial last block is scaled from its own elements."""
     dtype, limit = _MX_ENCODINGS[encoding]
-    xf = x.float()
+    xf = x if x.dtype in (torch.bfloat16, torch.float16) else x.float()  # the product is float32
     blocks = _blocks_2d(xf, block) if two_d else _blocks_1d(xf, dim, block)
     scales = e8m0_scale(_block_amax(blocks, two_d), encoding)
     scaled = blocks * _per_block(_mx_encode_multiplier(scales), two_d)
@@ -218,7 +230,7 @@ def e2m1_round(
     Round to nearest even (default): adding k = 1.5 * 2**(e + 22), where 2**e is the value's binade
     (at least 1, the smallest normal), puts the sum in a binade whose float32 spacing is the E2M1
     spacing there (0.5 below 2, then 1, then 2), so float32's own rounding of the sum is E2M1's,
-    ties to even; subtracting k is exact (as `cast.fp8_round` does for FP8).
+    ties to even; subtracting k is exact (as `cast._round_to_fp8_grid` does for FP8).
 
     Stochastic (`stochastic=True`): |x| between neighbours lo < hi rounds up when u < (|x| - lo) /
     (hi - lo), u = torch.rand (from `generator` if given, else the global generator: reproducible
@@ -300,7 +312,7 @@ def nvfp4_quantize(
     it dequantizes to +-2688). Values above a given global_amax saturate (scale 448, +-6)."""
     xf = x.float()
     if global_amax is None:
-        global_amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=xf.device)
+        global_amax = _amax(xf) if xf.numel() else torch.zeros((), device=xf.device)
     s_enc = nvfp4_tensor_scale(global_amax).to(xf.device)
     blocks = _blocks_2d(xf, NVFP4_BLOCK) if two_d else _blocks_1d(xf, dim, NVFP4_BLOCK)
     block_amax = _block_amax(blocks, two_d)

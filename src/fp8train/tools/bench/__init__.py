@@ -16,7 +16,7 @@ from typing import Optional
 from ..demo import int_at_least
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "comm", "checkpoint")
+SUITES = ("fused", "step", "cast", "reduction", "fsdp", "gpu", "scale", "comm", "checkpoint")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -96,6 +96,16 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         ]
         rows = [{"threads": r["threads"], **row} for r in runs for row in r["rows"]]
         return {**runs[0], "threads": [2, 1], "rows": rows}
+    if suite == "cast":
+        from . import cast_passes
+
+        if args.quick:
+            result = cast_passes.run(shapes=((64, 128),), step=(64, 128, 64), repeats=2, threads=1)
+        else:
+            result = cast_passes.run()
+        print(f"\n== cast: the MLP step with either cast ({result['cpu']}, {result['threads']} threads)")
+        print(table(result["step"], list(result["step"][0].keys())))
+        return result
     if suite == "reduction":
         from . import amax_reduction
 

@@ -51,6 +51,49 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_ALLOCATIONS = ("empty", "empty_like", "empty_strided")
+
+
+class PassCounter(TorchDispatchMode):
+    """What the aten ops inside the `with` block cost in memory: `kernels`, the ops that are neither
+    views nor bare allocations (one kernel each on CUDA); `elements`, the sum over kernels of the
+    largest tensor each reads or writes (divided by an operand's numel: the passes over it); and the
+    tensors ops created (functional ops' outputs), for `largest_temporary`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+        self.elements = 0
+        self._fresh: list[tuple[int, int]] = []  # (data_ptr, numel)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        results = _tensors([out])
+        if not func._schema.is_mutable:
+            self._fresh += [(t.data_ptr(), t.numel()) for t in results]
+        if func.overloadpacket.__name__ not in _ALLOCATIONS:
+            tensors = _tensors([*args, *(kwargs or {}).values()])
+            self.kernels += 1
+            self.elements += max(t.numel() for t in tensors + results)
+        return out
+
+    def largest_temporary(self, result: torch.Tensor) -> int:
+        """The most elements of a tensor the block created other than `result`'s storage."""
+        return max((n for ptr, n in self._fresh if ptr != result.data_ptr()), default=0)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += _tensors(v)
+    return found
+
+
 def environment() -> dict:
     return {
         "torch": torch.__version__,
