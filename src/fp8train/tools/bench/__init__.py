@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "optim")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -87,6 +87,14 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         return fsdp_gather.run()
     if suite == "scale":
         return _scale(args)
+    if suite == "optim":
+        from . import optim_states
+
+        if args.quick:
+            return optim_states.run(elements=512, moment_steps=5, gpt_steps=3, seeds=1)
+        result = optim_states.run()
+        print(table(result["moment_errors"], list(result["moment_errors"][0].keys())))
+        return result
     if suite == "gpu":
         from . import gpu
 
