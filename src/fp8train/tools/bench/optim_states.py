@@ -82,7 +82,7 @@ CONFIGS = {  # name: (optimizer factory, parameter dtype, parameter + gradient b
 }
 
 
-def run(elements: int = 1 << 16, moment_steps: int = 200, gpt_steps: int = 150, seeds: int = 3) -> dict:
+def run(elements: int = 1 << 14, moment_steps: int = 200, gpt_steps: int = 150, seeds: int = 2) -> dict:
     rows = []
     cfg = MODEL_SIZES["tiny"]
     for name, (make, dtype, param_and_grad) in CONFIGS.items():
