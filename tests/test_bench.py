@@ -225,3 +225,14 @@ def test_cast_benchmark_compares_the_fused_cast_with_the_unfused_one(tmp_path) -
     assert step["fp8 fp8train, fused cast"]["vs_unfused"] == pytest.approx(
         step["fp8 fp8train, fused cast"]["ms"] / step["fp8 fp8train, unfused cast"]["ms"]
     )
+
+
+def test_optim_bench_reports_state_bytes_and_moment_errors(tmp_path) -> None:
+    assert main(["optim", "--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "optim.json").read_text())
+    rows = {r["optimizer"]: r for r in result["rows"]}
+    assert rows["torch AdamW fp32"]["total_bytes_per_param"] == 16
+    assert rows["fp8 AdamW, fp32 master"]["total_bytes_per_param"] < 10.2
+    assert rows["fp8 AdamW, bf16 + remainder"]["total_bytes_per_param"] < 7.2
+    kinds = {(r["second_moment"], r["rounding"]) for r in result["moment_errors"]}
+    assert len(kinds) == 6 and all(r["v_rel_err"] >= 0 for r in result["moment_errors"])

@@ -16,7 +16,7 @@ from typing import Optional
 from ..demo import int_at_least
 from .common import save, table
 
-SUITES = ("fused", "step", "cast", "reduction", "fsdp", "gpu", "scale", "comm", "checkpoint")
+SUITES = ("fused", "step", "cast", "reduction", "fsdp", "gpu", "scale", "comm", "checkpoint", "optim")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -134,6 +134,14 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return fp8_checkpoint.run(hidden=128, intermediate=256, layers=1, batch=2, seq=16, repeats=2)
         return fp8_checkpoint.run()
+    if suite == "optim":
+        from . import optim_states
+
+        if args.quick:
+            return optim_states.run(elements=512, moment_steps=5, gpt_steps=3, seeds=1)
+        result = optim_states.run()
+        print(table(result["moment_errors"], list(result["moment_errors"][0].keys())))
+        return result
     if suite == "gpu":
         from . import gpu
 
