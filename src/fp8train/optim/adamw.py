@@ -231,8 +231,8 @@ class AdamW(torch.optim.Optimizer):
             if set(saved[i]) != set(expected):
                 raise ValueError(
                     f"fp8train.optim.AdamW.load_state_dict: parameter {i}'s state has keys "
-                    f"{sorted(saved[i])}, this optimizer (master={self.master!r}) expects {sorted(expected)}: load it into an "
-                    "optimizer built with the options it was saved with"
+                    f"{sorted(saved[i])}, this optimizer (master={self.master!r}) expects "
+                    f"{sorted(expected)}: load it into an optimizer built with the options it was saved with"
                 )
             restored = {"step": int(saved[i]["step"])}
             for key, want in expected.items():
