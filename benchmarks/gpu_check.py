@@ -115,8 +115,9 @@ def check_settings(
             if name is None:
                 applied["fast_accum"] = "not available (fp8train.gemm has no ENV_FAST_ACCUM switch)"
             else:
-                stack.enter_context(_env(name, "1" if fast_accum else "0"))
-                applied["fast_accum"] = f"{name}={int(fast_accum)}"
+                value = "all" if fast_accum else "none"  # fp8train.gemm.FAST_ACCUM's choices
+                stack.enter_context(_env(name, value))
+                applied["fast_accum"] = f"{name}={value}"
         if reduce_on_one_rank is not None:
             _one_rank_group(reduce_on_one_rank)  # kept: main() destroys it at the end
             registry = sys.modules["fp8train.registry"]
