@@ -251,28 +251,7 @@ def test_ddp_replicas_stay_bitwise_equal_and_fsdp2_trains_like_ddp() -> None:
 def test_a_tiny_gpt_trains_as_with_torch_adamw() -> None:
     """The demo's tiny GPT in FP8 (delayed scaling), 150 steps on the Markov task: the mean loss of the
     last 10 steps within 0.5% of torch.optim.AdamW's (measured over seeds 0-2: +0.02% to +0.21%)."""
-    import fp8train
-    from fp8train.tools.data import MarkovTask
-    from fp8train.tools.models import GPT, MODEL_SIZES, next_token_loss
+    from fp8train.tools.bench.optim_states import tiny_gpt_final_loss
 
-    cfg = MODEL_SIZES["tiny"]
-    steps = 150
-    batches = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=0).sample(16 * steps, seed=1).view(steps, 16, -1)
-
-    def final_loss(make) -> float:
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        opt = make(model.parameters())
-        losses = []
-        for tokens in batches:
-            with fp8train.fp8_autocast():
-                logits = model(tokens[:, :-1])
-            loss = next_token_loss(logits, tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return sum(losses[-10:]) / 10
-
-    reference = final_loss(lambda p: torch.optim.AdamW(p, lr=3e-3))
-    assert abs(final_loss(lambda p: AdamW(p, lr=3e-3)) / reference - 1) < 0.005
+    reference = tiny_gpt_final_loss(lambda p: torch.optim.AdamW(p, lr=3e-3))
+    assert abs(tiny_gpt_final_loss(lambda p: AdamW(p, lr=3e-3)) / reference - 1) < 0.005
