@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from .inspection import DirectionView, counters
+from .layer_coverage import StepCoverage, coverage
 from .modules.base import BWD_ROLES, FWD_ROLES, FP8Module
 from .stats import HostMirror
 
@@ -117,6 +118,7 @@ class Telemetry:
         tensorboard: bool = False,
         run: str = "fp8",
         file_name: str = METRICS_FILE,
+        step_coverage: bool = True,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -133,6 +135,8 @@ class Telemetry:
         self._file = None
         self._tb = None
         self.totals = {"overflow": 0, "nonfinite": 0}
+        # what each logged step ran in FP8 (layer_coverage.py): counted from shapes, on the host
+        self.step_coverage = StepCoverage(model) if step_coverage else None
         if run_dir is not None:
             os.makedirs(run_dir, exist_ok=True)
             self._file = open(os.path.join(run_dir, file_name), "a", encoding="utf-8")
@@ -166,6 +170,7 @@ class Telemetry:
     def log_step(self, step: int, loss=None, **extra) -> Optional[dict]:
         """Start logging step `step` (if it is one in `every`); complete the earlier logged steps whose
         values have reached the host, and return the latest of them (on a CPU, the previous one)."""
+        step_coverage = self.step_coverage.take() if self.step_coverage is not None else None
         if step % self.every:
             return None
         now = time.perf_counter()
@@ -193,6 +198,8 @@ class Telemetry:
             "reduction": stats,
             "reduction_delta": {k: stats[k] - self._last_stats[k] for k in stats},
         }
+        if step_coverage is not None:  # this step's own GEMMs; amax collectives: reduction_delta
+            record["coverage"] = step_coverage
         self._last_stats, self._last_time = stats, now
         arrived = self._complete_arrived(wait=False)
         self._pending.append(_PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor)))
@@ -270,6 +277,12 @@ class Telemetry:
             self._tb_write(record)
         return record
 
+    def write_coverage(self) -> dict:
+        """Write the model's layer coverage (`fp8train.coverage(model)`) as a "coverage" record."""
+        record = {**coverage(self.model).as_dict(), "run": self.run}
+        self.write(record)
+        return record
+
     def write(self, record: dict) -> None:
         """Append any JSON-able record (e.g. run metadata) to the metrics file."""
         if self._file is not None:
@@ -291,6 +304,8 @@ class Telemetry:
 
     def close(self) -> None:
         self.flush()
+        if self.step_coverage is not None:
+            self.step_coverage.remove()
         if self._file is not None:
             self._file.close()
             self._file = None

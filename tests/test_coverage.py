@@ -1,0 +1,186 @@
+"""Is FP8 on? `fp8train.coverage`, the step counters (layer_coverage.StepCoverage), `info --model`,
+and the bisecting switches (debug_switches.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8train
+from fp8train.debug_switches import SWITCHES, parse_rules
+from fp8train.layer_coverage import StepCoverage
+from fp8train.tools.ranks import run_ranks
+
+
+def build_model() -> torch.nn.Module:
+    """Layers: 0 FP8, 1 off 16 (shape), 2 FP8 and frozen, 3 kept by the filter, 4 FP8."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64),  # 0
+        torch.nn.Linear(64, 20),  # 1: 20 is not a multiple of 16
+        torch.nn.Linear(20, 32),  # 2: neither is its input
+        torch.nn.Linear(32, 48),  # 3: the filter keeps it
+        torch.nn.Linear(48, 32),  # 4: frozen
+    )
+    model[4].weight.requires_grad_(False)
+    return model
+
+
+def _keep_3(module, fqn: str) -> bool:
+    return fqn != "3"
+
+
+def test_coverage_names_each_layer_and_why() -> None:
+    model = fp8train.prepare(build_model(), filter_fn=_keep_3)
+    report = fp8train.coverage(model)
+    by_name = {layer.name: layer for layer in report.layers}
+    assert {n: (x.fp8, x.reason, x.frozen) for n, x in by_name.items()} == {
+        "0": (True, "fp8", False),
+        "1": (False, "shape", False),
+        "2": (False, "shape", False),
+        "3": (False, "filter", False),
+        "4": (True, "fp8", True),
+    }
+    assert report.counts() == {"fp8": 2, "shape": 2, "filter": 1, "frozen": 1}
+    flops = {"0": 32 * 64, "1": 64 * 20, "2": 20 * 32, "3": 32 * 48, "4": 48 * 32}
+    assert report.fp8_share == (flops["0"] + flops["4"]) / sum(flops.values())
+    assert by_name["0"].path == fp8train.gemm.choose_path(torch.device("cpu"), 16, 32, 64)
+
+
+def test_block_recipes_mark_padded_layers_and_their_path() -> None:
+    model = fp8train.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 48)))
+    report = fp8train.coverage(model, fp8train.MXFP8BlockScaling())  # blocks of 32
+    assert [(x.padded, x.path) for x in report.layers] == [
+        (False, "block_dequantized"),
+        (True, "block_dequantized"),
+    ]
+
+
+def test_convert_logs_the_summary_once_and_warns_when_nothing_is_fp8(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="fp8train"):
+        fp8train.prepare(build_model(), filter_fn=_keep_3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp8train"]
+    assert len(lines) == 1 and lines[0].startswith("fp8train: 2/5 linear GEMMs in FP8"), lines
+    with pytest.warns(UserWarning, match="nothing trains in FP8"):
+        fp8train.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(20, 30)))
+
+
+def test_step_counts_flops_gemms_and_the_high_precision_layers() -> None:
+    """Exact counts from the shapes: 8 tokens; layer 0's input needs no gradient (no dgrad GEMM),
+    layer 4 is frozen (no wgrad GEMM)."""
+    model = fp8train.prepare(build_model(), filter_fn=_keep_3)
+    counter = StepCoverage(model)
+    model(torch.randn(8, 32)).sum().backward()
+    step = counter.take()
+    hp = [(64, 20, 3), (20, 32, 3), (32, 48, 3)]  # (in, out, GEMMs): forward, dgrad, wgrad
+    fp8 = [(32, 64, 2), (48, 32, 2)]
+    assert step["flops"] == {
+        "fp8": sum(2 * 8 * k * n * g for k, n, g in fp8),
+        "high_precision": sum(2 * 8 * k * n * g for k, n, g in hp),
+    }
+    path = fp8train.gemm.choose_path(torch.device("cpu"), 8, 32, 64)
+    assert step["gemms"] == {path: 4, "high_precision": 9}
+    assert step["high_precision_layers"] == [] and step["gathered_bytes"] == {"fp8": 0, "high_precision": 0}
+    with torch.no_grad():  # an FP8 module called outside its region runs in high precision
+        model.forward.__wrapped__(torch.randn(8, 32))
+    step = counter.take()
+    assert step["fp8_flop_share"] == 0 and step["high_precision_layers"] == ["0", "4"]
+    assert step["gemms"] == {"high_precision": 5}
+
+
+def test_info_prints_the_coverage_of_a_named_model(capsys) -> None:
+    from fp8train.tools.cli import main
+
+    assert main(["info", "--model", "test_coverage:build_model"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "2 shape" in out and "3/5 linear GEMMs in FP8" in out
+    )  # converted as convert_to_fp8 would: no filter
+    with pytest.raises(SystemExit):
+        main(["info", "--model", "test_coverage:no_such_builder"])
+    assert "has no attribute 'no_such_builder'" in capsys.readouterr().err
+
+
+# ---- the switches ---------------------------------------------------------------------------------------
+def test_rules_parse_and_bad_rules_say_what_to_write() -> None:
+    assert [(r.pattern, r.start, r.stop) for r in parse_rules("blocks.3.*:100-200, head, a:5-")] == [
+        ("blocks.3.*", 100, 200), ("head", 0, None), ("a", 5, None),
+    ]  # fmt: skip
+    for bad in ("x:200-100", "x:a-b", "x:7", ":1-2"):
+        with pytest.raises(ValueError, match="PATTERN"):
+            parse_rules(bad)
+
+
+def _switch_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3)))
+
+
+def test_switch_runs_exactly_the_named_layers_in_high_precision_for_the_step_range(
+    monkeypatch, tmp_path
+) -> None:
+    """Layer "1" in high precision at steps 1 and 2 (exactly F.linear of its input), FP8 at 0 and 3;
+    layers "0" and "2" in FP8 throughout; telemetry records the switched layer per step."""
+    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1:1-3")
+    model = fp8train.prepare(_switch_model(), fp8train.Float8CurrentScaling())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = SWITCHES.step  # optimizer steps this process took before this test
+    calls = []
+    for layer in model:
+        layer.register_forward_hook(lambda m, args, y: calls.append((m, args[0].detach(), y.detach())))
+    with fp8train.telemetry.Telemetry(model, run_dir=str(tmp_path)) as tel:
+        for step in range(4):
+            calls.clear()
+            assert SWITCHES.step == start + step
+            model(torch.randn(16, 32)).sum().backward()
+            exact = [torch.equal(y, F.linear(x, m.weight, m.bias)) for m, x, y in calls]
+            assert exact == [False, step in (1, 2), False], (step, exact)
+            opt.step()
+            opt.zero_grad()
+            tel.log_step(step)
+    records = fp8train.telemetry.read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["coverage"]["high_precision_layers"] for r in records] == [[], ["1"], ["1"], []]
+    hp_flops = 3 * 2 * 16 * 32 * 32  # layer 1's forward, dgrad and wgrad
+    assert [r["coverage"]["flops"]["high_precision"] for r in records] == [0, hp_flops, hp_flops, 0]
+
+
+def test_high_precision_rules_from_a_config_must_match_a_layer() -> None:
+    model = fp8train.prepare(_switch_model())
+    assert fp8train.debug_switches.high_precision(model, "[02]") == ["0", "2"]
+    assert [x.reason for x in fp8train.coverage(model).layers] == ["switched", "fp8", "switched"]
+    with pytest.raises(ValueError, match="match no FP8 layer"):
+        fp8train.debug_switches.high_precision(model, "blocks.*")
+
+
+# ---- FSDP2 -----------------------------------------------------------------------------------------------
+def _fsdp_rank(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for option in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 20))
+        model = fp8train.convert_to_fp8(model, fsdp_fp8_all_gather=option, log=False)
+        counter = StepCoverage(model)
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling()):
+            y = model(torch.randn(8, 32))
+        y.float().pow(2).mean().backward()
+        out[option] = counter.take()
+    return out
+
+
+@pytest.mark.multirank
+def test_fsdp2_gathered_bytes_in_fp8_and_in_high_precision() -> None:
+    """Layer 0 (32 -> 48) converts, layer 2 (48 -> 20) is off 16. Forward gathers: with the option,
+    layer 0's weight in FP8 (1 byte a value); without it, in fp32; layer 2 in fp32 either way."""
+    for rank_result in run_ranks(_fsdp_rank, 2, timeout_s=240):
+        off, on = rank_result[False], rank_result[True]
+        assert off["gathered_bytes"] == {"fp8": 0, "high_precision": (48 * 32 + 20 * 48) * 4}
+        assert on["gathered_bytes"] == {"fp8": 48 * 32, "high_precision": 20 * 48 * 4}
+        assert on["flops"] == off["flops"] and on["flops"]["fp8"] == 2 * 8 * 32 * 48 * 2
