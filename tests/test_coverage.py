@@ -184,3 +184,34 @@ def test_fsdp2_gathered_bytes_in_fp8_and_in_high_precision() -> None:
         assert off["gathered_bytes"] == {"fp8": 0, "high_precision": (48 * 32 + 20 * 48) * 4}
         assert on["gathered_bytes"] == {"fp8": 48 * 32, "high_precision": 20 * 48 * 4}
         assert on["flops"] == off["flops"] and on["flops"]["fp8"] == 2 * 8 * 32 * 48 * 2
+
+
+# ---- tensor statistics -----------------------------------------------------------------------------------
+def test_statistics_match_naive_references_on_crafted_tensors() -> None:
+    """Kurtosis: +-1 values give exactly 1, a two-point 0/1 mix with p = 1/4 gives
+    (1 - 3p(1-p)) / (p(1-p)) = 7/3. Underflow: per-tensor current scaling scales amax 448 to 448 (scale
+    1): 2^-12 quantizes to 0 (below half of E4M3's smallest subnormal 2^-9), 2^-8 to a subnormal."""
+    from fp8train.quantization.base import GemmCall
+    from fp8train.tensor_stats import GemmStatistics, kurtosis, underflow_shares
+
+    assert kurtosis(torch.tensor([1.0, -1.0] * 8)).item() == 1.0
+    two_point = torch.tensor([1.0] + [0.0] * 3)
+    assert abs(kurtosis(two_point).item() - 7 / 3) < 1e-6
+    x = torch.tensor([[448.0, 2.0**-12, 2.0**-12, 2.0**-8, 2.0**-8, 2.0**-8, 1.0, 0.0]] * 2)
+    q = fp8train.recipe.quantization_of(fp8train.Float8CurrentScaling())
+    operand = q.quantize_input(x, GemmCall(q, -1, 0, torch.float32)).forward
+    zero, subnormal = underflow_shares(x, operand, 2.0**-6).tolist()
+    assert (zero, subnormal) == (2 / 8, 3 / 8)
+
+    model = fp8train.prepare(torch.nn.Sequential(torch.nn.Linear(32, 32)), fp8train.MXFP8BlockScaling())
+    stats = GemmStatistics(model, what_if=fp8train.Float8CurrentScaling())
+    tel = fp8train.telemetry.Telemetry(model, statistics=stats)
+    x = torch.randn(16, 32)
+    x[:, 0] = 0.0  # one zero column: none of it is an underflow
+    x[0, 1] = 1e-30  # flushed to zero by its block's scale
+    model(x).sum().backward()
+    tel.log_step(0)
+    record = tel.flush()["statistics"]["0/input"]
+    assert record["zero_share"] == 1 / x.numel()
+    assert abs(record["kurtosis"] - kurtosis(x).item()) <= 1e-6 * kurtosis(x).item()
+    assert record["what_if_rel_error"] > 0 and record["rel_error"] > 0

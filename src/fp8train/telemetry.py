@@ -89,6 +89,7 @@ class _PendingRecord:
     copy: Optional[HostMirror]
     views: list[_GroupView]  # whose values the copy holds, in order (3 per role)
     loss_on_device: bool  # the copy's last value is the loss
+    statistics: list = ()  # names of the tensor statistics just before the loss in the copy
 
 
 def _float32(x: float) -> float:
@@ -119,6 +120,7 @@ class Telemetry:
         run: str = "fp8",
         file_name: str = METRICS_FILE,
         step_coverage: bool = True,
+        statistics=None,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -137,6 +139,7 @@ class Telemetry:
         self.totals = {"overflow": 0, "nonfinite": 0}
         # what each logged step ran in FP8 (layer_coverage.py): counted from shapes, on the host
         self.step_coverage = StepCoverage(model) if step_coverage else None
+        self.statistics = statistics  # a tensor_stats.GemmStatistics: its device values ride the copy
         if run_dir is not None:
             os.makedirs(run_dir, exist_ok=True)
             self._file = open(os.path.join(run_dir, file_name), "a", encoding="utf-8")
@@ -176,6 +179,12 @@ class Telemetry:
         now = time.perf_counter()
         self._refresh_views()
         values = [self._device_values(view) for view in self.views]
+        stat_names: list[str] = []
+        if self.statistics is not None:
+            stat_names, stat_values = self.statistics.take()
+            self.statistics.arm_for(step + 1)
+            if stat_values is not None:
+                values.append(stat_values.to(values[0].device) if values else stat_values)
         if isinstance(loss, torch.Tensor):
             values.append(loss.detach().float().reshape(1).to(values[0].device if values else loss.device))
         copy = None
@@ -202,7 +211,8 @@ class Telemetry:
             record["coverage"] = step_coverage
         self._last_stats, self._last_time = stats, now
         arrived = self._complete_arrived(wait=False)
-        self._pending.append(_PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor)))
+        pending = _PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor), stat_names)
+        self._pending.append(pending)
         return arrived
 
     def _recipe_kind(self) -> Optional[str]:
@@ -246,6 +256,10 @@ class Telemetry:
             self._spares.append(pending.copy)
         if pending.loss_on_device:
             record["loss"] = values.pop()
+        if pending.statistics:
+            n = len(pending.statistics)
+            values, measured = values[:-n], values[-n:]
+            record["statistics"] = _nested(pending.statistics, measured)
         record["loss"] = None if record["loss"] is None else _finite(float(record["loss"]))
         roles: dict[str, dict] = {}
         events = {"overflow": 0, "nonfinite": 0}
@@ -332,6 +346,15 @@ def _tensorboard_writer(log_dir: str):
         )
         return None
     return SummaryWriter(log_dir=log_dir)
+
+
+def _nested(names: list[str], values: list[float]) -> dict:
+    """{"layer/role": {statistic: value}} from "layer/role/statistic" names."""
+    out: dict[str, dict] = {}
+    for name, value in zip(names, values):
+        where, _, key = name.rpartition("/")
+        out.setdefault(where, {})[key] = _finite(value)
+    return out
 
 
 def _restore(value):
