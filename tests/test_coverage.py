@@ -215,3 +215,58 @@ def test_statistics_match_naive_references_on_crafted_tensors() -> None:
     assert record["zero_share"] == 1 / x.numel()
     assert abs(record["kurtosis"] - kurtosis(x).item()) <= 1e-6 * kurtosis(x).item()
     assert record["what_if_rel_error"] > 0 and record["rel_error"] > 0
+
+
+def test_report_shows_coverage_the_stretch_a_layer_was_switched_and_the_statistics(
+    monkeypatch, tmp_path
+) -> None:
+    pytest.importorskip("matplotlib")
+    from fp8train.tensor_stats import GemmStatistics
+    from fp8train.tools.report import render
+
+    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1:2-4")
+    model = fp8train.prepare(_switch_model(), fp8train.Float8CurrentScaling())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = SWITCHES.step
+    tel = fp8train.telemetry.Telemetry(
+        model, run_dir=str(tmp_path), statistics=GemmStatistics(model, every=2)
+    )
+    tel.write_coverage()
+    for step in range(start, start + 6):  # the switch counts this process's optimizer steps
+        loss = model(torch.randn(16, 32)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        tel.log_step(step, loss=loss.detach())  # the report plots the loss
+    tel.close()
+    text = open(render(str(tmp_path))["markdown"]).read()
+    assert "Linear GEMMs in FP8: 3/3 (100.0% of linear FLOPs, recipe current)" in text
+    share = 100 * 5 / 8  # GEMMs of 32x32 each: layer 0 runs 2 (its input needs no gradient), 1 and 2 run 3
+    assert (
+        f"**FP8 share {share:.1f}% at steps {start + 2}-{start + 3}** (FP8 layers in high precision: `1`)"
+        in text
+    )
+    assert text.count("**FP8 share") == 1  # back to 100% after the range
+    assert "| `0/input` |" in text and "kurtosis" in text
+
+
+def test_statistics_of_a_layernorm_linear_are_of_its_gemm_input_the_norm_output() -> None:
+    """The same relative error as tools/quant_error.py (the SNR panel) measures on the same tensors."""
+    from fp8train.tensor_stats import GemmStatistics
+    from fp8train.tools.quant_error import DelayedScales, TensorTap, quantization_errors
+
+    torch.manual_seed(0)
+    model = fp8train.LayerNormLinear(32, 32)
+    recipe = fp8train.DelayedScaling(amax_history_len=4)
+    stats, tap = GemmStatistics(model), TensorTap(model, [""])
+    tel = fp8train.telemetry.Telemetry(model, statistics=stats)
+    for step in range(3):
+        scales = DelayedScales.read(model)
+        tap.arm()
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            y = model(5 * torch.randn(16, 32) + 3)  # far from what the norm gives
+        y.sum().backward()
+        tel.log_step(step)
+    reference = quantization_errors(recipe, tap.disarm()[""], scales)
+    measured = tel.flush()["statistics"]["model/input"]
+    assert abs(measured["rel_error"] - reference["input"]) <= 1e-6 * reference["input"]

@@ -174,6 +174,8 @@ class Telemetry:
         """Start logging step `step` (if it is one in `every`); complete the earlier logged steps whose
         values have reached the host, and return the latest of them (on a CPU, the previous one)."""
         step_coverage = self.step_coverage.take() if self.step_coverage is not None else None
+        if self.statistics is not None and (step + 1) % self.every:
+            self.statistics.arm_for(None)  # the next step is not logged: not measured either
         if step % self.every:
             return None
         now = time.perf_counter()
@@ -182,7 +184,7 @@ class Telemetry:
         stat_names: list[str] = []
         if self.statistics is not None:
             stat_names, stat_values = self.statistics.take()
-            self.statistics.arm_for(step + 1)
+            self.statistics.arm_for(step + 1 if (step + 1) % self.every == 0 else None)
             if stat_values is not None:
                 values.append(stat_values.to(values[0].device) if values else stat_values)
         if isinstance(loss, torch.Tensor):
@@ -260,6 +262,7 @@ class Telemetry:
             n = len(pending.statistics)
             values, measured = values[:-n], values[-n:]
             record["statistics"] = _nested(pending.statistics, measured)
+            self.statistics.check(record["statistics"])
         record["loss"] = None if record["loss"] is None else _finite(float(record["loss"]))
         roles: dict[str, dict] = {}
         events = {"overflow": 0, "nonfinite": 0}
@@ -320,6 +323,8 @@ class Telemetry:
         self.flush()
         if self.step_coverage is not None:
             self.step_coverage.remove()
+        if self.statistics is not None:  # its hooks: it measures for this telemetry only
+            self.statistics.remove()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -20,6 +20,7 @@ statistics (kurtosis only). `Telemetry(statistics=GemmStatistics(...))` copies t
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from typing import Optional
 
 import torch
@@ -31,9 +32,14 @@ from .quantization.base import GemmCall
 from .recipe import Recipe, quantization_of
 from .registry import REGISTRY
 
-__all__ = ["kurtosis", "underflow_shares", "block_scale_stats", "relative_error", "GemmStatistics"]
+__all__ = [
+    "kurtosis", "underflow_shares", "block_scale_stats", "relative_error", "GemmStatistics", "KURTOSIS_WARNING",
+]  # fmt: skip
 
 BLOCK_KINDS = ("block", "mxfp8", "nvfp4")
+# Telemetry warns (once per role) when a GEMM input's kurtosis exceeds this. Measured (docs/telemetry.md,
+# "Coverage and tensor statistics"): healthy demo runs stay far below it.
+KURTOSIS_WARNING = 50.0
 
 
 def kurtosis(x: torch.Tensor) -> torch.Tensor:
@@ -111,24 +117,36 @@ class GemmStatistics:
     tensors; `what_if`: another recipe to quantize the same tensors with."""
 
     def __init__(
-        self, model: torch.nn.Module, every: int = 1, layers: str = "*", what_if: Optional[Recipe] = None
+        self,
+        model: torch.nn.Module,
+        every: int = 1,
+        layers: str = "*",
+        what_if: Optional[Recipe] = None,
+        kurtosis_warning: float = KURTOSIS_WARNING,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = every
+        self.kurtosis_warning = kurtosis_warning
+        self._warned: set[str] = set()
         self.what_if = None if what_if is None else quantization_of(what_if)
         self.armed = True  # the first step is measured
         self.names: list[str] = []  # "<layer>/<role>/<statistic>", in the order of `values`
         self.values: list[torch.Tensor] = []
         self._handles = []
+        self._norm_outputs: dict[int, torch.Tensor] = {}  # a LayerNormLinear's GEMM input: its norm's output
         for fqn, module in model.named_modules():
             if isinstance(module, FP8Module) and len(gemm_weights(module)) == 1:
                 if any(fnmatch.fnmatchcase(fqn, p.strip()) for p in layers.split(",")):
+                    norm = getattr(module, "norm", None)
+                    if isinstance(norm, torch.nn.Module):
+                        self._handles.append(norm.register_forward_hook(self._keep_norm_output(module)))
                     self._handles.append(module.register_forward_hook(self._measure(fqn or "model")))
 
-    def arm_for(self, step: int) -> None:
-        """Measure step `step` (Telemetry calls it with the next step's number)."""
-        self.armed = step % self.every == 0
+    def arm_for(self, step: Optional[int]) -> None:
+        """Measure the next step if it is `step` and one in `every` (None: do not measure it); Telemetry
+        calls it at each step for the next one, which it logs or not."""
+        self.armed = step is not None and step % self.every == 0
 
     def take(self) -> tuple[list[str], Optional[torch.Tensor]]:
         """The names and values measured since the last take (values: one device tensor)."""
@@ -141,14 +159,23 @@ class GemmStatistics:
             self.names.append(f"{prefix}/{key}")
             self.values.append(value.to(self.values[0].device) if self.values else value)
 
+    def _keep_norm_output(self, module: torch.nn.Module):
+        def hook(norm, args, output) -> None:
+            if self.armed and not torch.compiler.is_compiling():
+                self._norm_outputs[id(module)] = output
+
+        return hook
+
     def _measure(self, name: str):
         def hook(module, args, output) -> None:
+            x = self._norm_outputs.pop(id(module), None)
             if not self.armed or torch.compiler.is_compiling() or not args:
                 return
             plan = REGISTRY.plan_of(module)
             if plan is None or not plan.fp8:
                 return
-            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            x = args[0] if x is None else x  # what the GEMM multiplies
+            x = x.detach().reshape(-1, x.shape[-1])
             _, weight, _, _ = gemm_weights(module)[0]
             w = weight.detach().t() if type(module).__name__ == "Conv1D" else weight.detach()
             with torch.no_grad():
@@ -188,6 +215,21 @@ class GemmStatistics:
                 if other is not None:
                     stats["what_if_rel_error"] = relative_error(other, t)
             self._add(f"{name}/{role}", stats)
+
+    def check(self, measured: dict) -> None:
+        """Warn once per GEMM input whose kurtosis in `measured` (a record's "statistics", host values)
+        exceeds `kurtosis_warning`."""
+        for role, stats in measured.items():
+            value = stats.get("kurtosis")
+            if role.endswith("/input") and isinstance(value, float) and value > self.kurtosis_warning:
+                if role not in self._warned:
+                    self._warned.add(role)
+                    warnings.warn(
+                        f"fp8train telemetry: the kurtosis of {role} is {value:.1f} (> {self.kurtosis_warning:g}): "
+                        "heavy-tailed activations (outlier features) precede FP8 divergence; see docs/guide.md, "
+                        "'Debugging a divergence'",
+                        stacklevel=2,
+                    )
 
     def remove(self) -> None:
         for handle in self._handles:
