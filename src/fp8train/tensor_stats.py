@@ -33,7 +33,8 @@ from .recipe import Recipe, quantization_of
 from .registry import REGISTRY
 
 __all__ = [
-    "kurtosis", "underflow_shares", "block_scale_stats", "relative_error", "GemmStatistics", "KURTOSIS_WARNING",
+    "kurtosis", "underflow_shares", "block_scale_stats", "relative_error", "GemmStatistics",
+    "KURTOSIS_WARNING",
 ]  # fmt: skip
 
 BLOCK_KINDS = ("block", "mxfp8", "nvfp4")
@@ -221,15 +222,15 @@ class GemmStatistics:
         exceeds `kurtosis_warning`."""
         for role, stats in measured.items():
             value = stats.get("kurtosis")
-            if role.endswith("/input") and isinstance(value, float) and value > self.kurtosis_warning:
-                if role not in self._warned:
-                    self._warned.add(role)
-                    warnings.warn(
-                        f"fp8train telemetry: the kurtosis of {role} is {value:.1f} (> {self.kurtosis_warning:g}): "
-                        "heavy-tailed activations (outlier features) precede FP8 divergence; see docs/guide.md, "
-                        "'Debugging a divergence'",
-                        stacklevel=2,
-                    )
+            high = isinstance(value, float) and value > self.kurtosis_warning
+            if role.endswith("/input") and high and role not in self._warned:
+                self._warned.add(role)
+                warnings.warn(
+                    f"fp8train telemetry: the kurtosis of {role} is {value:.1f} "
+                    f"(> {self.kurtosis_warning:g}): heavy-tailed activations (outlier features) precede "
+                    "FP8 divergence; see docs/guide.md, 'Debugging a divergence'",
+                    stacklevel=2,
+                )
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -60,29 +60,24 @@ def _statistics_table(steps: list[dict]) -> list[str]:
     ]
     flagged = []
     for role, stats in sorted(per_role.items()):
-
-        def biggest(key: str) -> str:
-            return f"{max(stats[key])[0]:.4g}" if key in stats else "-"
-
-        def mean(key: str) -> str:
-            return f"{sum(v for v, _ in stats[key]) / len(stats[key]):.4g}" if key in stats else "-"
-
+        biggest = {k: f"{max(v)[0]:.4g}" for k, v in stats.items()}
+        mean = {k: f"{sum(x for x, _ in v) / len(v):.4g}" for k, v in stats.items()}
         kurt = max(stats["kurtosis"]) if "kurtosis" in stats else None
         if kurt is not None and role.endswith("/input") and kurt[0] > KURTOSIS_WARNING:
             flagged.append(f"`{role}` {kurt[0]:.1f} at step {kurt[1]}")
         out.append(
-            f"| `{role}` | {'-' if kurt is None else f'{kurt[0]:.2f} ({kurt[1]})'} | {biggest('zero_share')} "
-            f"| {biggest('subnormal_share')} | {biggest('scale_spread_log2')} | {mean('rel_error')} "
-            f"| {mean('what_if_rel_error')} |"
+            f"| `{role}` | {'-' if kurt is None else f'{kurt[0]:.2f} ({kurt[1]})'} "
+            f"| {biggest.get('zero_share', '-')} | {biggest.get('subnormal_share', '-')} "
+            f"| {biggest.get('scale_spread_log2', '-')} | {mean.get('rel_error', '-')} "
+            f"| {mean.get('what_if_rel_error', '-')} |"
         )
     out.append("")
+    threshold = f"{KURTOSIS_WARNING:g}"
     if flagged:
-        out.append(
-            f"**Input kurtosis above {KURTOSIS_WARNING:g}** (docs/telemetry.md): " + "; ".join(flagged) + "."
-        )
+        out.append(f"**Input kurtosis above {threshold}** (docs/telemetry.md): " + "; ".join(flagged) + ".")
     else:
         out.append(
-            f"No GEMM input's kurtosis exceeded {KURTOSIS_WARNING:g} (the warning threshold, docs/telemetry.md)."
+            f"No GEMM input's kurtosis exceeded {threshold} (the warning threshold, docs/telemetry.md)."
         )
     return out
 
@@ -110,11 +105,12 @@ def coverage_section(run_dir: str, runs: dict) -> str:
             first = steps[0]["coverage"]
             gathered = [r["coverage"]["gathered_bytes"] for r in steps if r.get("coverage")]
             fp8_bytes, hp_bytes = sum(g["fp8"] for g in gathered), sum(g["high_precision"] for g in gathered)
-            out.append(
+            text = (
                 f"FP8 FLOP share per logged step: {_pct(first['fp8_flop_share'])} at step {steps[0]['step']}"
-                + (f"; FSDP2 gathered {fp8_bytes:,} B in FP8, {hp_bytes:,} B in high precision" if fp8_bytes or hp_bytes else "")
-                + "."
-            )  # fmt: skip
+            )
+            if fp8_bytes or hp_bytes:
+                text += f"; FSDP2 gathered {fp8_bytes:,} B in FP8, {hp_bytes:,} B in high precision"
+            out.append(text + ".")
             for start, stop, share, hp in share_changes(steps):
                 where = f"step {start}" if start == stop else f"steps {start}-{stop}"
                 names = ", ".join(f"`{n}`" for n in hp) or "none"
