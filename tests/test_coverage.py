@@ -270,3 +270,21 @@ def test_statistics_of_a_layernorm_linear_are_of_its_gemm_input_the_norm_output(
     reference = quantization_errors(recipe, tap.disarm()[""], scales)
     measured = tel.flush()["statistics"]["model/input"]
     assert abs(measured["rel_error"] - reference["input"]) <= 1e-6 * reference["input"]
+
+
+def test_a_gemm_input_with_outliers_warns_once() -> None:
+    """One feature column in 32 at 100x the scale of the others: kurtosis about 3 x 32 = 96 (Gaussian
+    columns: E[x^4] ~ 3 * 100^4 / 32, var ~ 100^2 / 32), above the threshold; warned once."""
+    from fp8train.tensor_stats import KURTOSIS_WARNING, GemmStatistics
+
+    model = fp8train.prepare(torch.nn.Sequential(torch.nn.Linear(32, 32)), fp8train.Float8CurrentScaling())
+    tel = fp8train.telemetry.Telemetry(model, statistics=GemmStatistics(model))
+    x = torch.randn(64, 32)
+    x[:, 3] *= 100
+    with pytest.warns(UserWarning, match="kurtosis of 0/input") as caught:
+        for step in range(3):
+            model(x).sum().backward()
+            tel.log_step(step)
+        record = tel.flush()
+    assert record["statistics"]["0/input"]["kurtosis"] > KURTOSIS_WARNING
+    assert sum("kurtosis" in str(w.message) for w in caught) == 1
