@@ -24,12 +24,13 @@ from typing import Optional
 import torch
 
 from . import gemm
-from .convert import KEPT_BY_FILTER, fp8_compatible
+from .convert import KEPT_BY_FILTER, _is_hf_conv1d, fp8_compatible
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
 from .microscaling import MX_BLOCK, NVFP4_BLOCK
 from .modules.base import FP8Module
 from .quantization.block import TILE
+from .recipe import recipe_kind
 from .registry import REGISTRY
 
 __all__ = ["LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER"]
@@ -119,11 +120,6 @@ class ModelCoverage:
         }  # fmt: skip
 
 
-def _is_hf_conv1d(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
-
-
 def gemm_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
     """(GEMM name, weight, in_features, out_features) of each GEMM of a linear layer; [] for others."""
     if isinstance(module, FP8Module):
@@ -157,8 +153,6 @@ def _recipe_kind(model: torch.nn.Module, recipe) -> str:
     if recipe is None:
         recipe = getattr(model.__dict__.get("forward"), "recipe", None)  # a prepared model's
     if recipe is not None:
-        from .recipe import recipe_kind
-
         return recipe_kind(recipe)
     kinds = {m.recipe_kind for m in model.modules() if isinstance(m, FP8Module)} - {None}
     return kinds.pop() if len(kinds) == 1 else "delayed"
@@ -193,9 +187,9 @@ def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
     return ModelCoverage(tuple(layers), kind)
 
 
-def log_summary(model: torch.nn.Module, recipe=None, prepared: bool = False) -> ModelCoverage:
-    """Log `coverage(model).summary()` once (logger "fp8train", level INFO); warn if no linear GEMM
-    of a `prepared` model (or of one with linear layers) runs in FP8."""
+def log_summary(model: torch.nn.Module, recipe=None) -> ModelCoverage:
+    """Log `coverage(model).summary()` (logger "fp8train", level INFO); warn if the model has linear
+    layers and none of them runs in FP8."""
     report = coverage(model, recipe)
     LOGGER.info(report.summary())
     if report.layers and not any(layer.fp8 for layer in report.layers):
