@@ -217,35 +217,32 @@ def test_statistics_match_naive_references_on_crafted_tensors() -> None:
     assert record["what_if_rel_error"] > 0 and record["rel_error"] > 0
 
 
-def test_report_shows_coverage_the_stretch_a_layer_was_switched_and_the_statistics(
-    monkeypatch, tmp_path
-) -> None:
+def test_report_shows_coverage_the_stretch_a_layer_was_switched_and_the_statistics(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from fp8train.tensor_stats import GemmStatistics
     from fp8train.tools.report import render
 
-    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1:2-4")
     model = fp8train.prepare(_switch_model(), fp8train.Float8CurrentScaling())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = SWITCHES.step
+    start = SWITCHES.step  # optimizer steps as the switches count them (0 unless others are alive)
+    fp8train.debug_switches.high_precision(model, f"1:{start + 2}-{start + 4}")  # as a config does
     tel = fp8train.telemetry.Telemetry(
         model, run_dir=str(tmp_path), statistics=GemmStatistics(model, every=2)
     )
     tel.write_coverage()
-    for step in range(start, start + 6):  # the switch counts this process's optimizer steps
+    for step in range(6):
         loss = model(torch.randn(16, 32)).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         tel.log_step(step, loss=loss.detach())  # the report plots the loss
     tel.close()
+    records = fp8train.telemetry.read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records if r.get("statistics")] == [0, 2, 4]  # one step in 2
     text = open(render(str(tmp_path))["markdown"]).read()
     assert "Linear GEMMs in FP8: 3/3 (100.0% of linear FLOPs, recipe current)" in text
     share = 100 * 5 / 8  # GEMMs of 32x32 each: layer 0 runs 2 (its input needs no gradient), 1 and 2 run 3
-    assert (
-        f"**FP8 share {share:.1f}% at steps {start + 2}-{start + 3}** (FP8 layers in high precision: `1`)"
-        in text
-    )
+    assert f"**FP8 share {share:.1f}% at steps 2-3** (FP8 layers in high precision: `1`)" in text
     assert text.count("**FP8 share") == 1  # back to 100% after the range
     assert "| `0/input` |" in text and "kurtosis" in text
 

@@ -174,8 +174,8 @@ class Telemetry:
         """Start logging step `step` (if it is one in `every`); complete the earlier logged steps whose
         values have reached the host, and return the latest of them (on a CPU, the previous one)."""
         step_coverage = self.step_coverage.take() if self.step_coverage is not None else None
-        if self.statistics is not None and (step + 1) % self.every:
-            self.statistics.arm_for(None)  # the next step is not logged: not measured either
+        if self.statistics is not None:  # the next step is measured only if it is logged
+            self.statistics.arm_for(step + 1 if (step + 1) % self.every == 0 else None)
         if step % self.every:
             return None
         now = time.perf_counter()
@@ -184,7 +184,6 @@ class Telemetry:
         stat_names: list[str] = []
         if self.statistics is not None:
             stat_names, stat_values = self.statistics.take()
-            self.statistics.arm_for(step + 1 if (step + 1) % self.every == 0 else None)
             if stat_values is not None:
                 values.append(stat_values.to(values[0].device) if values else stat_values)
         if isinstance(loss, torch.Tensor):

@@ -140,9 +140,9 @@ def train_phase(
     async_mode = async_amax_reduction() if delayed else None
     tensor_stats = None  # the sampled GEMMs' tensor statistics, on the quant-error steps' schedule
     if fp8 and args.quant_error_every:
-        tensor_stats = GemmStatistics(
-            model, every=args.quant_error_every, layers=",".join(sample_gemms(model))
-        )
+        what_if = DEMO_RECIPES["mxfp8" if recipe_kind(recipe) != "mxfp8" else "current"]  # the same tensors
+        layers = ",".join(sample_gemms(model))
+        tensor_stats = GemmStatistics(model, every=args.quant_error_every, layers=layers, what_if=what_if)
     tel = Telemetry(
         model, run_dir, every=args.log_every, tensorboard=args.tensorboard, run=name, statistics=tensor_stats
     )
