@@ -143,6 +143,7 @@ def test_switch_runs_exactly_the_named_layers_in_high_precision_for_the_step_ran
             tel.log_step(step)
     records = fp8train.telemetry.read_metrics(str(tmp_path / "metrics.jsonl"))
     assert [r["coverage"]["high_precision_layers"] for r in records] == [[], ["1"], ["1"], []]
+    assert [r["coverage"]["amax_collectives"] for r in records] == [0] * 4  # current scaling: none
     hp_flops = 3 * 2 * 16 * 32 * 32  # layer 1's forward, dgrad and wgrad
     assert [r["coverage"]["flops"]["high_precision"] for r in records] == [0, hp_flops, hp_flops, 0]
 
@@ -164,26 +165,30 @@ def _fsdp_rank(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 20))
         model = fp8train.convert_to_fp8(model, fsdp_fp8_all_gather=option, log=False)
-        counter = StepCoverage(model)
+        fp8train.reset_reduction_stats()  # before the telemetry takes its baseline
+        tel = fp8train.telemetry.Telemetry(model)  # its StepCoverage hooks: before fully_shard's
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
         with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling()):
             y = model(torch.randn(8, 32))
         y.float().pow(2).mean().backward()
-        out[option] = counter.take()
+        tel.log_step(0)
+        out[option] = tel.flush()["coverage"]
     return out
 
 
 @pytest.mark.multirank
 def test_fsdp2_gathered_bytes_in_fp8_and_in_high_precision() -> None:
     """Layer 0 (32 -> 48) converts, layer 2 (48 -> 20) is off 16. Forward gathers: with the option,
-    layer 0's weight in FP8 (1 byte a value); without it, in fp32; layer 2 in fp32 either way."""
+    layer 0's weight in FP8 (1 byte a value); without it, in fp32; layer 2 in fp32 either way. The
+    telemetry record counts the step's amax all-reduces."""
     for rank_result in run_ranks(_fsdp_rank, 2, timeout_s=240):
         off, on = rank_result[False], rank_result[True]
         assert off["gathered_bytes"] == {"fp8": 0, "high_precision": (48 * 32 + 20 * 48) * 4}
         assert on["gathered_bytes"] == {"fp8": 48 * 32, "high_precision": 20 * 48 * 4}
         assert on["flops"] == off["flops"] and on["flops"]["fp8"] == 2 * 8 * 32 * 48 * 2
+        assert on["amax_collectives"] == off["amax_collectives"] == 2  # forward and backward reductions
 
 
 # ---- tensor statistics -----------------------------------------------------------------------------------

@@ -5,11 +5,11 @@ wildcards, `fnmatch`: "blocks.3.*", "*.mlp.*") run in high precision (their GEMM
 dtype, recording no amax) while the step is in [START, STOP) (STOP left out: to the end; no range:
 every step). Rules are separated by commas. They come from the environment variable
 `FP8TRAIN_HIGH_PRECISION` (read when `convert_to_fp8` or `prepare` converts a model: no code
-change), or from `high_precision(model, rules)` (a config). The step is the number of optimizer steps
-this process has taken (`torch.optim`'s global step hook counts them; with several optimizers, the
-most any one has taken), so step 0 is the first. Telemetry records which layers ran in high precision
-in each logged step (layer_coverage.StepCoverage). Eager calls only: a compiled graph keeps the precision
-it was traced with.
+change), or from `high_precision(model, rules)` (a config). The step is the number of optimizer
+steps taken since the first switch was applied (`torch.optim`'s global step hook counts them; with
+several optimizers, the most any live one has taken), so step 0 is the first. Telemetry records
+which layers ran in high precision in each logged step (layer_coverage.StepCoverage). Eager calls
+only: a compiled graph keeps the precision it was traced with.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Switches:
 
     @property
     def step(self) -> int:
-        """Optimizer steps taken in this process (the most any one optimizer has taken)."""
+        """Optimizer steps counted so far (the most any live optimizer has taken)."""
         return max(self._steps.values(), default=0)
 
     def high_precision_now(self, module: torch.nn.Module) -> bool:

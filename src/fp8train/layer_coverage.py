@@ -233,6 +233,8 @@ class StepCoverage:
             self._weights[id(module)] = gemm_weights(module)
 
     def _after(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
         weights = self._weights.pop(id(module), None)
         if weights is None or not args or not isinstance(args[0], torch.Tensor) or not args[0].dim():
             return

@@ -208,8 +208,8 @@ class Telemetry:
             "reduction": stats,
             "reduction_delta": {k: stats[k] - self._last_stats[k] for k in stats},
         }
-        if step_coverage is not None:  # this step's own GEMMs; amax collectives: reduction_delta
-            record["coverage"] = step_coverage
+        if step_coverage is not None:  # this step's own GEMMs; amax collectives since the last log
+            record["coverage"] = {**step_coverage, "amax_collectives": record["reduction_delta"]["launched"]}
         self._last_stats, self._last_time = stats, now
         arrived = self._complete_arrived(wait=False)
         pending = _PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor), stat_names)
