@@ -156,6 +156,31 @@ def test_high_precision_rules_from_a_config_must_match_a_layer() -> None:
         fp8train.debug_switches.high_precision(model, "blocks.*")
 
 
+def test_a_switched_layer_is_recomputed_in_high_precision_too() -> None:
+    """Under activation recomputation (fp8train.checkpoint and torch's non-reentrant checkpoint) the
+    switched layer runs in high precision in the forward and in its recomputation, the others in FP8:
+    bitwise the gradients of the model whose layer 1 was never converted."""
+    grads = {}
+    for how in ("filtered", "plain", "fp8train", "torch"):
+        if how == "filtered":  # the reference: layer 1 never converted
+            model = fp8train.convert_to_fp8(_switch_model(), lambda m, fqn: fqn != "1", log=False)
+        else:
+            model = fp8train.convert_to_fp8(_switch_model(), log=False)
+            fp8train.debug_switches.high_precision(model, "1")
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling()):
+            if how in ("filtered", "plain"):
+                y = model(x)
+            elif how == "fp8train":
+                y = fp8train.checkpoint(model, x)
+            else:
+                y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        y.square().mean().backward()
+        grads[how] = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    for how in ("plain", "fp8train", "torch"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["filtered"], grads[how])), how
+
+
 # ---- FSDP2 -----------------------------------------------------------------------------------------------
 def _fsdp_rank(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard

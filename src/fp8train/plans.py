@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 
-from .debug_switches import SWITCHES
 from .quantization.base import Quantization
 from .reduction import Direction
 from .regions import Region, RegionSettings, current_backward_pass
@@ -55,8 +54,6 @@ def plan_forward(module, training: bool) -> Optional[Plan]:
     """How `module` (an FP8Module) runs this forward call; None: in high precision, recording nothing.
 
     `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad)."""
-    if SWITCHES.high_precision_now(module):  # a bisecting switch (debug_switches.py), also in a replay
-        return None
     if REGISTRY.recompute is not None or in_backward():
         plan = _recompute_plan(module)
         if plan is not None:
