@@ -3,6 +3,7 @@ and the bisecting switches (debug_switches.py)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -16,7 +17,7 @@ from fp8train.tools.ranks import run_ranks
 
 
 def build_model() -> torch.nn.Module:
-    """Layers: 0 FP8, 1 off 16 (shape), 2 FP8 and frozen, 3 kept by the filter, 4 FP8."""
+    """Layers: 0 FP8, 1 and 2 off 16 (shape), 3 kept by the filter, 4 FP8 and frozen."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 64),  # 0
@@ -96,9 +97,7 @@ def test_info_prints_the_coverage_of_a_named_model(capsys) -> None:
 
     assert main(["info", "--model", "test_coverage:build_model"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "2 shape" in out and "3/5 linear GEMMs in FP8" in out
-    )  # converted as convert_to_fp8 would: no filter
+    assert "2 shape" in out and "3/5 linear GEMMs in FP8" in out  # as convert_to_fp8 converts it
     with pytest.raises(SystemExit):
         main(["info", "--model", "test_coverage:no_such_builder"])
     assert "has no attribute 'no_such_builder'" in capsys.readouterr().err
@@ -114,6 +113,13 @@ def test_rules_parse_and_bad_rules_say_what_to_write() -> None:
             parse_rules(bad)
 
 
+def _switch_step() -> int:
+    """The step as the switches count it: the most any live optimizer has taken (0 once the earlier
+    tests' optimizers are collected)."""
+    gc.collect()
+    return SWITCHES.step
+
+
 def _switch_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3)))
@@ -124,10 +130,10 @@ def test_switch_runs_exactly_the_named_layers_in_high_precision_for_the_step_ran
 ) -> None:
     """Layer "1" in high precision at steps 1 and 2 (exactly F.linear of its input), FP8 at 0 and 3;
     layers "0" and "2" in FP8 throughout; telemetry records the switched layer per step."""
-    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1:1-3")
+    start = _switch_step()
+    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", f"1:{start + 1}-{start + 3}")
     model = fp8train.prepare(_switch_model(), fp8train.Float8CurrentScaling())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = SWITCHES.step  # optimizer steps this process took before this test
     calls = []
     for layer in model:
         layer.register_forward_hook(lambda m, args, y: calls.append((m, args[0].detach(), y.detach())))
@@ -252,9 +258,9 @@ def test_report_shows_coverage_the_stretch_a_layer_was_switched_and_the_statisti
     from fp8train.tensor_stats import GemmStatistics
     from fp8train.tools.report import render
 
+    start = _switch_step()
     model = fp8train.prepare(_switch_model(), fp8train.Float8CurrentScaling())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = SWITCHES.step  # optimizer steps as the switches count them (0 unless others are alive)
     fp8train.debug_switches.high_precision(model, f"1:{start + 2}-{start + 4}")  # as a config does
     tel = fp8train.telemetry.Telemetry(
         model, run_dir=str(tmp_path), statistics=GemmStatistics(model, every=2)
