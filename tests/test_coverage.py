@@ -51,13 +51,16 @@ def test_coverage_names_each_layer_and_why() -> None:
     assert by_name["0"].path == fp8train.gemm.choose_path(torch.device("cpu"), 16, 32, 64)
 
 
-def test_block_recipes_mark_padded_layers_and_their_path() -> None:
+def test_block_recipes_mark_padded_and_off_block_layers() -> None:
+    """Block scaling pads to its 128 blocks; MXFP8 refuses dimensions that are not whole 32-blocks."""
     model = fp8train.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 48)))
-    report = fp8train.coverage(model, fp8train.MXFP8BlockScaling())  # blocks of 32
-    assert [(x.padded, x.path) for x in report.layers] == [
-        (False, "block_dequantized"),
-        (True, "block_dequantized"),
+    block = fp8train.coverage(model, fp8train.Float8BlockScaling())
+    assert [(x.fp8, x.padded, x.path) for x in block.layers] == [
+        (True, True, "block_dequantized"),  # the CPU's emulation: no block kernel here
+        (True, True, "block_dequantized"),
     ]
+    mx = fp8train.coverage(model, fp8train.MXFP8BlockScaling())
+    assert [(x.fp8, x.reason) for x in mx.layers] == [(True, "fp8"), (False, "off block")]
 
 
 def test_convert_logs_the_summary_once_and_warns_when_nothing_is_fp8(caplog) -> None:
@@ -242,7 +245,7 @@ def test_statistics_match_naive_references_on_crafted_tensors() -> None:
     model = fp8train.prepare(torch.nn.Sequential(torch.nn.Linear(32, 32)), fp8train.MXFP8BlockScaling())
     stats = GemmStatistics(model, what_if=fp8train.Float8CurrentScaling())
     tel = fp8train.telemetry.Telemetry(model, statistics=stats)
-    x = torch.randn(16, 32)
+    x = torch.randn(32, 32)  # MXFP8: tokens in whole 32-blocks
     x[:, 0] = 0.0  # one zero column: none of it is an underflow
     x[0, 1] = 1e-30  # flushed to zero by its block's scale
     model(x).sum().backward()

@@ -288,6 +288,164 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys):
     assert message in err and "usage: fp8train" in err
 
 
+STEP_RECORD = {  # the fields of fp8train.telemetry's step record that the report reads
+    "kind": "step", "run": "fp8-async", "step": 0, "loss": None, "roles": {},
+    "events": {"overflow": 0, "nonfinite": 0},
+    "reduction": {"exposed_wait_s": 0.0, "hidden_s": 0.0, "launched": 0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"kind": "step", "run": "fp8-async", "step": 7}'],
+         "line 1: a \"step\" record has a \"roles\" field, this one has only ['kind', 'run', 'step']"),
+        ([json.dumps(STEP_RECORD), "", "[1, 2, 3]"],
+         "line 3: a record is a JSON object, this line holds an array"),
+        ([json.dumps(STEP_RECORD), '{"kind": "step", "step": 1,'], "line 2: not JSON"),
+        ([json.dumps({**STEP_RECORD, "events": {"overflow": 0}})],
+         'line 1: "events" has a "nonfinite" field, this one has only [\'overflow\']'),
+        ([json.dumps({**STEP_RECORD, "step": "7"})],
+         'line 1: "step" of a "step" record is int, this one is \'7\''),
+        ([json.dumps({**STEP_RECORD, "roles": {"fc1/input": {"amax": 1.0}}})],
+         'line 1: role "fc1/input" has a "scale" field'),
+        ([json.dumps(STEP_RECORD), json.dumps({"kind": "phase_end", "steps": 0, "final_loss": 1.0})],
+         'line 2: "steps" of a "phase_end" record is >= 1, this one is 0'),
+        ([json.dumps({"kind": "meta", "run": "fp8-async", "params": "many"}), json.dumps(STEP_RECORD)],
+         'line 1: "params" of a "meta" record is int'),
+        ([json.dumps({"kind": "quant_error", "run": "fp8-async", "step": 0, "rel_error": {"fc1": 0.1}})],
+         'line 1: "rel_error" of GEMM "fc1" is an object, this one is a number'),
+    ],
+)  # fmt: skip
+def test_report_names_the_file_and_line_of_a_record_it_cannot_read(tmp_path, capsys, lines, message):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["report", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'}, {message}" in err, err
+    assert "fp8train.telemetry" in err or "not JSON" in err
+
+
+def test_report_renders_a_telemetry_file_without_losses(tmp_path, capsys):
+    """The smallest file the checks accept renders: step records as telemetry writes them with
+    log_step(step) and no loss (the report then has no loss to show)."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps({**STEP_RECORD, "step": i}) + "\n" for i in range(3)))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    with open(tmp_path / "report.md") as f:
+        assert "| fp8-async | fp32 | 3 |  |" in f.read()
+
+
+def test_report_refuses_a_summary_it_cannot_read(tmp_path, capsys):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(STEP_RECORD) + "\n")
+    with open(tmp_path / "summary.json", "w") as f:
+        json.dump({"step_timing": {"median_ms": {"fp8-async": 1.0}}}, f)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["report", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"{tmp_path / 'summary.json'}: not the summary the demo writes" in capsys.readouterr().err
+
+
+def _scale_json(tmp_path, **changes) -> str:
+    """benchmarks/results/scale.json (a saved `bench scale` run) with `changes`, as a new file."""
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results", "scale.json")) as f:
+        saved = json.load(f)
+    path = str(tmp_path / "saved.json")
+    with open(path, "w") as f:
+        json.dump({**saved, **changes}, f)
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "-1"], "argument --steps: must be >= 1, got -1"),
+        (["reduction", "--steps", "two"], "argument --steps: expected an integer >= 1, got 'two'"),
+        (["reduction", "--latencies-ms", "abc"],
+         "argument --latencies-ms: expected comma-separated milliseconds, got 'abc'"),
+        (["reduction", "--latencies-ms", "0,nan"],
+         "argument --latencies-ms: a latency is a finite number of milliseconds >= 0, got 'nan'"),
+        (["reduction", "--latencies-ms", "5,-1"], "finite number of milliseconds >= 0, got '-1'"),
+        (["scale", "--ranks", "0"], "argument --ranks: must be >= 2, got 0"),
+        (["scale", "--ranks", "2,x"], "argument --ranks: expected an integer >= 2, got 'x'"),
+        (["scale", "--ranks", "4,4"], "on two rank counts: give two different ones or more, got '4,4'"),
+        (["scale", "--from", "missing.json"],
+         "argument --from: cannot read 'missing.json': No such file or directory"),
+        (["scale", "--from", "README.md"], "argument --from: 'README.md' is not JSON"),
+        (["scale", "--from", "{fused}"], '"config" is not an object of'),
+        (["scale", "--from", "{no_rows}"], '"measured" is not a list of measurements'),
+        (["scale", "--from", "{no_fit_rows}"],
+         "cannot analyse its measurements: calibration needs blocking points at two rank counts"),
+        (["fused", "--out", "README.md"], "--out 'README.md': cannot be a folder for the figures"),
+        (["everything"], "argument suites: invalid choice: 'everything'"),
+    ],
+)  # fmt: skip
+def test_bench_refuses_bad_arguments_with_a_message(tmp_path, capsys, monkeypatch, argv, message):
+    from fp8train.tools import bench
+
+    monkeypatch.chdir(os.path.join(os.path.dirname(__file__), os.pardir))
+    saved_runs = {  # a --from file: not a scale run, one without measurements, one without calibration points
+        "{fused}": lambda: os.path.join("benchmarks", "results", "fused.json"),
+        "{no_rows}": lambda: _scale_json(tmp_path, measured=[]),
+        "{no_fit_rows}": lambda: _scale_json(
+            tmp_path, fit_points={"ranks": [3, 5], "micro": 4, "latency_ms": 3.0}
+        ),
+    }
+    argv = [saved_runs[a]() if a in saved_runs else a for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: fp8train bench" in err, err
+
+
+def test_bad_input_ends_in_a_message_and_no_traceback(tmp_path):
+    """Through the installed command (`python -m fp8train`): the issue's inputs."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write('{"kind": "step", "run": "fp8-async", "step": 7}\n')
+    for argv, message in (
+        (["report", str(tmp_path)], 'metrics.jsonl, line 1: a "step" record has a "roles" field'),
+        (
+            ["bench", "scale", "--ranks", "0", "--from", "missing.json"],
+            "argument --ranks: must be >= 2, got 0",
+        ),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "fp8train", *argv], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_demo_progress_is_whole_lines_where_stderr_is_not_a_terminal(monkeypatch, capsys):
+    """A log gets a line every tenth of the steps (and the last), no carriage-return redraws; a
+    terminal gets tqdm's bar."""
+    from fp8train.tools import demo_worker
+
+    bar = demo_worker._progress("fp8-async", 150, rank=0)
+    for step in range(150):
+        bar.set_postfix_str(f"loss {step}")
+        bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert len(lines) == 10 and lines[-1] == "   fp8-async: step 150/150  loss 149", lines
+    assert demo_worker._progress("fp8-async", 150, rank=1) is None
+    if importlib.util.find_spec("tqdm") is not None:
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+        import tqdm
+
+        bar = demo_worker._progress("fp8-async", 150, rank=0)
+        assert isinstance(bar, tqdm.tqdm)
+        bar.close()
+
+
 def test_report_on_a_directory_without_metrics(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["report", str(tmp_path)])

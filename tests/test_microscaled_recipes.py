@@ -63,7 +63,7 @@ def _operands(recipe, x, w, g):
     return q.quantize_input(x, None), q.quantize_weight(w, None), q.quantize_grad(g, None, (True, True))
 
 
-@pytest.mark.parametrize("shape", [(64, 96, 48), (40, 72, 20)], ids=["whole-blocks", "partial-blocks"])
+@pytest.mark.parametrize("shape", [(64, 96, 64), (96, 160, 32)], ids=["square-ish", "wide"])
 def test_mxfp8_quantizes_each_operand_along_its_gemms_reduction_dimension(shape) -> None:
     tokens, k, n = shape
     x, w, g = _inputs(0, tokens, k), _inputs(1, n, k), _inputs(2, tokens, n)
@@ -105,20 +105,20 @@ def test_nvfp4_quantizes_each_operand_along_its_gemms_reduction_dimension() -> N
     assert torch.equal(weights.forward.dequantize(), _nv_ref(w, 1))
     assert torch.equal(weights.dgrad.dequantize(), _nv_ref(w, 0))
     assert torch.equal(inputs.wgrad.dequantize(), _nv_ref(x, 0))
-    # a token count that is not a whole number of 16-blocks is not transformed (TE requires one)
-    inputs, _, _ = _operands(NV_DETERMINISTIC, x[:40], w, g[:40])
-    assert not inputs.wgrad.rotated
+    # a token count that is not a whole number of 16-blocks is refused (TE refuses it too)
+    with pytest.raises(ValueError, match="blocks of 16.*tokens = 40"):
+        _operands(NV_DETERMINISTIC, x[:40], w, g[:40])
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_outputs_and_gradients_are_dequantize_then_multiply(name: str) -> None:
     recipe = RECIPES[name]
     torch.manual_seed(0)
-    layer = fp8train.Linear(96, 48)
+    layer = fp8train.Linear(96, 64)
     x = _inputs(3, 64, 96).requires_grad_()
     with fp8train.fp8_autocast(fp8_recipe=recipe):
         y = layer(x)
-    g = _inputs(4, 64, 48)
+    g = _inputs(4, 64, 64)
     y.backward(g)
     q = quantization_of(recipe)
     inputs, weights = q.quantize_input(x.detach(), None), q.quantize_weight(layer.weight.detach(), None)
@@ -186,25 +186,25 @@ def test_zeros_infinities_and_nan_stay_in_their_blocks_or_reach_the_whole_tensor
     outputs of its own block's token. NVFP4 takes its per-tensor scale from the tensor's amax
     (TransformerEngine's rule): a NaN makes that scale NaN for every block, an infinity makes it 1."""
     torch.manual_seed(0)
-    x = torch.randn(8, 64)
+    x = torch.randn(64, 64)
     x[0] = 0.0
     x[1, 5] = float("inf")
     x[2, 7] = float("nan")
     for recipe in (MX, NV_PLAIN):
-        layer = fp8train.Linear(64, 16)
+        layer = fp8train.Linear(64, 32)
         with fp8train.fp8_autocast(fp8_recipe=recipe):
             y = layer(x)
-            clean = layer(x[3:])
+            clean = layer(x[32:])
         if recipe is MX:
             assert torch.equal(y[0], layer.bias.detach())
             assert not torch.isfinite(y[1]).all() and torch.isnan(y[2]).all()
-            assert torch.equal(y[3:], clean)  # other tokens' blocks are untouched
+            assert torch.equal(y[32:], clean)  # other tokens' blocks are untouched
         else:
             assert torch.isnan(y).all()
         assert torch.isfinite(clean).all()
         with fp8train.fp8_autocast(fp8_recipe=recipe):
-            zeros = layer(torch.zeros(4, 64))
-        assert torch.equal(zeros, layer.bias.detach().expand(4, 16))
+            zeros = layer(torch.zeros(32, 64))
+        assert torch.equal(zeros, layer.bias.detach().expand(32, 32))
 
 
 @pytest.mark.parametrize("name", ["mx", "nv"])
@@ -292,7 +292,7 @@ def _fsdp_runs(rank: int, world: int) -> dict:
             fully_shard(model)
             losses = []
             for step in range(3):
-                x = torch.randn(16, 64, generator=torch.Generator().manual_seed(10 * rank + step))
+                x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * rank + step))
                 with fp8train.fp8_autocast(fp8_recipe=recipe):
                     loss = model(x).square().mean()
                 loss.backward()
@@ -315,8 +315,7 @@ def test_fsdp2_gathers_in_high_precision_under_these_recipes_and_trains_alike() 
 def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monkeypatch) -> None:
     """MXFP8, NVFP4 and block scaling call the warning with their own name when quantizing an input
     (it fires for CUDA tensors only); the per-tensor recipes, whose GEMM is torch._scaled_mm on GPUs,
-    do not. Python's default filter shows it once per place."""
-    import types
+    do not. It is given once per recipe and process (tests/test_compile.py: also under torch.compile)."""
     import warnings
 
     from fp8train.quantization import base, block, mxfp8, nvfp4
@@ -335,13 +334,15 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     ):
         q = quantization_of(recipe)
         scales = torch.ones(2, 2) if isinstance(recipe, fp8train.DelayedScaling) else None
-        q.quantize_input(x, GemmCall(q, -1, 0, torch.float32, scales))
+        q.quantize_input(x, GemmCall(q, None, 0, torch.float32, scales))
     assert seen == ["Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"]
+    base._warn_emulated.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
+        warnings.simplefilter("always")
         base.warn_emulated_on_cuda(x, "NVFP4BlockScaling")  # a CPU tensor: nothing to say
+        monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")  # the CUDA branch, on the CPU
         for _ in range(3):
-            base.warn_emulated_on_cuda(types.SimpleNamespace(is_cuda=True), "NVFP4BlockScaling")
-    assert len(caught) == 1 and "fp8train.NVFP4BlockScaling on CUDA runs an emulated GEMM" in str(
+            base.warn_emulated_on_cuda(x, "NVFP4BlockScaling")
+    assert len(caught) == 1 and "fp8train.NVFP4BlockScaling on this GPU runs an emulated GEMM" in str(
         caught[0].message
     )

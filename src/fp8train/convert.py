@@ -10,6 +10,7 @@ outside an FP8 region the converted model computes exactly what the original did
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Callable, Optional
 
@@ -19,7 +20,7 @@ from .fsdp import wrap_for_fsdp
 from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
 from .modules.linear import Linear
-from .recipe import Recipe, check_recipe
+from .recipe import Recipe, check_recipe, quantization_of
 
 __all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible", "KEPT_BY_FILTER"]
 
@@ -31,9 +32,12 @@ GEMM_MULTIPLE = 16
 KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-def fp8_compatible(in_features: int, out_features: int) -> bool:
-    """Whether an FP8 GEMM can take a weight of this shape."""
-    return in_features % GEMM_MULTIPLE == 0 and out_features % GEMM_MULTIPLE == 0
+def fp8_compatible(in_features: int, out_features: int, recipe: Optional[Recipe] = None) -> bool:
+    """Whether an FP8 GEMM can take a weight of this shape: multiples of 16, and whole blocks of
+    `recipe` where it has blocks that every GEMM dimension must fill (MXFP8: 32, NVFP4: 16)."""
+    blocks = 1 if recipe is None else quantization_of(recipe).whole_blocks
+    multiple = math.lcm(GEMM_MULTIPLE, blocks)
+    return in_features % multiple == 0 and out_features % multiple == 0
 
 
 class Conv1D(FP8Module):
@@ -66,15 +70,17 @@ def _is_hf_conv1d(module: torch.nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
 
 
-def _swap(module: torch.nn.Module, fsdp_fp8_all_gather: bool) -> Optional[FP8Module]:
+def _swap(
+    module: torch.nn.Module, fsdp_fp8_all_gather: bool, recipe: Optional[Recipe]
+) -> Optional[FP8Module]:
     """The FP8 replacement of `module`, or None if it is not a layer this function converts."""
     if type(module) is torch.nn.Linear:
-        if not fp8_compatible(module.in_features, module.out_features):
+        if not fp8_compatible(module.in_features, module.out_features, recipe):
             return None
         new = Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
         new.weight, new.bias = module.weight, module.bias
     elif _is_hf_conv1d(module):
-        if not fp8_compatible(*module.weight.shape):
+        if not fp8_compatible(*module.weight.shape, recipe):
             return None
         new = Conv1D(module.weight, module.bias)
     else:
@@ -94,7 +100,8 @@ def convert_to_fp8(
 ) -> torch.nn.Module:
     """Replace `torch.nn.Linear` (and transformers' `Conv1D`) layers of `model` by FP8 modules, in place.
 
-    A layer is converted when both weight dimensions are multiples of 16 (what FP8 GEMMs take) and
+    A layer is converted when both weight dimensions are multiples of 16 (what FP8 GEMMs take), and of
+    `recipe`'s block where it has one that every GEMM dimension must fill (MXFP8: 32), and
     `module_filter_fn(module, fully_qualified_name)` returns True (it is not called for layers that
     are skipped anyway); return False to keep a layer in high precision, e.g. the output head.
     `recipe` is only checked here: FP8 state is created under the recipe of the first training
@@ -116,7 +123,7 @@ def convert_to_fp8(
             KEPT_BY_FILTER.add(module)
         return kept
 
-    root = _swap(model, fsdp_fp8_all_gather)
+    root = _swap(model, fsdp_fp8_all_gather, recipe)
     if root is not None:
         return _converted(root if keep(model, "") else model, recipe, log)
     swapped: dict[int, torch.nn.Module] = {}  # a layer shared by several parents stays one module
@@ -127,7 +134,7 @@ def convert_to_fp8(
             if child is None:
                 continue
             if id(child) not in swapped:
-                new = _swap(child, fsdp_fp8_all_gather)
+                new = _swap(child, fsdp_fp8_all_gather, recipe)
                 keep_it = new is not None and keep(child, f"{fqn}.{name}" if fqn else name)
                 swapped[id(child)] = new if keep_it else child
             setattr(parent, name, swapped[id(child)])

@@ -346,7 +346,7 @@ def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output:
         _gather_book(module, gemm_index).owed.append((weakref.ref(output.grad_fn), gather))
 
 
-def gathered_backward_ran(handle: int, gemm_index: int, node) -> None:
+def gathered_backward_ran(handle: torch.Tensor, gemm_index: int, node) -> None:
     """The backward of the forward whose autograd node is `node` ran: it owes nothing any more."""
     book = REGISTRY.module(handle).fsdp_gathers.get(gemm_index)
     if book is not None:

@@ -1,6 +1,7 @@
 """FP8 GEMM: `torch._scaled_mm` where the device and shape allow it, else an exact emulation.
 
-Paths, all computing (a @ b) * a_scale_inv * b_scale_inv (+ bias) from FP8-valued operands:
+Paths of a per-tensor-scaled GEMM, all computing (a @ b) * a_scale_inv * b_scale_inv (+ bias) from
+FP8-valued operands:
 - "scaled_mm": the hardware FP8 GEMM (Ada, Hopper and newer), scales applied on the device.
 - "bf16": FP8 values are exact in bf16, so a GEMM multiplies them exactly and accumulates in fp32;
   its output is rounded once to bf16, then scaled in fp32. The CPU default. Its kernel is a bf16
@@ -12,6 +13,17 @@ Paths, all computing (a @ b) * a_scale_inv * b_scale_inv (+ bias) from FP8-value
 kernel itself, whatever the CPU); a shape the forced path cannot take falls back to emulation. The
 scales stay tensors on the device throughout: no host read (a Python float alpha would wait for the
 GPU).
+
+Block-scaled operands (block scaling, MXFP8, NVFP4) take torch._scaled_mm's block-scaled kernel of
+their format where the device has it (`kernel_choice`: SM90 for 1x128/128x128 blocks, SM100+ for MX
+and NVFP4; block_gemm.py builds the layouts), else the exact emulation: dequantized block by block
+and multiplied in fp32. `FP8TRAIN_GEMM=scaled_mm` also tries the kernels on the CPU, bf16/fp32 turn
+them off. Each kernel is probed once per device before it is trusted (torch_internals.py).
+
+Fast accumulation (`FP8TRAIN_FAST_ACCUM`): the forward GEMM accumulates without Hopper's periodic
+promotion to fp32 (`use_fast_accum=True`, TransformerEngine's and torchao's choice for fprop), the
+gradient GEMMs with it (their sums over K = out_features or tokens are long, and gradients carry
+small differences of large terms). forward (default) | all | none.
 """
 
 from __future__ import annotations
@@ -22,21 +34,31 @@ from typing import Optional
 
 import torch
 
-from .torch_internals import has_scaled_mm, scaled_mm
+from . import block_gemm
+from .microscaling import float32_matmul
+from .torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
 
 __all__ = [
     "gemm",
     "matmul",
     "Operand",
     "choose_path",
+    "kernel_choice",
+    "kernel_runs",
+    "recipe_gemm",
+    "fast_accumulation",
     "bf16_kernel",
     "cpu_bf16_instructions",
     "has_scaled_mm",
     "PATHS",
+    "ROLES",
 ]
 
 PATHS = ("scaled_mm", "bf16", "fp32")
 ENV_PATH = "FP8TRAIN_GEMM"
+ENV_FAST_ACCUM = "FP8TRAIN_FAST_ACCUM"
+FAST_ACCUM = {"forward": ("forward",), "all": ("forward", "dgrad", "wgrad"), "none": ()}
+ROLES = ("forward", "dgrad", "wgrad")  # y = x @ w.T, dx = g @ w, dw = g.T @ x
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -47,19 +69,86 @@ def _forced() -> str:
     return forced
 
 
-def _scaled_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
-    if not has_scaled_mm(device.type) or any(d % 16 or d == 0 for d in (m, k, n)):
-        return False
+def fast_accumulation(role: str) -> bool:
+    """Whether the `role` GEMM ("forward", "dgrad", "wgrad") asks torch._scaled_mm for fast
+    accumulation (`FP8TRAIN_FAST_ACCUM`; FP4 GEMMs never take it)."""
+    choice = os.environ.get(ENV_FAST_ACCUM, "forward").strip() or "forward"
+    if choice not in FAST_ACCUM:
+        raise ValueError(f"{ENV_FAST_ACCUM}={choice!r} is not valid: use forward, all or none")
+    return role in FAST_ACCUM[choice]
+
+
+# the compute capabilities each torch._scaled_mm kernel needs (cuBLASLt's), checked before its probe
+_NEEDS = {
+    "tensorwise": (lambda cap: cap >= (8, 9), "8.9 or newer (Ada, Hopper, Blackwell)"),
+    "block": (lambda cap: cap[0] == 9, "9.x (Hopper; cuBLASLt has 1x128/128x128 block scales there only)"),
+    "mxfp8": (lambda cap: cap[0] >= 10, "10.0 or newer (Blackwell)"),
+    "nvfp4": (lambda cap: cap[0] >= 10, "10.0 or newer (Blackwell)"),
+}
+
+
+def kernel_runs(kernel: str, device: torch.device) -> tuple[bool, str]:
+    """Whether torch._scaled_mm's `kernel` (torch_internals.SCALED_MM_KERNELS) runs on `device`, and
+    why: the GPU's compute capability, then one probe of the kernel per device."""
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
+        cap = cuda_capability(device_index(device))
+        needs, what = _NEEDS[kernel]
+        if not needs(cap):
+            return (
+                False,
+                f"the {kernel} kernel needs compute capability {what}; this GPU has {cap[0]}.{cap[1]}",
+            )
+    problem = scaled_mm_problem(device.type, device_index(device), kernel)
+    if problem:
+        return False, problem
+    return True, f"torch._scaled_mm runs its {kernel} kernel on {device.type} (probed)"
+
+
+def kernel_choice(kernel: str, device: torch.device) -> tuple[bool, str]:
+    """Whether GEMMs on `device` use torch._scaled_mm's `kernel`, and why: the setting
+    (`FP8TRAIN_GEMM`; auto uses the kernels on CUDA only), then `kernel_runs`."""
+    forced = _forced()
+    if forced in ("bf16", "fp32"):
+        return False, f"{ENV_PATH}={forced} asks for the emulation"
+    if device.type != "cuda" and (device.type != "cpu" or forced != "scaled_mm"):
+        return False, f"{device.type} GEMMs are emulated (unless {ENV_PATH}=scaled_mm on the CPU)"
+    return kernel_runs(kernel, device)
+
+
+def _scaled_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
+    return all(d % 16 == 0 and d > 0 for d in (m, k, n)) and kernel_runs("tensorwise", device)[0]
+
+
+# the torch._scaled_mm kernel of each recipe kind (quantization/*.py `kind`)
+RECIPE_KERNELS = {
+    "delayed": "tensorwise",
+    "current": "tensorwise",
+    "block": "block",
+    "mxfp8": "mxfp8",
+    "nvfp4": "nvfp4",
+}
+
+
+def recipe_gemm(kind: str, device: torch.device) -> tuple[str, str]:
+    """Which GEMM a recipe of `kind` runs on `device` for shapes its kernel takes, and why (what
+    `fp8train info` prints): "torch._scaled_mm (<kernel>)" or the emulation that replaces it."""
+    kernel = RECIPE_KERNELS[kind]
+    native, why = kernel_choice(kernel, device)
+    if kernel == "tensorwise" and device.type == "cpu" and _forced() == "auto":
+        why = "the CPU default is the exact emulation"
+    if native:
+        return f"torch._scaled_mm ({kernel} scales)", why
+    if kernel == "tensorwise":
+        path = choose_path(device, 1024, 1024, 1024)
+        return f"the {path} emulation (FP8 values exact, fp32 accumulation)", why
+    return "the emulation (block-dequantized operands, an fp32 matmul)", why
 
 
 def choose_path(device: torch.device, m: int, k: int, n: int) -> str:
-    """The GEMM path for an (m x k) @ (k x n) product on `device`."""
+    """The GEMM path for an (m x k) @ (k x n) per-tensor-scaled product on `device`."""
     forced = _forced()
     if forced == "scaled_mm" or (forced == "auto" and device.type == "cuda"):
-        return "scaled_mm" if _scaled_mm_fits(device, m, k, n) else "bf16"
+        return "scaled_mm" if device.type in ("cuda", "cpu") and _scaled_mm_fits(device, m, k, n) else "bf16"
     return "bf16" if forced == "auto" else forced
 
 
@@ -101,27 +190,28 @@ def gemm(
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """(a @ b) * a_scale_inv * b_scale_inv (+ bias) for FP8-valued `a` (m x k) and `b` (k x n)."""
     if a.dtype in _FP8_DTYPES:
         if not _scaled_mm_fits(a.device, a.shape[0], a.shape[1], b.shape[1]):
-            why = (
-                "every dimension must be a multiple of 16"
-                if has_scaled_mm(a.device.type)
-                else f"torch {torch.__version__} has no such kernel on {a.device.type}"
-            )
+            ok, why = kernel_runs("tensorwise", a.device)
             raise ValueError(
                 f"FP8 operands of shape {tuple(a.shape)} x {tuple(b.shape)} on {a.device} cannot take "
-                f"torch._scaled_mm ({why}); set FP8TRAIN_GEMM=bf16"
+                f"torch._scaled_mm ({'every dimension must be a multiple of 16' if ok else why}); "
+                "set FP8TRAIN_GEMM=bf16"
             )
+        fused = block_gemm.kernel_adds_bias(out_dtype, bias)
         y = scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),
             a_scale_inv.reshape(()).float(),
             b_scale_inv.reshape(()).float(),
             out_dtype,
+            bias if fused else None,
+            fast_accum,
         )
-        return y if bias is None else y + bias.to(out_dtype)
+        return y if bias is None or fused else y + bias.to(out_dtype)
     if a.dtype == torch.bfloat16 and bf16_kernel(a.device)[0] == "fp32":
         y = torch.mm(a.float(), b.float()).to(torch.bfloat16)  # the bf16 path's rounding, fp32 speed
     else:
@@ -189,13 +279,24 @@ class Operand:
 
 
 def matmul(
-    a: Operand, b: Operand, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
+    a: Operand,
+    b: Operand,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    role: str = "forward",
 ) -> torch.Tensor:
-    """a @ b (+ bias) for quantized operands: `gemm` when both have one scale each (the hardware FP8
-    GEMM where it applies), else both dequantized block by block and multiplied in fp32."""
+    """a @ b (+ bias) for quantized operands, the `role` GEMM of a layer (ROLES): `gemm` when both
+    have one scale each (the hardware FP8 GEMM where it applies); block-scaled operands through
+    torch._scaled_mm's kernel of their format where the device has it (`kernel_choice`) and the
+    shape fits (`block_gemm.fits`), else both dequantized block by block and multiplied in fp32."""
+    fast_accum = fast_accumulation(role)
     if a.block is None and b.block is None:
-        return gemm(a.oriented(), a.scale_inv, b.oriented(), b.scale_inv, out_dtype, bias)
-    y = a.dequantize() @ b.dequantize()
+        return gemm(a.oriented(), a.scale_inv, b.oriented(), b.scale_inv, out_dtype, bias, fast_accum)
+    (m, k), n = a.oriented().shape, b.oriented().shape[1]
+    fmt = block_gemm.block_format(a, b)
+    if fmt is not None and block_gemm.fits(fmt, a, b, m, k, n) and kernel_choice(fmt, a.values.device)[0]:
+        return block_gemm.block_scaled_mm(fmt, a, b, out_dtype, bias, fast_accum)
+    y = float32_matmul(a.dequantize(), b.dequantize())
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)

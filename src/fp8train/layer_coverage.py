@@ -2,10 +2,10 @@
 
 `coverage(model)` looks at the model as it stands: every linear layer (`torch.nn.Linear`,
 transformers' `Conv1D`, fp8train's FP8 modules, one entry per GEMM) with whether it runs in FP8 and
-why not (its shape is off the multiple of 16 FP8 GEMMs need, `filter_fn` kept it, a high-precision
-switch holds it: debug_switches.py), whether it is frozen (no weight-gradient GEMM), whether its
-shape is off the recipe's block (then its operands are padded) and the GEMM path it takes on its
-device (gemm.py: `choose_path` for per-tensor recipes; block-scaled operands are dequantized).
+why not (its shape is off the multiple of 16 FP8 GEMMs need or off the whole blocks its recipe
+needs, `filter_fn` kept it, a high-precision switch holds it: debug_switches.py), whether it is
+frozen (no weight-gradient GEMM), whether its operands are padded to the recipe's blocks (block
+scaling's 128) and the GEMM path it takes on its device (`gemm_path`: as gemm.py chooses it).
 
 `StepCoverage(model)` counts what each step ran, from shapes (host ints: no device is waited for):
 linear FLOPs in FP8 and in high precision, GEMMs per path, and, under FSDP2, the bytes of linear
@@ -30,7 +30,7 @@ from .fsdp import GatheredWeight
 from .microscaling import MX_BLOCK, NVFP4_BLOCK
 from .modules.base import FP8Module
 from .quantization.block import TILE
-from .recipe import recipe_kind
+from .recipe import RECIPES, recipe_kind
 from .registry import REGISTRY
 
 __all__ = ["LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER"]
@@ -50,7 +50,7 @@ class LayerCoverage:
     in_features: int
     out_features: int
     fp8: bool
-    reason: str  # "fp8", or why not: "shape", "filter", "switched", "not converted"
+    reason: str  # "fp8", or why not: "shape", "off block", "filter", "switched", "not converted"
     frozen: bool  # its weight trains not: no weight-gradient GEMM
     path: Optional[str]  # the GEMM path an FP8 call takes (a token count that is a multiple of 16)
     padded: bool = False  # off the recipe's block: its operands are padded to whole blocks
@@ -143,10 +143,19 @@ def gemm_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, 
 
 
 def gemm_path(kind: str, device: torch.device, tokens: int, in_features: int, out_features: int) -> str:
-    """The path an FP8 GEMM of this shape takes on `device` under a recipe of `kind` (gemm.py)."""
-    if kind in RECIPE_BLOCKS:
-        return BLOCK_PATH
-    return gemm.choose_path(device, tokens, in_features, out_features)
+    """The path an FP8 GEMM of this shape takes on `device` under a recipe of `kind`, as gemm.py
+    chooses it: a per-tensor path (`gemm.PATHS`), "scaled_mm:<kernel>" for a block-scaled kernel of
+    torch._scaled_mm (`gemm.kernel_choice`), else the block-dequantized emulation."""
+    kernel = gemm.RECIPE_KERNELS[kind]
+    if kernel == "tensorwise":
+        return gemm.choose_path(device, tokens, in_features, out_features)
+    return f"scaled_mm:{kernel}" if gemm.kernel_choice(kernel, device)[0] else BLOCK_PATH
+
+
+def whole_blocks(kind: str) -> int:
+    """The block every GEMM dimension must fill under a recipe of `kind` (1: none); the recipe refuses
+    other shapes, and convert_to_fp8 given the recipe keeps them in high precision."""
+    return next(q.whole_blocks for q in RECIPES.values() if q.kind == kind)
 
 
 def _recipe_kind(model: torch.nn.Module, recipe) -> str:
@@ -163,27 +172,25 @@ def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
     recipe it trains with (default: a prepared model's, else the one its modules trained with, else
     delayed scaling); it decides the block and the path."""
     kind = _recipe_kind(model, recipe)
-    block = RECIPE_BLOCKS.get(kind)
+    block, whole = RECIPE_BLOCKS.get(kind), whole_blocks(kind)
     layers = []
     for fqn, module in model.named_modules():
         for gemm_name, weight, k, n in gemm_weights(module):
             name = f"{fqn}/{gemm_name}" if gemm_name else (fqn or type(module).__name__)
             frozen = not weight.requires_grad
-            if not isinstance(module, FP8Module):
-                reason = (
-                    "shape"
-                    if not fp8_compatible(k, n)
-                    else ("filter" if module in KEPT_BY_FILTER else "not converted")
-                )
-                layers.append(LayerCoverage(name, type(module).__name__, k, n, False, reason, frozen, None))
-                continue
-            switched = SWITCHES.high_precision_now(module)
-            padded = block is not None and bool(k % block or n % block)
-            path = None if switched else gemm_path(kind, weight.device, 16, k, n)
-            reason = "switched" if switched else "fp8"
-            layers.append(
-                LayerCoverage(name, type(module).__name__, k, n, not switched, reason, frozen, path, padded)
-            )
+            off_block = bool(k % whole or n % whole)
+            if not fp8_compatible(k, n):
+                reason = "shape"
+            elif off_block:  # an FP8 module of this shape is refused by the recipe at its first call
+                reason = "off block"
+            elif not isinstance(module, FP8Module):
+                reason = "filter" if module in KEPT_BY_FILTER else "not converted"
+            else:
+                reason = "switched" if SWITCHES.high_precision_now(module) else "fp8"
+            fp8 = reason == "fp8"
+            padded = fp8 and block is not None and bool(k % block or n % block)
+            path = gemm_path(kind, weight.device, 16, k, n) if fp8 else None
+            layers.append(LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded))
     return ModelCoverage(tuple(layers), kind)
 
 

@@ -28,7 +28,7 @@ __all__ = [
     "e2m1_round", "pack_e2m1", "unpack_e2m1",
     "nvfp4_tensor_scale", "nvfp4_quantize", "nvfp4_dequantize",
     "hadamard_matrix", "random_hadamard_transform", "inverse_random_hadamard_transform",
-    "rowwise_scales", "microscaled_mm",
+    "rowwise_scales", "microscaled_mm", "swizzle_scales", "unswizzle_scales", "float32_matmul",
 ]  # fmt: skip
 
 MX_BLOCK = 32
@@ -47,6 +47,30 @@ RHT_SEED = 2024
 RHT_SIGNS = (-1, -1, -1, -1, 1, -1, -1, 1, 1, 1, 1, -1, 1, -1, -1, -1)
 
 Amax = Union[torch.Tensor, float]
+
+
+# ---- exact float32 matmuls --------------------------------------------------------------------
+
+
+def float32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of float32 tensors in float32, which the emulated GEMMs and the Hadamard transform argue
+    their exactness in: autocast off, and torch's fp32 matmul precision "highest" (no TF32 on CUDA,
+    no bf16 inside oneDNN) whatever the training script set, restored after. Traced code
+    (torch.compile) keeps the autocast guard only: dynamo cannot trace the precision switch, so a
+    compiled graph follows the script's setting (docs/design.md, section 13)."""
+    device_type = a.device.type
+    if device_type not in ("cpu", "cuda"):
+        return a @ b
+    if torch.compiler.is_compiling():
+        with torch.autocast(device_type, enabled=False):
+            return a @ b
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(device_type, enabled=False):
+            return a @ b
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 # ---- blocks ------------------------------------------------------------------------------------
@@ -91,9 +115,15 @@ def _expand(per_block: torch.Tensor, shape: torch.Size, dim: int, block: int, tw
 
 
 def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
-    """a / b correctly rounded on every device: CUDA turns a division by a Python number into a
-    multiplication by its rounded reciprocal, a division by a tensor of the same shape it does not."""
-    return a / torch.full_like(a, b)
+    """float32 a / b (b = 6, 448 or 57344) correctly rounded, eager and compiled alike. Inductor on
+    GPUs turns a division by any constant (a Python number, a constant-filled tensor) into a
+    multiplication by its rounded reciprocal, which misses the correctly rounded quotient in about
+    half the cases. So the quotient is taken in float64 and rounded once to float32: correctly
+    rounded as an fp64 division (53 >= 2 x 24 + 2 bits: double rounding is innocuous), and as an fp64
+    multiplication by 1/b too, because its error (2**-52) is far below the distance of a / b from any
+    float32 rounding midpoint (b's odd part is 3 or 7: at least 2**-28 relative, for normal
+    quotients; subnormal ones only choose between E8M0 bytes 0 and 1, and are 0 in E4M3)."""
+    return (a.double() / b).float()
 
 
 # ---- MXFP8 ---------------------------------------------------------------------------------------
@@ -342,7 +372,7 @@ def _block_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int) -> torch.T
         raise ValueError(
             f"the Hadamard transform works in blocks of {n}; dimension {dim} has {moved.shape[-1]}"
         )
-    out = moved.unflatten(-1, (moved.shape[-1] // n, n)) @ matrix
+    out = float32_matmul(moved.unflatten(-1, (moved.shape[-1] // n, n)), matrix)
     return out.flatten(-2).movedim(-1, dim)
 
 
@@ -362,6 +392,35 @@ def inverse_random_hadamard_transform(
 ) -> torch.Tensor:
     """The inverse of `random_hadamard_transform`: y = x @ M.T per block (M orthogonal)."""
     return _block_transform(x, _hadamard_on(x.device, signs).t(), dim)
+
+
+# ---- scale layouts of the hardware GEMMs -------------------------------------------------------------
+
+# cuBLAS's "blocked" layout of MX/NVFP4 block scales: the [rows, scale columns] matrix padded with zeros
+# to multiples of (128, 4) and cut into 128 x 4 tiles, stored tile after tile (row tiles outer); inside
+# a tile, the scale of (r, c) sits at byte (r % 32) * 16 + (r // 32) * 4 + c (cuBLAS's 1D block scaling
+# factors layout: 32 row groups of 4 interleaved 32-row slices).
+SWIZZLE_TILE = (128, 4)
+
+
+def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Per-row block scales [rows, nb] (any dtype) in cuBLAS's blocked layout, flat: round_up(rows, 128)
+    * round_up(nb, 4) elements, the padding zero (what torch._scaled_mm's MX and NVFP4 kernels take)."""
+    rows, cols = scales.shape
+    tr, tc = SWIZZLE_TILE
+    padded = scales.new_zeros(-(-rows // tr) * tr, -(-cols // tc) * tc)
+    padded[:rows, :cols] = scales
+    # [row tile, r // 32, r % 32, column tile, c] -> [row tile, column tile, r % 32, r // 32, c]
+    tiles = padded.view(padded.shape[0] // tr, 4, 32, padded.shape[1] // tc, tc)
+    return tiles.permute(0, 3, 2, 1, 4).contiguous().flatten()
+
+
+def unswizzle_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `swizzle_scales`: per-row block scales [rows, cols] from their blocked layout."""
+    tr, tc = SWIZZLE_TILE
+    row_tiles, col_tiles = -(-rows // tr), -(-cols // tc)
+    tiles = blocked.reshape(row_tiles, col_tiles, 32, 4, tc).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(row_tiles * tr, col_tiles * tc)[:rows, :cols]
 
 
 # ---- the emulated blockwise GEMM -------------------------------------------------------------------

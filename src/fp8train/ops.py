@@ -18,7 +18,7 @@ from .plans import BWD_ROLES, FWD_ROLES, plan_forward
 from .quantization.base import Quantization
 from .regions import current_backward_pass
 from .registry import REGISTRY
-from .torch_internals import register_ordered_effects
+from .torch_internals import keep_out_of_cuda_graphs, register_ordered_effects, round_divisions_as_eager
 
 __all__ = ["CallPrecision", "call_precision", "forward_scales", "backward_scales", "check_recipe_kind"]
 
@@ -29,6 +29,24 @@ class CallPrecision(NamedTuple):
     fp8: bool  # the GEMM runs in FP8
     record: bool  # its amaxes are recorded (training, or calibrating)
     quantization: Optional[Quantization] = None  # the recipe's, when the call runs in FP8 or records
+
+
+def capturing_cuda_graph(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_cuda_graph_capture(like: torch.Tensor) -> None:
+    """A CUDA graph replays kernels, not Python: captured, the protocol's work would be skipped at
+    every replay (plans, amax recording, frozen scales read once, no end-of-backward launch)."""
+    if capturing_cuda_graph(like.device):
+        raise RuntimeError(
+            "an FP8 call of fp8train is being captured into a CUDA graph (torch.cuda.graph, or "
+            "torch.compile(mode='reduce-overhead') on a torch whose inductor has no "
+            "custom_should_partition_ops); the amax protocol runs Python at every call, which a replay "
+            "would skip. Capture only code outside FP8 modules, compile with mode='default' or "
+            "'max-autotune-no-cudagraphs', or use a torch whose inductor keeps fp8train's ops out of "
+            "its CUDA graphs (docs/design.md, section 6)"
+        )
 
 
 def call_precision(module, gemm_index: int) -> CallPrecision:
@@ -44,7 +62,6 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
             return CallPrecision(False, False)
         record = settings.quantization.reduces_amax and (settings.calibrating or torch.is_grad_enabled())
         return CallPrecision(settings.enabled, record, settings.quantization)
-    REGISTRY.register_module(module, module.fp8_handle)  # (again: the registry may have been reset)
     if gemm_index == 0:
         # a bisecting switch (debug_switches.py) holds it in high precision: no plan, also in a replay
         held = SWITCHES.high_precision_now(module)
@@ -56,7 +73,12 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
 
 
 def _forward_scales(
-    module, gemm_index: int, x_amax: Optional[torch.Tensor], w_amax: Optional[torch.Tensor], training=None
+    module,
+    gemm_index: int,
+    x_amax: Optional[torch.Tensor],
+    w_amax: Optional[torch.Tensor],
+    like: torch.Tensor,
+    training=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Record this GEMM's amaxes; return its scales [[x, w], [x_inv, w_inv]] and its region's token.
 
@@ -68,6 +90,7 @@ def _forward_scales(
         REGISTRY.set_plan(module, plan)
         if plan is not None and plan.region is not None:
             plan.region.compiled_calls = True
+    refuse_cuda_graph_capture(like)
     plan = REGISTRY.plan_of(module)
     base = plan.fwd_offset + FWD_ROLES * gemm_index
     if plan.records_into is not None:
@@ -86,6 +109,7 @@ def _backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch
 
     Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
     launches the group's backward reduction when it ends."""
+    refuse_cuda_graph_capture(g_amax)
     meta = module.fp8_meta["scaling_bwd"]
     direction = meta.direction
     direction.finish()
@@ -97,16 +121,17 @@ def _backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch
 
 
 # ---- the custom ops ---------------------------------------------------------------------------------
+# Each op names its module by handle (registry.py): a host tensor, an input of the graph.
 @torch.library.custom_op("fp8train::forward_scales", mutates_args=())
 def _forward_scales_op(
-    handle: int,
+    handle: torch.Tensor,
     gemm_index: int,
     x_amax: Optional[torch.Tensor],
     w_amax: Optional[torch.Tensor],
     like: torch.Tensor,
     training: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_scales(REGISTRY.module(handle), gemm_index, x_amax, w_amax, training)
+    return _forward_scales(REGISTRY.module(handle), gemm_index, x_amax, w_amax, like, training)
 
 
 @_forward_scales_op.register_fake
@@ -116,7 +141,7 @@ def _(handle, gemm_index, x_amax, w_amax, like, training):
 
 @torch.library.custom_op("fp8train::backward_scales", mutates_args=())
 def _backward_scales_op(
-    handle: int, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
+    handle: torch.Tensor, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
 ) -> torch.Tensor:
     return _backward_scales(REGISTRY.module(handle), gemm_index, g_amax, token)
 
@@ -127,7 +152,7 @@ def _(handle, gemm_index, g_amax, token):
 
 
 @torch.library.custom_op("fp8train::check_recipe_kind", mutates_args=())
-def _check_recipe_kind_op(handle: int, kind: str) -> None:
+def _check_recipe_kind_op(handle: torch.Tensor, kind: str) -> None:
     REGISTRY.module(handle).claim_recipe_kind(kind)
 
 
@@ -136,14 +161,16 @@ def _(handle, kind):
     return None
 
 
-ORDERED_EFFECTS = register_ordered_effects(
-    op.default
-    for op in (
-        torch.ops.fp8train.forward_scales,
-        torch.ops.fp8train.backward_scales,
-        torch.ops.fp8train.check_recipe_kind,
-    )
+PROTOCOL_OPS = (
+    torch.ops.fp8train.forward_scales,
+    torch.ops.fp8train.backward_scales,
+    torch.ops.fp8train.check_recipe_kind,
 )
+ORDERED_EFFECTS = register_ordered_effects(op.default for op in PROTOCOL_OPS)
+# mode="reduce-overhead": the graph's CUDA graphs hold the compute between these ops, never the ops
+KEPT_OUT_OF_CUDA_GRAPHS = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
+# compiled scales are eager's: fp8_max / amax and 1 / scale correctly rounded on GPUs too
+DIVISIONS_ROUNDED_AS_EAGER = round_divisions_as_eager()
 
 
 # ---- what FP8 GEMM calls use: the op while torch.compile traces, the function otherwise -------------------
@@ -157,11 +184,11 @@ def forward_scales(
     if torch.compiler.is_compiling():  # the graph runs without grad: whether the call trains is passed
         training = torch.is_grad_enabled()
         return _forward_scales_op(module.fp8_handle, gemm_index, x_amax, w_amax, like, training)
-    return _forward_scales(module, gemm_index, x_amax, w_amax)
+    return _forward_scales(module, gemm_index, x_amax, w_amax, like)
 
 
 def backward_scales(
-    module_handle: int, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
+    module_handle: torch.Tensor, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
 ) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _backward_scales_op(module_handle, gemm_index, g_amax, token)

@@ -137,7 +137,8 @@ def prepare(
         raise ValueError(
             f"fp8train.prepare found no layer to train in FP8 in this {type(model).__name__}: no "
             "torch.nn.Linear "
-            "(or transformers Conv1D) whose dimensions are multiples of 16 passed the filter"
+            "(or transformers Conv1D) whose dimensions are multiples of 16 (and whole blocks of the recipe) "
+            "passed the filter"
         )
     if _is_transformers_model(model):
         # save_pretrained (and so the Trainer's save_model and checkpoints) writes safetensors, which

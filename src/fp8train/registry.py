@@ -6,7 +6,7 @@ recomputations name them by serial), the amax groups and the channel of each pro
 reduction counters, the FP8 modules by handle (how compiled graphs name them) with each one's plan
 for its current call, the running backward pass, and the activation-recomputation calls being noted
 or replayed. Other modules read it and change it through its methods only; `reset()` (tests,
-benchmarks: `fp8train.inspection.reset`) forgets it all.
+benchmarks: `fp8train.inspection.reset`) forgets it all but the module handles.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ def _reduces(recipe, process_group) -> bool:
 
 class Registry:
     def __init__(self) -> None:
-        self._handles = 0  # never reset: a module keeps its handle across resets
+        # never reset: a module keeps its handle, which compiled graphs hold, across resets
+        self._handles = 0
+        self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self.reset()
 
     def reset(self) -> None:
-        """Forget every region, amax group, channel, module handle and counter."""
+        """Forget every region, amax group, channel, call plan and counter."""
         self.stack: list[RegionSettings] = []  # active fp8_autocast settings, innermost last
         self.region: Optional[Region] = None  # the outermost region being run
         self.regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
@@ -67,7 +69,6 @@ class Registry:
         self.groups: dict[tuple, AmaxGroup] = {}
         self.channels: dict[object, Channel] = {}
         self.stats = ReductionStats()
-        self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
         self.plans: weakref.WeakKeyDictionary[torch.nn.Module, Plan] = weakref.WeakKeyDictionary()
         self._backward_pass: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
         self.step_groups: dict[AmaxGroup, None] = {}  # per-step groups this rank trained, in that order
@@ -121,16 +122,19 @@ class Registry:
         self.step_groups.setdefault(group, None)
 
     # ---- modules and their calls ---------------------------------------------------------------------
-    def register_module(self, module: torch.nn.Module, handle: Optional[int] = None) -> int:
-        """A handle for `module` (a new one unless given): how compiled graphs name it to the ops."""
-        if handle is None:
-            self._handles += 1
-            handle = self._handles
-        self.modules[handle] = module
+    def register_module(self, module: torch.nn.Module) -> torch.Tensor:
+        """A new handle for `module`: how the protocol's ops (ops.py) name it, in eager code and in
+        compiled graphs. A host int64 scalar rather than an int: a graph takes a tensor attribute as an
+        input, so one graph serves every module of a kind, where dynamo would guard an int attribute's
+        value and compile once per module (a model's blocks compiled one by one)."""
+        self._handles += 1
+        self.modules[self._handles] = module
+        handle = torch.tensor(self._handles, dtype=torch.int64, device="cpu")
+        handle._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
         return handle
 
-    def module(self, handle: int) -> torch.nn.Module:
-        return self.modules[handle]
+    def module(self, handle: torch.Tensor) -> torch.nn.Module:
+        return self.modules[int(handle)]
 
     def plan_of(self, module: torch.nn.Module) -> Optional[Plan]:
         """The plan of `module`'s current call (made at its first GEMM)."""

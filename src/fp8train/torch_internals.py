@@ -7,8 +7,9 @@ says how). When a torch upgrade breaks fp8train, this is the file to read first.
 
 from __future__ import annotations
 
-import functools
+import os
 import sys
+import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -18,8 +19,14 @@ __all__ = [
     "in_backward",
     "at_end_of_backward",
     "register_ordered_effects",
+    "keep_out_of_cuda_graphs",
+    "round_divisions_as_eager",
     "scaled_mm",
     "has_scaled_mm",
+    "scaled_mm_problem",
+    "cuda_capability",
+    "device_index",
+    "SCALED_MM_KERNELS",
     "unsafe_view",
     "tree_leaves",
     "tree_map_only",
@@ -63,27 +70,151 @@ def register_ordered_effects(ops: Iterable) -> bool:
     return True
 
 
-# ---- ops --------------------------------------------------------------------------------------------
-@functools.cache
-def has_scaled_mm(device_type: str) -> bool:
-    """Whether `torch._scaled_mm` runs on this device type: CUDA had it from torch 2.1; the CPU
-    kernel came later (absent in 2.7), so a 16x16 product is tried once on the CPU."""
-    if not hasattr(torch, "_scaled_mm"):
+# ---- inductor (torch.compile's code generator) ----------------------------------------------------------
+def keep_out_of_cuda_graphs(op_names: Iterable[str]) -> bool:
+    """Have inductor split its graphs around these custom ops when it uses CUDA graphs
+    (`config.custom_should_partition_ops`): with mode="reduce-overhead" the compute between them is
+    captured and replayed, and they run, Python and all, at every call. An effectful op lowered on a
+    CUDA tensor would otherwise be captured (inductor partitions around CPU ops and ops it knows, not
+    around Python side effects) and skipped at replay. False where torch lacks the option."""
+    from torch._inductor import config
+
+    names = getattr(config, "custom_should_partition_ops", None)
+    if names is None:
         return False
-    if device_type != "cpu":
-        return True
-    try:
-        one = torch.ones((), dtype=torch.float32)
-        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-    except (NotImplementedError, RuntimeError):
-        return False
+    config.custom_should_partition_ops = [*names, *(name for name in op_names if name not in names)]
     return True
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
-    """The hardware FP8 GEMM (`torch._scaled_mm`, cuBLASLt): a row-major, b column-major."""
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+def round_divisions_as_eager() -> bool:
+    """Have inductor's GPU kernels round float32 divisions as eager kernels do
+    (`config.eager_numerics.division_rounding`): Triton's `/` is an approximate division, so compiled
+    scales (fp8_max / amax, 1 / scale) could differ from eager ones in the last bit. Process-wide, for
+    every compiled graph; left as it is where TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING is set (the
+    user's choice). Whether divisions are rounded as eager; False where torch lacks the option."""
+    from torch._inductor import config
+
+    numerics = getattr(config, "eager_numerics", None)
+    if numerics is None or not hasattr(numerics, "division_rounding"):
+        return False
+    if "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING" not in os.environ:
+        numerics.division_rounding = True
+    return bool(numerics.division_rounding)
+
+
+# ---- ops --------------------------------------------------------------------------------------------
+# The kernels of `torch._scaled_mm` fp8train uses, each named by its scaling: one fp32 scale per tensor;
+# DeepSeek's 1x128 / 128x128 fp32 block scales (SM90, cuBLASLt >= 12.9); MXFP8's E8M0 scales per 32
+# and NVFP4's E4M3 scales per 16 of packed E2M1 values, both in cuBLAS's swizzled layout (SM100+).
+SCALED_MM_KERNELS = ("tensorwise", "block", "mxfp8", "nvfp4")
+
+# The one registry of device facts, found once per device and never changed: ("capability", index) ->
+# (major, minor); (device type, index, kernel) -> "" where torch._scaled_mm runs that kernel, else why not.
+_DEVICE_FACTS: dict[tuple, Any] = {}
+
+
+@torch.compiler.assume_constant_result  # traced code reads the answer as a constant
+def cuda_capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device `index`, asked once (it never changes in a process)."""
+    key = ("capability", index)
+    if key not in _DEVICE_FACTS:
+        _DEVICE_FACTS[key] = tuple(torch.cuda.get_device_capability(index))
+    return _DEVICE_FACTS[key]
+
+
+def device_index(device: torch.device) -> int:
+    """The index of `device` (a CUDA device without one is the current device; -1 for the CPU)."""
+    if device.type != "cuda":
+        return -1 if device.index is None else device.index
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _probe_operands(kernel: str, device: torch.device):
+    """(mat1, mat2, scale_a, scale_b, out_dtype, expected) of one small `kernel` call: all values and
+    scales 1, so the product is K everywhere whatever the scales' layout."""
+    f32 = dict(dtype=torch.float32, device=device)
+    if kernel == "block":  # 256: two tiles along each dimension, so no scale shape is ambiguous
+        a = torch.ones(256, 256, dtype=torch.float8_e4m3fn, device=device)
+        return a, a.t(), torch.ones(2, 256, **f32).t(), torch.ones(2, 2, **f32).t(), torch.bfloat16, 256.0
+    if kernel == "mxfp8":
+        a = torch.ones(128, 128, dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.full((128 * 4,), 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+        return a, a.t(), scale, scale, torch.bfloat16, 128.0
+    if kernel == "nvfp4":  # 0x22: two E2M1 ones per byte
+        a = torch.full((128, 64), 0x22, dtype=torch.uint8, device=device).view(torch.float4_e2m1fn_x2)
+        scale = torch.ones(128 * 8, **f32).to(torch.float8_e4m3fn)
+        return a, a.t(), scale, scale, torch.float32, 128.0
+    raise ValueError(f"unknown torch._scaled_mm kernel {kernel!r}: one of {SCALED_MM_KERNELS}")
+
+
+def _probe(kernel: str, device: torch.device) -> None:
+    """Run `kernel` once on `device` and check its value; raises where it does not run or is wrong."""
+    if kernel == "tensorwise":  # both dtype pairs fp8train uses, both output kinds
+        one = torch.ones((), dtype=torch.float32, device=device)
+        a = torch.ones(16, 16, dtype=torch.float8_e4m3fn, device=device)
+        g = torch.ones(16, 16, dtype=torch.float8_e5m2, device=device)
+        calls = [(a, a.t(), one, one, torch.bfloat16, 16.0), (g, a.t(), one, one, torch.float32, 16.0)]
+    else:
+        calls = [_probe_operands(kernel, device)]
+    for mat1, mat2, scale_a, scale_b, out_dtype, expected in calls:  # the op itself: not counted by
+        # code that wraps torch._scaled_mm to count the GEMMs of a step (the GPU check does)
+        y = torch.ops.aten._scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype=out_dtype)
+        if not bool((y.float() == expected).all()):  # a host read, once per device and kernel
+            raise RuntimeError(
+                f"torch._scaled_mm computed a wrong product ({y.flatten()[0].item()} for {expected})"
+            )
+
+
+@torch.compiler.assume_constant_result  # traced code reads the answer as a constant
+def scaled_mm_problem(device_type: str, index: int, kernel: str = "tensorwise") -> str:
+    """Why `torch._scaled_mm` cannot run `kernel` on this device ("" when it can), found by one small
+    call per device and kernel (a torch without the op, a CUDA build or GPU without FP8 GEMMs, ROCm's
+    fnuz dtypes, a cuBLASLt without the kernel, torch's CPU kernel before 2.8 or beyond per-tensor
+    scales). On a GPU a failed probe warns once: fp8train emulates that GEMM there instead."""
+    key = (device_type, index, kernel)
+    if key in _DEVICE_FACTS:
+        return _DEVICE_FACTS[key]
+    problem = ""
+    if not hasattr(torch, "_scaled_mm"):
+        problem = f"torch {torch.__version__} has no torch._scaled_mm"
+    elif kernel == "mxfp8" and not hasattr(torch, "float8_e8m0fnu"):
+        problem = f"torch {torch.__version__} has no float8_e8m0fnu (MX scales)"
+    elif kernel == "nvfp4" and not hasattr(torch, "float4_e2m1fn_x2"):
+        problem = f"torch {torch.__version__} has no float4_e2m1fn_x2 (packed FP4)"
+    else:
+        device = torch.device(device_type) if index < 0 else torch.device(device_type, index)
+        try:
+            _probe(kernel, device)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            problem = f"torch._scaled_mm ({kernel}) failed on {device}: {first}"
+    if problem and device_type != "cpu":
+        warnings.warn(f"fp8train: {problem}; that FP8 GEMM is emulated on this device", stacklevel=2)
+    _DEVICE_FACTS[key] = problem
+    return problem
+
+
+def has_scaled_mm(device, kernel: str = "tensorwise") -> bool:
+    """Whether `torch._scaled_mm` runs `kernel` on `device` (a torch.device or its name), probed once
+    per device (`scaled_mm_problem`)."""
+    device = torch.device(device)
+    return not scaled_mm_problem(device.type, device_index(device), kernel)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """The hardware FP8/FP4 GEMM (`torch._scaled_mm`, cuBLASLt): a row-major, b column-major, the
+    scales' dtype, shape and layout naming the kernel (docs/design.md, section 12)."""
+    return torch._scaled_mm(
+        a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )
 
 
 def unsafe_view(tensor: torch.Tensor, shape) -> torch.Tensor:

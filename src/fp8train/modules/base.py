@@ -42,7 +42,7 @@ class FP8Module(torch.nn.Module):
             "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
         }
         self.recipe_kind: Optional[str] = None  # the kind of recipe it trains with ("delayed", ...), once set
-        self.fp8_handle = REGISTRY.register_module(self)  # how compiled graphs name this module
+        self.fp8_handle = REGISTRY.register_module(self)  # how the protocol's ops name it (registry.py)
         self.shards_checked = False  # sequence parallelism: token shards checked equal across TP ranks
         self.fsdp_gathers: dict = {}  # fsdp.py's bookkeeping of FP8 weight gathers, per GEMM
         # (GEMM index, recipe kind) -> the weight's FP8 operands, kept across microbatches, and the

@@ -44,7 +44,8 @@ class _LinearFn(torch.autograd.Function):
             shape = (gathered.values.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
         y = matmul(x_ops.forward, w_ops.forward.t(), x.dtype, bias)
         # the weight itself only for a double backward (create_graph): a reference, not a copy
-        ctx.save_for_backward(*x_ops.wgrad.tensors(), *w_ops.dgrad.tensors(), weight, call.token)
+        saved = (*x_ops.wgrad.tensors(), *w_ops.dgrad.tensors(), weight, call.module_handle, call.token)
+        ctx.save_for_backward(*saved)
         ctx.layouts = (x_ops.wgrad.layout, w_ops.dgrad.layout)
         ctx.call, ctx.sp_group = call.without_tensors(), sp_group  # its tensors: saved above
         ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
@@ -53,10 +54,10 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        *operands, weight, token = ctx.saved_tensors
+        *operands, weight, module_handle, token = ctx.saved_tensors
         x_wgrad = Operand.rebuild(operands[:3], ctx.layouts[0])
         w_dgrad = Operand.rebuild(operands[3:], ctx.layouts[1])
-        call = ctx.call.with_token(token)
+        call = ctx.call.with_saved(module_handle, token)
         create_graph = torch.is_grad_enabled()
         if create_graph and (
             ctx.sp_group is not None or isinstance(weight, GatheredWeight) or x_wgrad.rotated
@@ -73,12 +74,12 @@ class _LinearFn(torch.autograd.Function):
             if isinstance(weight, GatheredWeight) and not torch.compiler.is_compiling():
                 fsdp.gathered_backward_ran(call.module_handle, call.gemm_index, ctx)  # owed nothing now
             if needs[0]:
-                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype)
+                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad")
                 if ctx.sp_group is not None:  # each rank's tokens: summed over the group
                     grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if needs[1]:
-                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype)
+                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad")
         if create_graph:  # differentiable, with the same values (second_order.py)
             grad_x, grad_w = second_order.linear_grads(
                 grad_x, grad_w, g2d,

@@ -17,15 +17,18 @@ uses; a block-scaled recipe quantizes each use along its own GEMM's reduction di
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
-from ..gemm import Operand
+from ..gemm import RECIPE_KERNELS, Operand, kernel_choice
 
-__all__ = ["Quantization", "GemmCall", "WeightOperands", "InputOperands", "GradOperands"]
+__all__ = [
+    "Quantization", "GemmCall", "WeightOperands", "InputOperands", "GradOperands", "check_whole_blocks"
+]  # fmt: skip
 
 
 class WeightOperands(NamedTuple):
@@ -52,7 +55,7 @@ class GemmCall:
     """One FP8 GEMM call of a module: what its quantization needs besides the tensors."""
 
     quantization: Quantization
-    module_handle: int  # names the module to the protocol's ops (ops.py)
+    module_handle: Optional[torch.Tensor]  # names the module to the protocol's ops (registry.py, ops.py)
     gemm_index: int
     operand_dtype: torch.dtype  # per-tensor operands: an FP8 dtype (hardware GEMM), or bf16/fp32
     scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
@@ -61,12 +64,11 @@ class GemmCall:
     def without_tensors(self) -> GemmCall:
         """What backward keeps on its context (the tensors travel through save_for_backward). Built
         field by field: dataclasses.replace is not traceable by dynamo in every torch."""
-        return GemmCall(self.quantization, self.module_handle, self.gemm_index, self.operand_dtype)
+        return GemmCall(self.quantization, None, self.gemm_index, self.operand_dtype)
 
-    def with_token(self, token: Optional[torch.Tensor]) -> GemmCall:
-        return GemmCall(
-            self.quantization, self.module_handle, self.gemm_index, self.operand_dtype, None, token
-        )
+    def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> GemmCall:
+        """The backward's call: this one's fields with the saved tensors."""
+        return GemmCall(self.quantization, module_handle, self.gemm_index, self.operand_dtype, None, token)
 
 
 class Quantization:
@@ -79,12 +81,15 @@ class Quantization:
       calls have plans with frozen scales, amaxes are recorded and reduced (regions.py, plans.py);
     - `casts_before_gather`: a tensor's scale is known before the tensor is whole, so sequence-parallel
       inputs and FSDP2 weights are cast on each rank and gathered as FP8 bytes; otherwise they are
-      gathered in high precision and quantized whole.
+      gathered in high precision and quantized whole;
+    - `whole_blocks`: the block every GEMM dimension must fill (`check_whole_blocks`; convert_to_fp8
+      keeps layers whose features are off it in high precision).
     """
 
     kind: ClassVar[str]
     reduces_amax: ClassVar[bool] = False
     casts_before_gather: ClassVar[bool] = False
+    whole_blocks: ClassVar[int] = 1  # tokens, in and out features must be multiples of it (MX, NVFP4)
 
     def __init__(self, recipe) -> None:
         self.recipe = recipe
@@ -114,13 +119,52 @@ class Quantization:
         raise NotImplementedError
 
 
-def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
-    """Block-scaled recipes run an emulated GEMM on every device: say so once on CUDA, where a user
-    may expect tensor-core speed (Python's default warning filter shows it once per place)."""
-    if x.is_cuda:
-        warnings.warn(
-            f"fp8train.{recipe_name} on CUDA runs an emulated GEMM (block-dequantized operands, fp32 "
-            "matmul): the numerics of the recipe without its speed. Use DelayedScaling or "
-            "Float8CurrentScaling for FP8 tensor-core GEMMs (torch._scaled_mm).",
-            stacklevel=5,
+# The device type on which the block-scaled recipes say that their GEMM is emulated: where a user may
+# expect tensor-core speed (the tests set "cpu" to take this branch).
+EMULATION_NOTED_ON = "cuda"
+
+
+def check_whole_blocks(tensor: torch.Tensor, names: tuple[str, str], block: int, recipe_name: str) -> None:
+    """Refuse a GEMM operand whose dimensions are not whole blocks: MXFP8 (32) and NVFP4 (16) quantize
+    along each GEMM's reduction dimension, and tokens, in_features and out_features are each one of
+    them. TransformerEngine refuses such shapes and cuBLAS's block-scaled GEMMs cannot take them, so
+    fp8train does not pad them silently either."""
+    off = [f"{name} = {size}" for name, size in zip(names, tensor.shape) if size % block]
+    if off:
+        raise ValueError(
+            f"fp8train.{recipe_name} quantizes in blocks of {block} along each GEMM's reduction dimension, "
+            f"so tokens, in_features and out_features must be multiples of {block}; got {', '.join(off)}. "
+            f"Pad the batch (tokens) to a multiple of {block}, or keep this layer in high precision "
+            "(convert_to_fp8 and prepare skip layers whose dimensions are not whole blocks of their recipe)"
         )
+
+
+def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
+    """Block-scaled recipes run an emulated GEMM where the GPU has no native kernel for them (the
+    kernel's capability or its probe, `gemm.kernel_choice`): say so on CUDA, once per recipe."""
+    if x.device.type == EMULATION_NOTED_ON:
+        _note_emulated(recipe_name, x.device)
+
+
+_RECIPE_KINDS = {"Float8BlockScaling": "block", "MXFP8BlockScaling": "mxfp8", "NVFP4BlockScaling": "nvfp4"}
+
+
+@torch.compiler.assume_constant_result
+def _note_emulated(recipe_name: str, device: torch.device) -> bool:
+    """Eager code calls it; torch.compile runs it while tracing and leaves it out of the graph (the
+    mark), where `warnings.warn` cannot be traced (a graph break per layer, an error with
+    fullgraph=True). Its result, always True, is the constant the graph would see."""
+    if not kernel_choice(RECIPE_KERNELS[_RECIPE_KINDS[recipe_name]], device)[0]:
+        _warn_emulated(recipe_name)
+    return True
+
+
+@functools.cache  # once per process: a compilation resets Python's record of warnings already shown
+def _warn_emulated(recipe_name: str) -> None:
+    warnings.warn(
+        f"fp8train.{recipe_name} on this GPU runs an emulated GEMM (block-dequantized operands, fp32 "
+        "matmul): the numerics of the recipe without its speed, because torch._scaled_mm's kernel for it "
+        "does not run here (`fp8train info` says why). Use DelayedScaling or Float8CurrentScaling for "
+        "FP8 tensor-core GEMMs on this GPU.",
+        stacklevel=1,  # here: no caller's line would mean more (torch.compile calls it from its tracer)
+    )

@@ -2,8 +2,9 @@
 and gradients along each GEMM's reduction dimension, one per 128x128 block of weights, each from its
 own amax (docs/design.md, section 9).
 
-The GEMM is emulated on every device: operands are dequantized tile by tile (exact with power-of-2
-scales) and multiplied in fp32 (`gemm.matmul`); torch's block-scaled `_scaled_mm` is not used yet.
+The GEMM (`gemm.matmul`) is torch's 1x128/128x128 block-scaled `_scaled_mm` on Hopper (SM90,
+cuBLASLt >= 12.9) for whole tiles (block_gemm.py), else emulated: operands dequantized tile by tile
+(exact with power-of-2 scales) and multiplied in fp32.
 """
 
 from __future__ import annotations

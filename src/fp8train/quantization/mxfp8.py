@@ -5,8 +5,10 @@ sections 9 and 13).
 
 Every use of a tensor is quantized from the high-precision tensor along its own GEMM's reduction
 dimension: a row-wise (1x32) copy for one GEMM and a column-wise (32x1) copy for the other, or one
-32x32-block copy of a weight for both with `enable_2d_quantization`. The GEMM is emulated: operands
-dequantized block by block (exact: powers of two) and multiplied in fp32.
+32x32-block copy of a weight for both with `enable_2d_quantization`. Tokens, in_features and
+out_features must be multiples of 32 (`check_whole_blocks`). The GEMM is torch's MX `_scaled_mm` on
+SM100+ (block_gemm.py), else emulated: operands dequantized block by block (exact: powers of two)
+and multiplied in fp32.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ import torch
 from ..formats import Format
 from ..gemm import Operand
 from ..microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
-from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
+from .base import (
+    GemmCall,
+    GradOperands,
+    InputOperands,
+    Quantization,
+    WeightOperands,
+    check_whole_blocks,
+    warn_emulated_on_cuda,
+)
 
 __all__ = ["MXFP8BlockScaling", "MXFP8Quantization"]
 
@@ -58,14 +68,17 @@ def _mx(x: torch.Tensor, dim: int, encoding: str, two_d: bool = False) -> Operan
 
 class MXFP8Quantization(Quantization):
     kind = "mxfp8"
+    whole_blocks = MX_BLOCK
 
     def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+        check_whole_blocks(weight, ("out_features", "in_features"), self.whole_blocks, "MXFP8BlockScaling")
         if self.recipe.enable_2d_quantization:
             return WeightOperands.same(_mx(weight, 0, "e4m3", two_d=True))
         return WeightOperands(_mx(weight, 1, "e4m3"), _mx(weight, 0, "e4m3"))  # along in; along out
 
     def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
         warn_emulated_on_cuda(x2d, "MXFP8BlockScaling")
+        check_whole_blocks(x2d, ("tokens", "in_features"), self.whole_blocks, "MXFP8BlockScaling")
         return InputOperands(_mx(x2d, 1, "e4m3"), _mx(x2d, 0, "e4m3"))  # along in; along the tokens
 
     def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:

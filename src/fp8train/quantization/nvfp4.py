@@ -7,8 +7,11 @@ Hadamard transform with one fixed sign vector on both operands of the weight-gra
 spreads outliers over a block; the product is unchanged because the transform is orthogonal), and
 stochastic rounding of gradients only. Each quantized tensor takes its per-tensor scale from its own
 amax, where it is whole: sequence-parallel inputs and FSDP2 weights are gathered in high precision
-first, so no amax needs reducing. The GEMM is emulated: (E2M1 x E4M3) / S_enc per element, exact
-products, then an fp32 matmul; values are kept as float8_e4m3fn (every E2M1 value is one).
+first, so no amax needs reducing. Tokens, in_features and out_features must be multiples of 16
+(`check_whole_blocks`). The GEMM is torch's NVFP4 `_scaled_mm` on SM100+ (block_gemm.py: values
+packed two per byte, the product divided by both S_enc), else emulated: (E2M1 x E4M3) / S_enc per
+element, exact products, then an fp32 matmul; values are kept as float8_e4m3fn (every E2M1 value is
+one).
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ import torch
 
 from ..gemm import Operand
 from ..microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
-from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
+from .base import (
+    GemmCall,
+    GradOperands,
+    InputOperands,
+    Quantization,
+    WeightOperands,
+    check_whole_blocks,
+    warn_emulated_on_cuda,
+)
 
 __all__ = ["NVFP4BlockScaling", "NVFP4Quantization"]
 
@@ -59,14 +70,17 @@ def _nvfp4(x: torch.Tensor, dim: int, two_d: bool = False, stochastic: bool = Fa
 
 class NVFP4Quantization(Quantization):
     kind = "nvfp4"
+    whole_blocks = NVFP4_BLOCK
 
     def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+        check_whole_blocks(weight, ("out_features", "in_features"), self.whole_blocks, "NVFP4BlockScaling")
         if not self.recipe.disable_2d_quantization:
             return WeightOperands.same(_nvfp4(weight, 0, two_d=True))
         return WeightOperands(_nvfp4(weight, 1), _nvfp4(weight, 0))  # along in; along out
 
     def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
         warn_emulated_on_cuda(x2d, "NVFP4BlockScaling")
+        check_whole_blocks(x2d, ("tokens", "in_features"), self.whole_blocks, "NVFP4BlockScaling")
         rotate = not self.recipe.disable_rht
         return InputOperands(_nvfp4(x2d, 1), _nvfp4(x2d, 0, rotate=rotate))  # along in; along the tokens
 

@@ -131,8 +131,10 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"run directory {args.run_dir!r} has no {METRICS_FILE} (not an fp8train run directory)")
     try:
         outputs = render(args.run_dir)
-    except ValueError as err:
+    except ValueError as err:  # a record or the summary the report cannot read
         parser.error(f"cannot render {args.run_dir!r}: {err}")
+    except OSError as err:  # the run directory not readable or writable
+        parser.error(f"cannot render {args.run_dir!r}: {err.strerror}: {err.filename}")
     print(f"report: {outputs['png']}\nsummary: {outputs['markdown']}")
     return 0
 
@@ -150,7 +152,15 @@ def _info() -> int:
     import torch
 
     from fp8train import __version__
-    from fp8train.gemm import ENV_PATH, bf16_kernel, choose_path
+    from fp8train.gemm import (
+        ENV_FAST_ACCUM,
+        ENV_PATH,
+        bf16_kernel,
+        choose_path,
+        fast_accumulation,
+        recipe_gemm,
+    )
+    from fp8train.recipe import RECIPES
     from fp8train.regions import ENV_ASYNC, async_amax_reduction
 
     cuda = torch.cuda.is_available()
@@ -169,6 +179,14 @@ def _info() -> int:
         if path == "bf16":
             kernel, why = bf16_kernel(device)
             print(f"  computed by the {kernel} GEMM kernel: {why}")
+        print(f"GEMM of each recipe on {device} (where its kernel takes the shape; else the emulation):")
+        for recipe, quantization in RECIPES.items():
+            gemm, why = recipe_gemm(quantization.kind, device)
+            print(f"  {recipe.__name__}: {gemm}: {why}")
+        fast = [role for role in ("forward", "dgrad", "wgrad") if fast_accumulation(role)]
+        print(
+            f"{ENV_FAST_ACCUM}={_env(ENV_FAST_ACCUM)}: fast accumulation for {', '.join(fast) or 'no'} GEMMs"
+        )
     except ValueError as err:
         print(f"FP8 GEMM path: invalid setting: {err}")
         status = 2

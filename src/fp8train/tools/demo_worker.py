@@ -293,14 +293,44 @@ def timed_pass(
     }
 
 
+PROGRESS_LINES = 10  # lines per phase where stderr is not a terminal (a log file, a pipe)
+
+
 def _progress(name: str, total: int, rank: int):
+    """Rank 0's progress bar: tqdm's on a terminal; elsewhere, where its carriage-return redraws would
+    fill a log, a plain line every total / PROGRESS_LINES steps (also without tqdm)."""
     if rank != 0:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=f"{name:>12}", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, desc=f"{name:>12}", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+        except ImportError:
+            pass
+    return LineProgress(name, total)
+
+
+class LineProgress:
+    """The part of tqdm's interface the demo uses, printing whole lines: one every `every` steps and
+    one at the last step."""
+
+    def __init__(self, name: str, total: int) -> None:
+        self.name, self.total, self.done, self.postfix = name, total, 0, ""
+        self.every = max(1, math.ceil(total / PROGRESS_LINES))
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.done % self.every == 0 or self.done == self.total:
+            print(
+                f"{self.name:>12}: step {self.done}/{self.total}  {self.postfix}", file=sys.stderr, flush=True
+            )
+
+    def close(self) -> None:
+        pass
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:

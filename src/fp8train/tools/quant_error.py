@@ -154,10 +154,10 @@ def quantization_errors(
             if delayed is None:
                 raise ValueError("delayed scaling casts with the step's scales: pass DelayedScales.read(...)")
             s, inv = delayed.scale.to(x.device), delayed.scale_inv.to(x.device)
-            call = GemmCall(q, -1, 0, torch.float32, scales=torch.stack([s[:2], inv[:2]]))
+            call = GemmCall(q, None, 0, torch.float32, scales=torch.stack([s[:2], inv[:2]]))
             grad = q.grad_operands(g, s[2], inv[2], call).dgrad if g is not None else None
         else:
-            call = GemmCall(q, -1, 0, torch.float32)
+            call = GemmCall(q, None, 0, torch.float32)
             grad = q.quantize_grad(g, call, (True, False)).dgrad if g is not None else None
         operands = {
             "input": q.quantize_input(x, call).forward,

@@ -104,14 +104,15 @@ class RunData:
 
 
 def load_run(run_dir: str) -> dict[str, RunData]:
-    """Group the records of run_dir/metrics.jsonl by run name, in order of appearance."""
+    """Group the records of run_dir/metrics.jsonl by run name, in order of appearance. A line the
+    report cannot read is a ValueError naming the file, the line and what is wrong."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{path} does not exist: RUN_DIR must hold a {METRICS_FILE} written by fp8train"
         )
     runs: dict[str, RunData] = {}
-    for rec in read_metrics(path):
+    for rec in _checked_records(path):
         name = rec.get("run", "fp8")
         run = runs.setdefault(name, RunData(name))
         kind = rec.get("kind", "step")
@@ -126,6 +127,93 @@ def load_run(run_dir: str) -> dict[str, RunData]:
     if not any(r.steps for r in runs.values()):
         raise ValueError(f"{path} holds no step records")
     return runs
+
+
+# What the report reads from each kind of record (fp8train.telemetry's step records, the demo's
+# others); records of other kinds and fields not named here are ignored.
+_NUMBER = (int, float)
+RECORD_FIELDS: dict[str, dict[str, tuple]] = {
+    "step": {"step": (int,), "roles": (dict,), "events": (dict,), "reduction": (dict,)},
+    "quant_error": {"step": (int,), "rel_error": (dict,)},
+    "phase_end": {"steps": (int,), "final_loss": _NUMBER},
+}
+OPTIONAL_FIELDS: dict[str, dict[str, tuple]] = {  # checked when present
+    "meta": {"params": (int,), "recipe": (str,), "recipe_kind": (str, type(None))},
+}
+ROLE_FIELDS = ("amax", "scale", "util", "overflow")  # of each role of a step record
+EVENT_FIELDS = ("overflow", "nonfinite")
+REDUCTION_FIELDS = ("exposed_wait_s", "hidden_s", "launched")
+
+
+def _checked_records(path: str) -> list[dict]:
+    """read_metrics(path), after checking that every line is a record the report can read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    for n, line in lines:
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {n}: not JSON ({err.msg}, column {err.colno})") from None
+    records = read_metrics(path)  # the same non-blank lines, "inf" and "nan" turned into floats
+    for (n, _), rec in zip(lines, records):
+        try:
+            _check_record(rec)
+        except ValueError as err:
+            raise ValueError(f"{path}, line {n}: {err}; fp8train.telemetry did not write this line") from None
+    return records
+
+
+def _check_record(rec) -> None:
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record is a JSON object, this line holds {_json_type(rec)}")
+    kind, run = rec.get("kind", "step"), rec.get("run", "fp8")
+    if not isinstance(kind, str) or not isinstance(run, str):
+        raise ValueError(f'"kind" and "run" are strings, this record has {kind!r} and {run!r}')
+    required, optional = RECORD_FIELDS.get(kind, {}), OPTIONAL_FIELDS.get(kind, {})
+    for field, types in (required | optional).items():
+        if field not in rec:
+            if field in optional:
+                continue
+            raise ValueError(f'a "{kind}" record has a "{field}" field, this one has only {sorted(rec)}')
+        if not isinstance(rec[field], types) or isinstance(rec[field], bool):
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f'"{field}" of a "{kind}" record is {expected}, this one is {rec[field]!r}')
+    if kind == "step":
+        _check_fields(rec["events"], EVENT_FIELDS, '"events"', (int,))
+        _check_fields(rec["reduction"], REDUCTION_FIELDS, '"reduction"', _NUMBER)
+        for role, values in rec["roles"].items():
+            _check_fields(values, ROLE_FIELDS, f'role "{role}"', None)
+    elif kind == "quant_error":
+        for gemm, values in rec["rel_error"].items():
+            _check_fields(values, (), f'"rel_error" of GEMM "{gemm}"', None)
+    elif kind == "phase_end":
+        if rec["steps"] < 1:
+            raise ValueError(f'"steps" of a "phase_end" record is >= 1, this one is {rec["steps"]}')
+        per_rank = rec.get("reduction_per_rank") or []
+        if not isinstance(per_rank, list):
+            raise ValueError(f'"reduction_per_rank" is a list, this one is {_json_type(per_rank)}')
+        for i, stats in enumerate(per_rank):
+            _check_fields(stats, REDUCTION_FIELDS, f'"reduction_per_rank"[{i}]', _NUMBER)
+
+
+def _check_fields(value, fields: tuple, what: str, types: Optional[tuple]) -> None:
+    """`value` is an object holding `fields` (each of `types`, unless None)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is an object, this one is {_json_type(value)}")
+    for field in fields:
+        if field not in value:
+            raise ValueError(f'{what} has a "{field}" field, this one has only {sorted(value)}')
+        if types is not None and (not isinstance(value[field], types) or isinstance(value[field], bool)):
+            kind = "an integer" if types == (int,) else "a number"
+            raise ValueError(f'"{field}" of {what} is {kind}, this one is {value[field]!r}')
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number") + f" ({json.dumps(value)[:40]})"
 
 
 def _group_of(role: str) -> tuple[Optional[int], str]:
@@ -260,7 +348,8 @@ def _plot_losses(ax, runs: dict[str, RunData], floor: Optional[float]) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # none when no run logged a loss
+        ax.legend(fontsize=8)
 
 
 def _colors(runs: dict[str, RunData]) -> dict[str, str]:
@@ -277,7 +366,7 @@ def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData], timing: Optio
     names = [r.name for r in shown]
     color = _colors(runs)
     if ref_loss:
-        rel = [100 * (r.final_loss() - ref_loss) / ref_loss for r in shown]
+        rel = [100 * ((r.final_loss() or math.nan) - ref_loss) / ref_loss for r in shown]  # no loss: nan
         ticks = [f"{_short(r.name)}\n{_saturation_text(r)}" for r in shown]
         bars = ax_loss.bar(ticks, rel, color=[color[n] for n in names])
         ax_loss.bar_label(bars, fmt="%+.2f%%", fontsize=8)
@@ -456,7 +545,26 @@ def _summary(run_dir: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            summary = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
+    timing = summary.get("step_timing") if isinstance(summary, dict) else None
+    if not isinstance(summary, dict) or not (timing is None or _is_step_timing(timing)):
+        raise ValueError(
+            f"{path}: not the summary the demo writes (an object whose step_timing, if any, has "
+            '"median_ms" and "recipe_kind" objects and "rounds" and "block" counts)'
+        )
+    return summary
+
+
+def _is_step_timing(timing) -> bool:
+    return (
+        isinstance(timing, dict)
+        and all(isinstance(timing.get(k), dict) for k in ("median_ms", "recipe_kind"))
+        and all(isinstance(timing.get(k), int) for k in ("rounds", "block"))
+        and all(_is_finite(v) for v in timing["median_ms"].values())
+    )
 
 
 def _loss_floor(run_dir: str) -> Optional[float]:
@@ -484,14 +592,19 @@ def _markdown(
     for run in runs.values():
         if not run.steps:
             continue
-        loss = run.final_loss()
-        rel = f"{100 * (loss - ref_loss) / ref_loss:+.2f}%" if ref_loss and run is not ref else ""
+        loss = run.final_loss()  # None: a run whose records hold no loss
+        loss_text = "" if loss is None else f"{loss:.4f}"
+        rel = (
+            f"{100 * (loss - ref_loss) / ref_loss:+.2f}%"
+            if ref_loss and loss is not None and run is not ref
+            else ""
+        )
         exposed, hidden, launched, steps = _reduction_ms(run)
         ev = run.events()
         step_ms = run.median_step_ms()
         saturated = {"delayed": ev["overflow"], None: ""}.get(run.recipe_kind, "none (own amax)")
         out.append(
-            f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss:.4f} | {rel} "
+            f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss_text} | {rel} "
             f"| {_interleaved_cells(interleaved.get(run.name), ref_ms, spread.get(run.name))} "
             f"| {'' if step_ms is None else f'{step_ms:.1f}'} | {launched} | {exposed:.4f} | {hidden:.4f} "
             f"| {saturated} | {ev['nonfinite']} |"

@@ -1,11 +1,19 @@
-"""Benchmarks behind `fp8train bench` (and the scripts in benchmarks/). Each prints and saves JSON."""
+"""Benchmarks behind `fp8train bench` (and the scripts in benchmarks/). Each prints and saves JSON.
+
+Bad arguments (a count below its minimum, a latency that is not a number, a --from file that is
+missing or not a saved scale run) print a usage message and exit with code 2, before anything runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
 import sys
 from typing import Optional
 
+from ..demo import int_at_least
 from .common import save, table
 
 SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "comm")
@@ -22,24 +30,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON figures")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests and smoke runs")
-    parser.add_argument("--latencies-ms", default="0,5,20,50", help="injected amax-collective latencies")
-    parser.add_argument("--steps", type=int, default=None, help="steps per reduction-benchmark mode")
+    parser.add_argument(
+        "--latencies-ms", type=latencies_ms, default=latencies_ms("0,5,20,50"),
+        help="reduction: injected amax-collective latencies, comma-separated milliseconds >= 0",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int_at_least(1), default=None, help="reduction, scale: steps per configuration"
+    )
     parser.add_argument("--no-compile", action="store_true", help="step: leave out the torch.compile runs")
     parser.add_argument(
-        "--ranks", default=None, help="scale: rank counts (default 2,4,8; --quick 2,4); comm: (default 2,4)"
-    )
+        "--ranks", type=rank_counts, default=None,
+        help="scale and comm: rank counts, comma-separated, at least two different ones, each >= 2 (scale: "
+        "default 2,4,8, --quick 2,4; comm: default 2,4)",
+    )  # fmt: skip
     parser.add_argument(
-        "--from", dest="from_json", default=None,
-        help="scale: analyse the measurements saved in this JSON again (the model, its check, the plot) "
-        "instead of measuring",
+        "--from", dest="from_json", type=saved_scale_run, default=None,
+        help="scale: analyse the measurements saved in this JSON (by `fp8train bench scale`) again (the "
+        "model, its check, the plot) instead of measuring",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--out {args.out!r}: cannot be a folder for the figures ({err.strerror})")
     suites = SUITES if "all" in args.suites else tuple(args.suites)
     import torch
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     for suite in suites:
-        result = _run_suite(suite, args)
+        try:
+            result = _run_suite(suite, args)
+        except SavedRunError as err:
+            parser.error(str(err))
         if result is None:
             continue
         path = save(args.out, suite, result)
@@ -77,7 +99,7 @@ def _run_suite(suite: str, args) -> Optional[dict]:
     if suite == "reduction":
         from . import amax_reduction
 
-        latencies = [float(v) / 1e3 for v in args.latencies_ms.split(",")]
+        latencies = [v / 1e3 for v in args.latencies_ms]
         if args.quick:
             return amax_reduction.run(latencies=[0.0, 0.005], steps=args.steps or 4, model_size="tiny")
         return amax_reduction.run(latencies=latencies, steps=args.steps or 30)
@@ -92,7 +114,7 @@ def _run_suite(suite: str, args) -> Optional[dict]:
     if suite == "comm":
         from . import grad_comm
 
-        worlds = tuple(int(v) for v in args.ranks.split(",")) if args.ranks else (2, 4)
+        worlds = args.ranks or (2, 4)
         if args.quick:
             return grad_comm.run(worlds=worlds[:1], size="tiny", batch=2, rounds=1)
         return grad_comm.run(worlds=worlds, rounds=args.steps or 10)
@@ -121,23 +143,76 @@ def _scale(args) -> dict:
     else:
         ranks, cfg, fit = (2, 4, 8), scale.Config(steps=args.steps or scale.Config.steps), scale.FIT
     if args.ranks:
-        ranks = tuple(int(v) for v in args.ranks.split(","))
+        ranks = args.ranks
         fit = {**fit, "ranks": (min(ranks), max(ranks))}  # calibrated on the smallest and largest
-    os.makedirs(args.out, exist_ok=True)
     plot_path = os.path.join(args.out, "scale.png")
     if args.from_json:
-        import json
-
-        with open(args.from_json) as f:
-            saved = json.load(f)
+        path, saved = args.from_json
         cfg = scale.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"].items()})
         fit = {**saved["fit_points"], "ranks": tuple(saved["fit_points"]["ranks"])}
-        result = scale.analyse(saved["measured"], cfg, fit, plot_path)
-        result["measured_at"] = saved.get("measured_at", saved["environment"]["when"])
+        try:
+            result = scale.analyse(saved["measured"], cfg, fit, plot_path)
+        except ValueError as err:  # e.g. no calibration points among the measurements
+            raise SavedRunError(f"--from {path}: cannot analyse its measurements: {err}") from None
+        result["measured_at"] = (
+            saved["measured_at"] if "measured_at" in saved else saved["environment"]["when"]
+        )
     else:
         result = scale.run(ranks, cfg, fit, plot_path=plot_path)
     print(scale.report(result))
     return result
+
+
+# ---- argument types (argparse turns their ArgumentTypeError into a usage message) --------------------
+def latencies_ms(text: str) -> list[float]:
+    """Comma-separated milliseconds, each a finite number >= 0."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {item!r}") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(
+                f"a latency is a finite number of milliseconds >= 0, got {item!r}"
+            )
+        values.append(value)
+    return values
+
+
+def rank_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated rank counts, each >= 2 (an amax reduction across ranks is what is measured), at
+    least two different ones (the model is calibrated on the smallest and the largest)."""
+    parse = int_at_least(2)
+    counts = tuple(parse(item) for item in text.split(","))
+    if len(set(counts)) < 2:
+        raise argparse.ArgumentTypeError(
+            f"the scale model is calibrated on two rank counts: give two different ones or more, got {text!r}"
+        )
+    return counts
+
+
+class SavedRunError(ValueError):
+    """A --from file whose measurements cannot be analysed."""
+
+
+def saved_scale_run(path: str) -> tuple[str, dict]:
+    """(path, contents) of a JSON that `fp8train bench scale` saved, checked for what the analysis reads."""
+    from . import scale
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {err.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"{path!r} is not JSON ({err})") from None
+    problem = scale.saved_run_problem(saved)
+    if problem:
+        raise argparse.ArgumentTypeError(
+            f"{path!r} is not a run saved by `fp8train bench scale` ({problem}): pass its scale.json"
+        )
+    return path, saved
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -439,6 +439,36 @@ def analyse(rows: list[dict], cfg: Config, fit_points: dict = FIT, plot_path: st
         "model_curve": curve,
         "plot": plot_path,
     }
+
+
+# the keys of measure()'s rows, which analyse() reads back from a saved run
+MEASURED_FIELDS = (
+    "ranks", "latency_ms", "M", "mode", "exposed_ms", "exposed_ms_max_rank", "step_ms", "sync_ms",
+    "collectives_per_step", "raw_collective_ms", "windows_ms", "gap_ms", "compute_s",
+)  # fmt: skip
+
+
+def saved_run_problem(saved) -> str | None:
+    """What keeps `saved` (a loaded scale.json) from being analysed again, or None."""
+    if not isinstance(saved, dict):
+        return "not a JSON object"
+    config, fit, rows = saved.get("config"), saved.get("fit_points"), saved.get("measured")
+    known = {f.name for f in fields(Config)}
+    if not isinstance(config, dict) or not set(config) <= known:
+        return f'"config" is not an object of {sorted(known)}'
+    if not isinstance(fit, dict) or not {"ranks", "micro", "latency_ms"} <= set(fit):
+        return '"fit_points" is not an object with "ranks", "micro" and "latency_ms"'
+    if not (isinstance(fit["ranks"], list) and len(fit["ranks"]) == 2):
+        return '"fit_points" "ranks" is not two rank counts'
+    if not isinstance(rows, list) or not rows:
+        return '"measured" is not a list of measurements'
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not set(MEASURED_FIELDS) <= set(row):
+            return f'"measured"[{i}] is not an object with {", ".join(MEASURED_FIELDS)}'
+    environment = saved.get("environment")
+    if "measured_at" not in saved and not (isinstance(environment, dict) and "when" in environment):
+        return 'neither "measured_at" nor "environment" "when"'
+    return None
 
 
 def report(result: dict) -> str:
