@@ -63,6 +63,20 @@ def test_block_recipes_mark_padded_and_off_block_layers() -> None:
     assert [(x.fp8, x.reason) for x in mx.layers] == [(True, "fp8"), (False, "off block")]
 
 
+def test_the_path_is_the_kernel_gemm_chooses(monkeypatch) -> None:
+    """A device whose MXFP8 kernel runs (gemm.kernel_choice says so) shows it as the path."""
+    model = fp8train.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 64)), log=False)
+    monkeypatch.setattr(
+        fp8train.gemm, "kernel_choice", lambda kernel, device: (kernel == "mxfp8", "stand-in")
+    )
+    assert [x.path for x in fp8train.coverage(model, fp8train.MXFP8BlockScaling()).layers] == [
+        "scaled_mm:mxfp8"
+    ]
+    assert [x.path for x in fp8train.coverage(model, fp8train.NVFP4BlockScaling()).layers] == [
+        "block_dequantized"
+    ]
+
+
 def test_convert_logs_the_summary_once_and_warns_when_nothing_is_fp8(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="fp8train"):
         fp8train.prepare(build_model(), filter_fn=_keep_3)
