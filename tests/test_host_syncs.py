@@ -115,7 +115,7 @@ def test_one_process_steady_steps_make_no_host_sync(recipe: str, gemm: str, monk
         assert not out["moved"]  # no storage growth in steady steps: what a CUDA graph capture needs
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["delayed", "block", "nvfp4"])  # mxfp8 needs 32 tokens
 def test_tensor_statistics_and_step_coverage_make_no_host_sync(recipe: str, monkeypatch) -> None:
     monkeypatch.setenv("FP8TRAIN_GEMM", "scaled_mm")
     monkeypatch.setenv(ENV_ASYNC, "1")
