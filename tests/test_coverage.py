@@ -338,3 +338,19 @@ def test_a_gemm_input_with_outliers_warns_once() -> None:
         record = tel.flush()
     assert record["statistics"]["0/input"]["kurtosis"] > KURTOSIS_WARNING
     assert sum("kurtosis" in str(w.message) for w in caught) == 1
+
+
+def test_block_scale_spread_and_range_against_a_naive_reference() -> None:
+    """Block scaling's 1x128 input tiles: a row of all 1s and a row of all 2^-8 (with one 2^-12):
+    scale_inv spread log2(1 / 2^-8) = 8 (power-of-2 scales), widest block 2^-8 / 2^-12: 4."""
+    from fp8train.quantization.base import GemmCall
+    from fp8train.tensor_stats import block_scale_stats
+
+    x = torch.ones(2, 128)
+    x[1] = 2.0**-8
+    x[1, 5] = 2.0**-12
+    q = fp8train.recipe.quantization_of(fp8train.Float8BlockScaling())
+    operand = q.quantize_input(x, GemmCall(q, -1, 0, torch.float32)).forward
+    inv = operand.scale_inv.flatten()
+    assert torch.log2(inv.max() / inv.min()).item() == 8.0  # the naive reference of the spread
+    assert block_scale_stats(x, operand).tolist() == [8.0, 4.0]

@@ -37,7 +37,6 @@ __all__ = [
     "KURTOSIS_WARNING",
 ]  # fmt: skip
 
-BLOCK_KINDS = ("block", "mxfp8", "nvfp4")
 # Telemetry warns (once per role) when a GEMM input's kurtosis exceeds this. Measured (docs/telemetry.md,
 # "Coverage and tensor statistics"): healthy demo runs stay far below it.
 KURTOSIS_WARNING = 50.0
@@ -71,8 +70,11 @@ def underflow_shares(x: torch.Tensor, operand: Operand, smallest_normal: float) 
 
 def block_scale_stats(x: torch.Tensor, operand: Operand) -> torch.Tensor:
     """[scale_spread_log2, block_range_log2] of a block-scaled operand of `x` (its forward operand)."""
-    inv = operand.scale_inv.float().flatten()
-    live = inv[inv > 0]
+    inv = operand.scale_inv.float().flatten()  # masked, not indexed: a boolean index waits for the GPU
+    smallest = torch.where(inv > 0, inv, torch.full_like(inv, float("inf"))).amin()
+    spread = torch.where(
+        smallest < float("inf"), torch.log2(inv.amax() / smallest), torch.zeros_like(smallest)
+    )
     rows, cols = operand.block
     a = x.float().abs()
     r, c = a.shape
@@ -83,10 +85,6 @@ def block_scale_stats(x: torch.Tensor, operand: Operand) -> torch.Tensor:
     small = torch.where(blocks > 0, blocks, torch.full_like(blocks, float("inf"))).amin(-1)
     nonzero = big > 0
     ranges = torch.where(nonzero, torch.log2(big / small.clamp_min(1e-45)), torch.zeros_like(big))
-    if live.numel() == 0:
-        spread = torch.zeros((), device=x.device)
-    else:
-        spread = torch.log2(live.max() / live.min())
     return torch.stack([spread, ranges.max() if ranges.numel() else torch.zeros((), device=x.device)])
 
 
@@ -213,7 +211,8 @@ class GemmStatistics:
                 if operand.block is not None:
                     spread, span = block_scale_stats(t, operand).unbind()
                     stats.update(scale_spread_log2=spread, block_range_log2=span)
-            if self.what_if is not None:
+            whole = self.what_if.whole_blocks if self.what_if is not None else 1
+            if self.what_if is not None and not (t.shape[0] % whole or t.shape[1] % whole):  # else refused
                 other = _operands(self.what_if, t, role, None)
                 if other is not None:
                     stats["what_if_rel_error"] = relative_error(other, t)
