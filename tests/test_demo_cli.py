@@ -101,6 +101,7 @@ def test_demo_end_to_end(demo_run):
     assert len(records) == 7 * (STEPS + 2) + 6 * (len(measured) + 1)
     coverage = [r for r in records if r.get("kind") == "coverage"]
     assert all(r["counts"] == {"fp8": 8, "not converted": 1, "frozen": 0} for r in coverage)  # the head
+    assert [r["recipe"] for r in coverage] == [run.recipe_kind for run in runs.values() if run.fp8]
     assert [r["step"] for r in records if r.get("run") == "fp8-async" and r.get("statistics")] == measured
     width, height = _png_size(os.path.join(run_dir, "report.png"))
     assert width > 800 and height > 1000

@@ -293,9 +293,9 @@ class Telemetry:
             self._tb_write(record)
         return record
 
-    def write_coverage(self) -> dict:
-        """Write the model's layer coverage (`fp8train.coverage(model)`) as a "coverage" record."""
-        record = {**coverage(self.model).as_dict(), "run": self.run}
+    def write_coverage(self, recipe=None) -> dict:
+        """Write the model's layer coverage (`fp8train.coverage(model, recipe)`) as a "coverage" record."""
+        record = {**coverage(self.model, recipe).as_dict(), "run": self.run}
         self.write(record)
         return record
 

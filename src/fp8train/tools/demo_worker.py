@@ -157,7 +157,7 @@ def train_phase(
     measured = _quant_error_steps(len(data), args.quant_error_every) if fp8 else set()
     tap = TensorTap(model, sample_gemms(model)) if measured else None
     if fp8:  # which layers run in FP8 (docs/telemetry.md)
-        tel.write_coverage()
+        tel.write_coverage(recipe)
     tokens_per_step = world * data.shape[1] * (data.shape[2] - 1)
     bar = _progress(name, len(data), rank)
     losses, step_times, errors = [], [], []
