@@ -97,7 +97,12 @@ def test_demo_end_to_end(demo_run):
     assert summary["world_size"] == 2 and summary["loss_floor"] is None  # real text: unknown floor
     assert "standard library" in summary["data"] and fp8.meta["data"] == "text"
     measured = [0, 2, 4]  # every 2 steps and the last
-    assert len(records) == 7 * (STEPS + 2) + 6 * len(measured)  # meta, steps, end; quant_error (FP8 runs)
+    # meta, steps, end; quant_error and coverage (FP8 runs)
+    assert len(records) == 7 * (STEPS + 2) + 6 * (len(measured) + 1)
+    coverage = [r for r in records if r.get("kind") == "coverage"]
+    assert all(r["counts"] == {"fp8": 8, "not converted": 1, "frozen": 0} for r in coverage)  # the head
+    assert [r["recipe"] for r in coverage] == [run.recipe_kind for run in runs.values() if run.fp8]
+    assert [r["step"] for r in records if r.get("run") == "fp8-async" and r.get("statistics")] == measured
     width, height = _png_size(os.path.join(run_dir, "report.png"))
     assert width > 800 and height > 1000
     with open(os.path.join(run_dir, "report.md")) as f:

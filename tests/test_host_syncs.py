@@ -21,6 +21,7 @@ import fp8train
 from fp8train.header import HEADER_LEN, Header
 from fp8train.scaling import ScalingStorage
 from fp8train.telemetry import Telemetry
+from fp8train.tensor_stats import GemmStatistics
 from fp8train.tools.ranks import run_ranks
 from host_reads import HostReadCounter
 
@@ -47,13 +48,17 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _steady_steps(rank: int, world: int, recipe: str, gemm: str, mode: str, telemetry: bool) -> dict:
+def _steady_steps(
+    rank: int, world: int, recipe: str, gemm: str, mode: str, telemetry: bool, statistics: bool = False
+) -> dict:
     """WARMUP steps, then STEADY counted ones: the sites, and whether the storage stayed in place."""
     os.environ["FP8TRAIN_GEMM"] = gemm
     os.environ[ENV_ASYNC] = "1" if mode == "async" else "0"
     fp8train.inspection.reset()
     model = _model()
-    tel = Telemetry(model) if telemetry else None
+    what_if = fp8train.Float8CurrentScaling()
+    stats = GemmStatistics(model, what_if=what_if) if statistics else None  # every step measured
+    tel = Telemetry(model, statistics=stats) if telemetry else None
     fp8_recipe = RECIPES[recipe]
 
     def step(i: int) -> None:
@@ -108,6 +113,14 @@ def test_one_process_steady_steps_make_no_host_sync(recipe: str, gemm: str, monk
         assert out["sites"] == [], mode
         assert out["host_resident"] > 0 or recipe != "delayed"  # its tokens: the counter was watching
         assert not out["moved"]  # no storage growth in steady steps: what a CUDA graph capture needs
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "block", "nvfp4"])  # mxfp8 needs 32 tokens
+def test_tensor_statistics_and_step_coverage_make_no_host_sync(recipe: str, monkeypatch) -> None:
+    monkeypatch.setenv("FP8TRAIN_GEMM", "scaled_mm")
+    monkeypatch.setenv(ENV_ASYNC, "1")
+    out = _steady_steps(0, 1, recipe, "scaled_mm", "async", telemetry=True, statistics=True)
+    assert out["sites"] == []
 
 
 def _all_configs(rank: int, world: int) -> dict:

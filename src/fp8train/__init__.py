@@ -2,13 +2,14 @@
 scaling), with delayed scaling's global amax reduction asynchronous by default and correct by
 construction."""
 
-from . import comm, inspection, pipeline, telemetry
+from . import comm, debug_switches, inspection, pipeline, telemetry
 from .autocast import autocast, fp8_autocast
 from .checkpoint_files import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
 from .distributed import broadcast_fp8_state
 from .errors import AmaxReductionError, LayoutMismatchError, StateMismatchError
 from .inspection import reduction_stats, reset_reduction_stats, synchronize
+from .layer_coverage import coverage
 from .modules import (
     BlockFP8Linear,
     FP8Module,
@@ -39,6 +40,8 @@ __all__ = [
     "inspection",
     "pipeline",
     "telemetry",
+    "debug_switches",
+    "coverage",
     "DelayedScaling",
     "Float8CurrentScaling",
     "Float8BlockScaling",

@@ -11,6 +11,7 @@ outside an FP8 region the converted model computes exactly what the original did
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -21,12 +22,14 @@ from .modules.fp8_linear import fp8_linear
 from .modules.linear import Linear
 from .recipe import Recipe, check_recipe, quantization_of
 
-__all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible"]
+__all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible", "KEPT_BY_FILTER"]
 
 FilterFn = Callable[[torch.nn.Module, str], bool]
 
 # FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16.
 GEMM_MULTIPLE = 16
+# layers a filter_fn kept in high precision (what layer_coverage.py reports as "filter"); written here only
+KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def fp8_compatible(in_features: int, out_features: int, recipe: Optional[Recipe] = None) -> bool:
@@ -93,6 +96,7 @@ def convert_to_fp8(
     module_filter_fn: Optional[FilterFn] = None,
     recipe: Optional[Recipe] = None,
     fsdp_fp8_all_gather: bool = False,
+    log: bool = True,
 ) -> torch.nn.Module:
     """Replace `torch.nn.Linear` (and transformers' `Conv1D`) layers of `model` by FP8 modules, in place.
 
@@ -105,6 +109,8 @@ def convert_to_fp8(
     a `model` that is itself a Linear cannot be replaced in place and is returned converted).
     `fsdp_fp8_all_gather=True` makes FSDP2 (`fully_shard`) gather the converted weights in FP8
     (docs/guide.md, "FSDP2 with FP8 all-gather"); the Parameter objects stay the same.
+    `log`: log `fp8train.coverage(model).summary()` (logger "fp8train", INFO) and warn if no layer
+    was converted; `FP8TRAIN_HIGH_PRECISION` switches are applied (debug_switches.py).
     """
     if recipe is not None:
         check_recipe(recipe, "recipe")
@@ -112,11 +118,14 @@ def convert_to_fp8(
         raise ValueError("module_filter_fn must be a callable (module, fqn) -> bool")
 
     def keep(module: torch.nn.Module, fqn: str) -> bool:
-        return module_filter_fn is None or bool(module_filter_fn(module, fqn))
+        kept = module_filter_fn is None or bool(module_filter_fn(module, fqn))
+        if not kept:
+            KEPT_BY_FILTER.add(module)
+        return kept
 
     root = _swap(model, fsdp_fp8_all_gather, recipe)
     if root is not None:
-        return root if keep(model, "") else model
+        return _converted(root if keep(model, "") else model, recipe, log)
     swapped: dict[int, torch.nn.Module] = {}  # a layer shared by several parents stays one module
     for fqn, parent in list(model.named_modules(remove_duplicate=False)):
         if isinstance(parent, FP8Module):
@@ -129,4 +138,15 @@ def convert_to_fp8(
                 keep_it = new is not None and keep(child, f"{fqn}.{name}" if fqn else name)
                 swapped[id(child)] = new if keep_it else child
             setattr(parent, name, swapped[id(child)])
+    return _converted(model, recipe, log)
+
+
+def _converted(model: torch.nn.Module, recipe: Optional[Recipe], log: bool) -> torch.nn.Module:
+    """A converted model: the switches of FP8TRAIN_HIGH_PRECISION applied, its coverage logged once."""
+    from .debug_switches import apply_environment
+    from .layer_coverage import log_summary  # layer_coverage reads this module's facts
+
+    apply_environment(model)
+    if log:
+        log_summary(model, recipe)
     return model

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .debug_switches import SWITCHES
 from .plans import BWD_ROLES, FWD_ROLES, plan_forward
 from .quantization.base import Quantization
 from .regions import current_backward_pass
@@ -62,7 +63,9 @@ def call_precision(module, gemm_index: int) -> CallPrecision:
         record = settings.quantization.reduces_amax and (settings.calibrating or torch.is_grad_enabled())
         return CallPrecision(settings.enabled, record, settings.quantization)
     if gemm_index == 0:
-        REGISTRY.set_plan(module, plan_forward(module, torch.is_grad_enabled()))
+        # a bisecting switch (debug_switches.py) holds it in high precision: no plan, also in a replay
+        held = SWITCHES.high_precision_now(module)
+        REGISTRY.set_plan(module, None if held else plan_forward(module, torch.is_grad_enabled()))
     plan = REGISTRY.plan_of(module)
     if plan is None:
         return CallPrecision(False, False)

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from .inspection import DirectionView, counters
+from .layer_coverage import StepCoverage, coverage
 from .modules.base import BWD_ROLES, FWD_ROLES, FP8Module
 from .stats import HostMirror
 
@@ -88,6 +89,7 @@ class _PendingRecord:
     copy: Optional[HostMirror]
     views: list[_GroupView]  # whose values the copy holds, in order (3 per role)
     loss_on_device: bool  # the copy's last value is the loss
+    statistics: list = ()  # names of the tensor statistics just before the loss in the copy
 
 
 def _float32(x: float) -> float:
@@ -117,6 +119,8 @@ class Telemetry:
         tensorboard: bool = False,
         run: str = "fp8",
         file_name: str = METRICS_FILE,
+        step_coverage: bool = True,
+        statistics=None,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -133,6 +137,9 @@ class Telemetry:
         self._file = None
         self._tb = None
         self.totals = {"overflow": 0, "nonfinite": 0}
+        # what each logged step ran in FP8 (layer_coverage.py): counted from shapes, on the host
+        self.step_coverage = StepCoverage(model) if step_coverage else None
+        self.statistics = statistics  # a tensor_stats.GemmStatistics: its device values ride the copy
         if run_dir is not None:
             os.makedirs(run_dir, exist_ok=True)
             self._file = open(os.path.join(run_dir, file_name), "a", encoding="utf-8")
@@ -166,11 +173,19 @@ class Telemetry:
     def log_step(self, step: int, loss=None, **extra) -> Optional[dict]:
         """Start logging step `step` (if it is one in `every`); complete the earlier logged steps whose
         values have reached the host, and return the latest of them (on a CPU, the previous one)."""
+        step_coverage = self.step_coverage.take() if self.step_coverage is not None else None
+        if self.statistics is not None:  # the next step is measured only if it is logged
+            self.statistics.arm_for(step + 1 if (step + 1) % self.every == 0 else None)
         if step % self.every:
             return None
         now = time.perf_counter()
         self._refresh_views()
         values = [self._device_values(view) for view in self.views]
+        stat_names: list[str] = []
+        if self.statistics is not None:
+            stat_names, stat_values = self.statistics.take()
+            if stat_values is not None:
+                values.append(stat_values.to(values[0].device) if values else stat_values)
         if isinstance(loss, torch.Tensor):
             values.append(loss.detach().float().reshape(1).to(values[0].device if values else loss.device))
         copy = None
@@ -193,9 +208,12 @@ class Telemetry:
             "reduction": stats,
             "reduction_delta": {k: stats[k] - self._last_stats[k] for k in stats},
         }
+        if step_coverage is not None:  # this step's own GEMMs; amax collectives since the last log
+            record["coverage"] = {**step_coverage, "amax_collectives": record["reduction_delta"]["launched"]}
         self._last_stats, self._last_time = stats, now
         arrived = self._complete_arrived(wait=False)
-        self._pending.append(_PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor)))
+        pending = _PendingRecord(record, copy, list(self.views), isinstance(loss, torch.Tensor), stat_names)
+        self._pending.append(pending)
         return arrived
 
     def _recipe_kind(self) -> Optional[str]:
@@ -239,6 +257,11 @@ class Telemetry:
             self._spares.append(pending.copy)
         if pending.loss_on_device:
             record["loss"] = values.pop()
+        if pending.statistics:
+            n = len(pending.statistics)
+            values, measured = values[:-n], values[-n:]
+            record["statistics"] = _nested(pending.statistics, measured)
+            self.statistics.check(record["statistics"])
         record["loss"] = None if record["loss"] is None else _finite(float(record["loss"]))
         roles: dict[str, dict] = {}
         events = {"overflow": 0, "nonfinite": 0}
@@ -270,6 +293,12 @@ class Telemetry:
             self._tb_write(record)
         return record
 
+    def write_coverage(self, recipe=None) -> dict:
+        """Write the model's layer coverage (`fp8train.coverage(model, recipe)`) as a "coverage" record."""
+        record = {**coverage(self.model, recipe).as_dict(), "run": self.run}
+        self.write(record)
+        return record
+
     def write(self, record: dict) -> None:
         """Append any JSON-able record (e.g. run metadata) to the metrics file."""
         if self._file is not None:
@@ -291,6 +320,10 @@ class Telemetry:
 
     def close(self) -> None:
         self.flush()
+        if self.step_coverage is not None:
+            self.step_coverage.remove()
+        if self.statistics is not None:  # its hooks: it measures for this telemetry only
+            self.statistics.remove()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -317,6 +350,15 @@ def _tensorboard_writer(log_dir: str):
         )
         return None
     return SummaryWriter(log_dir=log_dir)
+
+
+def _nested(names: list[str], values: list[float]) -> dict:
+    """{"layer/role": {statistic: value}} from "layer/role/statistic" names."""
+    out: dict[str, dict] = {}
+    for name, value in zip(names, values):
+        where, _, key = name.rpartition("/")
+        out.setdefault(where, {})[key] = _finite(value)
+    return out
 
 
 def _restore(value):

@@ -24,6 +24,7 @@ import torch
 
 from ..convert import fp8_compatible
 from ..fsdp import wrap_for_fsdp
+from ..layer_coverage import log_summary
 from ..modules.base import FP8Module
 from ..modules.fp8_linear import fp8_linear
 from ..prepare import FP8Forward, is_prepared
@@ -69,6 +70,7 @@ def _fp8_root(config_cls: type, recipe: DelayedScaling) -> type:
             model = config_cls.build(self, **kwargs)
             if not is_prepared(model):
                 model.forward = FP8Forward(model, self.fp8_recipe, None)
+                log_summary(model, self.fp8_recipe)  # once per model built
             return model
 
     FP8Root.__name__ = FP8Root.__qualname__ = "FP8" + config_cls.__qualname__.replace(".", "")

@@ -43,8 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
         "run_dir", metavar="RUN_DIR", help="a directory holding metrics.jsonl (e.g. runs/demo-...)"
     )
     sub.add_parser("bench", help="run the benchmarks (arguments are passed on; see `fp8train bench --help`)")
-    sub.add_parser("info", help="versions, device, the FP8 GEMM path and the environment settings in effect")
+    info_help = "versions, device, the FP8 GEMM path and the environment settings in effect"
+    add_coverage_arguments(sub.add_parser("info", help=info_help))
     return parser
+
+
+def add_coverage_arguments(p: argparse.ArgumentParser) -> None:
+    """`info --model module:attr [--recipe KIND]`: the FP8 coverage of a model the user names."""
+    from . import demo
+
+    p.add_argument(
+        "--model", metavar="MODULE:ATTR", default=None,
+        help="also print which linear layers of this model run in FP8 and why not (fp8train.coverage): "
+        "ATTR is a torch.nn.Module, or a callable that builds one without arguments; a model without FP8 "
+        "layers is shown as fp8train.convert_to_fp8 converts it (a copy)",
+    )  # fmt: skip
+    p.add_argument(
+        "--recipe", choices=demo.RECIPES, default=None,
+        help="the recipe the model trains with (its block and GEMM path; default: the model's, or delayed)",
+    )  # fmt: skip
 
 
 # what each command needs beyond torch, and the extra that installs it
@@ -78,6 +95,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _demo(args, parser)
     if args.command == "report":
         return _report(args, parser)
+    if args.model is not None:
+        return _info() or _model_coverage(args.model, args.recipe, parser)
     return _info()
 
 
@@ -179,6 +198,55 @@ def _info() -> int:
         print(f"{ENV_ASYNC}: invalid setting: {err}")
         status = 2
     return status
+
+
+def load_model(spec: str):
+    """The torch.nn.Module that "module:attr" names (an attribute, or a callable building one)."""
+    import importlib
+
+    import torch
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model {spec!r}: write MODULE:ATTR, e.g. mypackage.models:build_model")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({err})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--model {spec!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, torch.nn.Module) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, torch.nn.Module):
+        raise ValueError(f"--model {spec!r} is a {type(obj).__name__}, not a torch.nn.Module or its builder")
+    return obj
+
+
+def _model_coverage(spec: str, recipe_name: Optional[str], parser: argparse.ArgumentParser) -> int:
+    import copy
+
+    import fp8train
+    from fp8train.layer_coverage import coverage
+
+    try:
+        model = load_model(spec)
+    except ValueError as err:
+        parser.error(str(err))
+    recipe = None
+    if recipe_name is not None:
+        from .demo_worker import DEMO_RECIPES
+
+        recipe = DEMO_RECIPES[recipe_name]
+    print(f"coverage of {spec}:")
+    if not any(isinstance(m, fp8train.FP8Module) for m in model.modules()):
+        print("  (no FP8 layers: shown as fp8train.convert_to_fp8 converts it)")
+        model = fp8train.convert_to_fp8(copy.deepcopy(model), recipe=recipe, log=False)
+    report = coverage(model, recipe)
+    print(report.table())
+    print(report.summary())
+    return 0
 
 
 def _env(name: str) -> str:

@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 import fp8train
+from fp8train.debug_switches import apply_environment
 from fp8train.modules import FP8Module
 from fp8train.recipe import Recipe, recipe_kind
 from fp8train.regions import ENV_ASYNC, async_amax_reduction
 from fp8train.telemetry import Telemetry
+from fp8train.tensor_stats import GemmStatistics
 
 from .data import TEXT_SOURCE, MarkovTask, stdlib_text, text_batches
 from .models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
@@ -85,6 +87,8 @@ class _Trainer:
         self.group = dist.new_group() if dist.is_initialized() else None  # a fresh amax group per run
         torch.manual_seed(args.seed)
         self.model = GPT(cfg).to(device)
+        if recipe is not None:  # built from fp8train modules, not converted: the switches applied here
+            apply_environment(self.model)
         self.net = self.model
         if self.world > 1:
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=self.group)
@@ -134,7 +138,14 @@ def train_phase(
     fp8train.reset_reduction_stats()  # before the telemetry takes its baseline
     delayed = isinstance(recipe, fp8train.DelayedScaling)
     async_mode = async_amax_reduction() if delayed else None
-    tel = Telemetry(model, run_dir, every=args.log_every, tensorboard=args.tensorboard, run=name)
+    tensor_stats = None  # the sampled GEMMs' tensor statistics, on the quant-error steps' schedule
+    if fp8 and args.quant_error_every:
+        what_if = DEMO_RECIPES["mxfp8" if recipe_kind(recipe) != "mxfp8" else "current"]  # the same tensors
+        layers = ",".join(sample_gemms(model))
+        tensor_stats = GemmStatistics(model, every=args.quant_error_every, layers=layers, what_if=what_if)
+    tel = Telemetry(
+        model, run_dir, every=args.log_every, tensorboard=args.tensorboard, run=name, statistics=tensor_stats
+    )
     tel.write({
         "kind": "meta", "run": name, "fp8": fp8, "async": async_mode,
         "world_size": world, "device": str(device), "model": cfg.as_dict(), "model_size": args.model_size,
@@ -145,6 +156,8 @@ def train_phase(
     })  # fmt: skip
     measured = _quant_error_steps(len(data), args.quant_error_every) if fp8 else set()
     tap = TensorTap(model, sample_gemms(model)) if measured else None
+    if fp8:  # which layers run in FP8 (docs/telemetry.md)
+        tel.write_coverage(recipe)
     tokens_per_step = world * data.shape[1] * (data.shape[2] - 1)
     bar = _progress(name, len(data), rank)
     losses, step_times, errors = [], [], []

@@ -16,6 +16,7 @@ from typing import Optional
 from fp8train.telemetry import METRICS_FILE, read_metrics
 
 from .quant_error import ROLES
+from .report_coverage import coverage_section
 
 __all__ = ["load_run", "render", "RunData"]
 
@@ -642,6 +643,9 @@ def _markdown(
             "construction; delayed scaling uses earlier steps' amaxes."
         )
     delayed = [r for r in fp8_runs if r.recipe_kind == "delayed"]
+    section = coverage_section(run_dir, runs)  # report_coverage.py
+    if section:
+        out += ["", section]
     if delayed:
         run = delayed[0]
         utils = {n: [v for v in ys if _is_finite(v)] for n, (_, ys) in run.role_series("util").items()}

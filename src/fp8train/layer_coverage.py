@@ -1,0 +1,284 @@
+"""Is FP8 actually on? Which linear layers run in FP8 and why not, and what a step ran in FP8.
+
+`coverage(model)` looks at the model as it stands: every linear layer (`torch.nn.Linear`,
+transformers' `Conv1D`, fp8train's FP8 modules, one entry per GEMM) with whether it runs in FP8 and
+why not (its shape is off the multiple of 16 FP8 GEMMs need or off the whole blocks its recipe
+needs, `filter_fn` kept it, a high-precision switch holds it: debug_switches.py), whether it is
+frozen (no weight-gradient GEMM), whether its operands are padded to the recipe's blocks (block
+scaling's 128) and the GEMM path it takes on its device (`gemm_path`: as gemm.py chooses it).
+
+`StepCoverage(model)` counts what each step ran, from shapes (host ints: no device is waited for):
+linear FLOPs in FP8 and in high precision, GEMMs per path, and, under FSDP2, the bytes of linear
+weights gathered in FP8 and in high precision. Forward hooks do the counting, so it counts eager
+calls (a compiled graph runs its hooks while it is traced, not at each call: nothing is counted).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import gemm
+from .convert import KEPT_BY_FILTER, _is_hf_conv1d, fp8_compatible
+from .debug_switches import SWITCHES
+from .fsdp import GatheredWeight
+from .microscaling import MX_BLOCK, NVFP4_BLOCK
+from .modules.base import FP8Module
+from .quantization.block import TILE
+from .recipe import RECIPES, recipe_kind
+from .registry import REGISTRY
+
+__all__ = ["LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER"]
+
+LOGGER = logging.getLogger("fp8train")
+# the block each block-scaled recipe kind scales by (along a GEMM's reduction dimension)
+RECIPE_BLOCKS = {"block": TILE, "mxfp8": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
+BLOCK_PATH = "block_dequantized"  # gemm.matmul: block-scaled operands dequantized, fp32 matmul
+
+
+@dataclass(frozen=True)
+class LayerCoverage:
+    """One GEMM of a linear layer: whether it runs in FP8, and why not."""
+
+    name: str  # the layer's name in the model (with "/fc1" etc. for a module of several GEMMs)
+    layer: str  # its class
+    in_features: int
+    out_features: int
+    fp8: bool
+    reason: str  # "fp8", or why not: "shape", "off block", "filter", "switched", "not converted"
+    frozen: bool  # its weight trains not: no weight-gradient GEMM
+    path: Optional[str]  # the GEMM path an FP8 call takes (a token count that is a multiple of 16)
+    padded: bool = False  # off the recipe's block: its operands are padded to whole blocks
+
+    @property
+    def flops_per_token(self) -> int:
+        """Forward FLOPs per token (2 per multiply-add)."""
+        return 2 * self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class ModelCoverage:
+    layers: tuple[LayerCoverage, ...]
+    recipe_kind: Optional[str]  # the kind whose block and path were used ("delayed" if none is known)
+
+    @property
+    def fp8_share(self) -> float:
+        """The share of linear forward FLOPs (per token) that runs in FP8."""
+        total = sum(layer.flops_per_token for layer in self.layers)
+        fp8 = sum(layer.flops_per_token for layer in self.layers if layer.fp8)
+        return fp8 / total if total else 0.0
+
+    def counts(self) -> dict[str, int]:
+        """GEMMs per reason ("fp8", "shape", "filter", ...), and "frozen" for frozen ones."""
+        out = collections.Counter(layer.reason for layer in self.layers)
+        out["frozen"] = sum(layer.frozen for layer in self.layers)
+        return dict(out)
+
+    def summary(self) -> str:
+        """One line: how many linear GEMMs run in FP8, their FLOP share, the others' reasons, paths."""
+        counts = self.counts()
+        fp8 = counts.pop("fp8", 0)
+        frozen = counts.pop("frozen")
+        others = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
+        paths = collections.Counter(layer.path for layer in self.layers if layer.fp8)
+        via = ", ".join(f"{n} {p}" for p, n in sorted(paths.items()))
+        return (
+            f"fp8train: {fp8}/{len(self.layers)} linear GEMMs in FP8 ({100 * self.fp8_share:.1f}% of linear "
+            f"FLOPs; recipe {self.recipe_kind})" + (f"; high precision: {others}" if others else "")
+            + (f"; frozen: {frozen}" if frozen else "") + (f"; paths: {via}" if via else "")
+        )  # fmt: skip
+
+    def table(self) -> str:
+        """Every GEMM on a line: name, shape, FP8 or why not, path."""
+        rows = [("layer", "shape", "fp8", "why", "path")]
+        for layer in self.layers:
+            notes = (
+                [layer.reason] + (["frozen"] if layer.frozen else []) + (["padded"] if layer.padded else [])
+            )
+            shape = f"{layer.in_features}x{layer.out_features}"
+            rows.append((layer.name, shape, "yes" if layer.fp8 else "no", ",".join(notes), layer.path or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+    def as_dict(self) -> dict:
+        """A JSON-able record (telemetry writes it as a "coverage" record)."""
+        return {
+            "kind": "coverage",
+            "recipe": self.recipe_kind,
+            "fp8_share": self.fp8_share,
+            "counts": self.counts(),
+            "layers": [
+                {"name": x.name, "in": x.in_features, "out": x.out_features, "fp8": x.fp8, "reason": x.reason,
+                 "frozen": x.frozen, "path": x.path, "padded": x.padded}
+                for x in self.layers
+            ],
+        }  # fmt: skip
+
+
+def gemm_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
+    """(GEMM name, weight, in_features, out_features) of each GEMM of a linear layer; [] for others."""
+    if isinstance(module, FP8Module):
+        weights = [
+            getattr(module, f"{name}_weight" if name else "weight", None) for name in module.gemm_names
+        ]
+        if any(w is None for w in weights):  # a module of its own naming: its matrices, in order
+            weights = [p for p in module.parameters(recurse=False) if p.dim() == 2]
+            if len(weights) != len(module.gemm_names):
+                return []
+        transposed = type(module).__name__ == "Conv1D"  # stored (in, out)
+        return [
+            (name, w, *(w.shape if transposed else (w.shape[1], w.shape[0])))
+            for name, w in zip(module.gemm_names, weights)
+        ]
+    if isinstance(module, torch.nn.Linear):
+        return [("", module.weight, module.in_features, module.out_features)]
+    if _is_hf_conv1d(module):
+        return [("", module.weight, *module.weight.shape)]
+    return []
+
+
+def gemm_path(kind: str, device: torch.device, tokens: int, in_features: int, out_features: int) -> str:
+    """The path an FP8 GEMM of this shape takes on `device` under a recipe of `kind`, as gemm.py
+    chooses it: a per-tensor path (`gemm.PATHS`), "scaled_mm:<kernel>" for a block-scaled kernel of
+    torch._scaled_mm (`gemm.kernel_choice`), else the block-dequantized emulation."""
+    kernel = gemm.RECIPE_KERNELS[kind]
+    if kernel == "tensorwise":
+        return gemm.choose_path(device, tokens, in_features, out_features)
+    return f"scaled_mm:{kernel}" if gemm.kernel_choice(kernel, device)[0] else BLOCK_PATH
+
+
+def whole_blocks(kind: str) -> int:
+    """The block every GEMM dimension must fill under a recipe of `kind` (1: none); the recipe refuses
+    other shapes, and convert_to_fp8 given the recipe keeps them in high precision."""
+    return next(q.whole_blocks for q in RECIPES.values() if q.kind == kind)
+
+
+def _recipe_kind(model: torch.nn.Module, recipe) -> str:
+    if recipe is None:
+        recipe = getattr(model.__dict__.get("forward"), "recipe", None)  # a prepared model's
+    if recipe is not None:
+        return recipe_kind(recipe)
+    kinds = {m.recipe_kind for m in model.modules() if isinstance(m, FP8Module)} - {None}
+    return kinds.pop() if len(kinds) == 1 else "delayed"
+
+
+def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
+    """Every linear GEMM of `model`: FP8 or not, and why (see the module docstring). `recipe`: the
+    recipe it trains with (default: a prepared model's, else the one its modules trained with, else
+    delayed scaling); it decides the block and the path."""
+    kind = _recipe_kind(model, recipe)
+    block, whole = RECIPE_BLOCKS.get(kind), whole_blocks(kind)
+    layers = []
+    for fqn, module in model.named_modules():
+        for gemm_name, weight, k, n in gemm_weights(module):
+            name = f"{fqn}/{gemm_name}" if gemm_name else (fqn or type(module).__name__)
+            frozen = not weight.requires_grad
+            off_block = bool(k % whole or n % whole)
+            if not fp8_compatible(k, n):
+                reason = "shape"
+            elif off_block:  # an FP8 module of this shape is refused by the recipe at its first call
+                reason = "off block"
+            elif not isinstance(module, FP8Module):
+                reason = "filter" if module in KEPT_BY_FILTER else "not converted"
+            else:
+                reason = "switched" if SWITCHES.high_precision_now(module) else "fp8"
+            fp8 = reason == "fp8"
+            padded = fp8 and block is not None and bool(k % block or n % block)
+            path = gemm_path(kind, weight.device, 16, k, n) if fp8 else None
+            layers.append(LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded))
+    return ModelCoverage(tuple(layers), kind)
+
+
+def log_summary(model: torch.nn.Module, recipe=None) -> ModelCoverage:
+    """Log `coverage(model).summary()` (logger "fp8train", level INFO); warn if the model has linear
+    layers and none of them runs in FP8."""
+    report = coverage(model, recipe)
+    LOGGER.info(report.summary())
+    if report.layers and not any(layer.fp8 for layer in report.layers):
+        warnings.warn(
+            f"{report.summary()}: nothing trains in FP8. Check the shapes (multiples of 16), the filter_fn "
+            "and FP8TRAIN_HIGH_PRECISION; fp8train.coverage(model).table() lists every layer",
+            stacklevel=3,
+        )
+    return report
+
+
+class StepCoverage:
+    """What the linear layers of `model` ran since the last `take()`, counted from shapes on the host.
+
+    Per step: FLOPs (2 per multiply-add, forward and the backward GEMMs a training call owes) in FP8
+    and in high precision, GEMMs per path ("high_precision" for those not in FP8), the bytes of linear
+    weights FSDP2 gathered in FP8 and in high precision (per forward gather), and the FP8 modules that
+    ran in high precision (a switch, or a call outside a region)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._handles = []
+        self._names: dict[int, str] = {}
+        self._weights: dict[int, list] = {}  # module id -> its GEMMs' weights as its forward saw them
+        for fqn, module in model.named_modules():
+            if gemm_weights(module):
+                self._names[id(module)] = fqn or type(module).__name__
+                # FSDP2 gathers in its pre-hook (prepended) and frees in its post-hook: weights are read
+                # in a pre-hook, the call's precision (its plan) in a post-hook
+                self._handles.append(module.register_forward_pre_hook(self._before))
+                self._handles.append(module.register_forward_hook(self._after))
+        self._clear()
+
+    def _clear(self) -> None:
+        self.flops = {"fp8": 0, "high_precision": 0}
+        self.gemms: collections.Counter[str] = collections.Counter()
+        self.gathered_bytes = {"fp8": 0, "high_precision": 0}
+        self.high_precision_layers: set[str] = set()
+
+    def _before(self, module, args) -> None:
+        if not torch.compiler.is_compiling():
+            self._weights[id(module)] = gemm_weights(module)
+
+    def _after(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        weights = self._weights.pop(id(module), None)
+        if weights is None or not args or not isinstance(args[0], torch.Tensor) or not args[0].dim():
+            return
+        x = args[0]
+        tokens = x.numel() // x.shape[-1]
+        training = torch.is_grad_enabled()
+        plan = REGISTRY.plan_of(module) if isinstance(module, FP8Module) else None
+        fp8 = plan is not None and plan.fp8
+        if isinstance(module, FP8Module) and not fp8:
+            self.high_precision_layers.add(self._names[id(module)])
+        fsdp = type(module).__name__.startswith("FSDP")
+        for _, weight, k, n in weights:
+            gemms = 1 + (training and x.requires_grad) + (training and weight.requires_grad)
+            self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms
+            path = gemm_path(plan.quantization.kind, weight.device, tokens, k, n) if fp8 else "high_precision"
+            self.gemms[path] += gemms
+            if isinstance(weight, GatheredWeight) and weight.fp8:
+                self.gathered_bytes["fp8"] += weight.numel()
+                if not fp8:  # gathered again in the parameter dtype (fp8_linear's _HighPrecision)
+                    self.gathered_bytes["high_precision"] += weight.numel() * weight.element_size()
+            elif isinstance(weight, GatheredWeight) or fsdp:
+                self.gathered_bytes["high_precision"] += weight.numel() * weight.element_size()
+
+    def take(self) -> dict:
+        """The counts since the last take (JSON-able), and start counting afresh."""
+        total = self.flops["fp8"] + self.flops["high_precision"]
+        out = {
+            "fp8_flop_share": self.flops["fp8"] / total if total else None,
+            "flops": dict(self.flops),
+            "gemms": dict(sorted(self.gemms.items())),
+            "gathered_bytes": dict(self.gathered_bytes),
+            "high_precision_layers": sorted(self.high_precision_layers),
+        }
+        self._clear()
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
