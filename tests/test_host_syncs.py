@@ -62,7 +62,7 @@ def _steady_steps(
     fp8_recipe = RECIPES[recipe]
 
     def step(i: int) -> None:
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * rank + i))
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(100 * rank + i))
         with fp8train.fp8_autocast(fp8_recipe=fp8_recipe):
             y = model(x)
         loss = y.square().mean()
