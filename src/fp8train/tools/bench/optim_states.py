@@ -88,43 +88,38 @@ CONFIGS = {  # name: (optimizer factory, parameter dtype, parameter + gradient b
 }
 
 
+def _state_bytes_per_parameter(opt: torch.optim.Optimizer, model: torch.nn.Module) -> float:
+    if isinstance(opt, AdamW):
+        return bytes_per_parameter(opt)
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+    return held / sum(p.numel() for p in model.parameters())
+
+
 def run(elements: int = 1 << 14, moment_steps: int = 200, gpt_steps: int = 150, seeds: int = 2) -> dict:
-    rows = []
     cfg = MODEL_SIZES["tiny"]
+    optimizers, rows = {}, []
     for name, (make, dtype, param_and_grad) in CONFIGS.items():
         model = GPT(cfg).to(dtype)
         opt = make(model.parameters())
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()
-        state = (
-            bytes_per_parameter(opt)
-            if isinstance(opt, AdamW)
-            else sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
-            / sum(p.numel() for p in model.parameters())
-        )
-        seconds = interleaved_medians({"step": opt.step}, repeats=10)["step"]
-        losses = [tiny_gpt_final_loss(make, gpt_steps, seed, dtype) for seed in range(seeds)]
-        rows.append(
-            {
-                "optimizer": name,
-                "state_bytes_per_param": state,
-                "total_bytes_per_param": state + param_and_grad,
-                "step_ms": 1e3 * seconds,
-                "final_loss": sum(losses) / len(losses),
-                "losses": losses,
-            }
-        )
+        optimizers[name] = opt
+        state = _state_bytes_per_parameter(opt, model)
+        total = state + param_and_grad
+        rows.append({"optimizer": name, "state_bytes_per_param": state, "total_bytes_per_param": total})
+    # every optimizer's step timed round-robin in one loop, so that the machine's load hits all alike
+    seconds = interleaved_medians({name: opt.step for name, opt in optimizers.items()}, repeats=20)
+    for row in rows:
+        make, dtype, _ = CONFIGS[row["optimizer"]]
+        row["step_ms"] = 1e3 * seconds[row["optimizer"]]
+        row["losses"] = [tiny_gpt_final_loss(make, gpt_steps, seed, dtype) for seed in range(seeds)]
+        row["final_loss"] = sum(row["losses"]) / len(row["losses"])
     reference = rows[0]["losses"]
     for row in rows:
         row["gap_pct_per_seed"] = [100 * (a / b - 1) for a, b in zip(row.pop("losses"), reference)]
     return {
         "rows": rows,
         "moment_errors": moment_errors(elements, moment_steps),
-        "config": {
-            "elements": elements,
-            "moment_steps": moment_steps,
-            "gpt_steps": gpt_steps,
-            "seeds": seeds,
-        },
+        "config": dict(elements=elements, moment_steps=moment_steps, gpt_steps=gpt_steps, seeds=seeds),
     }
