@@ -2,7 +2,7 @@
 scaling), with delayed scaling's global amax reduction asynchronous by default and correct by
 construction."""
 
-from . import inspection, pipeline, telemetry
+from . import comm, inspection, pipeline, telemetry
 from .autocast import autocast, fp8_autocast
 from .checkpoint_files import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
@@ -26,6 +26,7 @@ from .tensor_parallel import reduce_sequence_parallel_grads
 __version__ = "0.1.0"
 
 __all__ = [
+    "comm",
     "inspection",
     "pipeline",
     "telemetry",

@@ -80,8 +80,10 @@ class Header:
             static = self._static[columns] = torch.tensor(values, dtype=torch.float32, device=device)
         if self._weights is None:
             self._weights = _digest_weights(storage.num_roles, device)
-        dynamic = torch.full((2,), float(region_index % 2**24), device=device)
-        dynamic[1] = wire
+        # Fills take the numbers as kernel arguments; `dynamic[1] = wire` would copy a host tensor into
+        # the element (a blocking host-to-device copy on CUDA, at every launch).
+        dynamic = torch.full((2,), float(wire), device=device)
+        dynamic[:1].fill_(float(region_index % 2**24))
         q = torch.cat([static, dynamic, state_digest(storage, self._weights)])
         return torch.stack([q, -q], dim=1).flatten()
 

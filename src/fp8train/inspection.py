@@ -45,11 +45,12 @@ def reduction_stats(complete: bool = True) -> dict:
     nonfinite_amax_events.
 
     By default in-flight reductions are completed first (no collective is issued), so the counters
-    include the last step's update; `complete=False` reads them without waiting.
+    include the last step's update; `complete=False` reads them without waiting for anything (CUDA
+    timings and counts whose copies have not arrived are left for a later read).
     """
     if complete:
         synchronize()
-    return REGISTRY.stats.as_dict()
+    return REGISTRY.stats.as_dict(wait=complete)
 
 
 def reset_reduction_stats() -> None:

@@ -306,15 +306,33 @@ def hadamard_matrix(
 ) -> torch.Tensor:
     """diag(signs) @ H / sqrt(n), float32, H the n x n Sylvester Hadamard matrix (n = len(signs), a power
     of 2). Entries are +-1/sqrt(n) (+-1/4 for n = 16: exact), and it is orthogonal: M @ M.T = I, exactly
-    in float32 for n = 16 (every product is +-1/16 and every partial sum a multiple of 1/16)."""
+    in float32 for n = 16 (every product is +-1/16 and every partial sum a multiple of 1/16).
+
+    Built on `device` from Python numbers (kernel arguments): no tensor is made from host data."""
     n = len(signs)
     if n & (n - 1) or n == 0:
         raise ValueError(f"a Hadamard matrix needs a power-of-2 size, got {n}")
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    d = torch.tensor(signs, dtype=torch.float32)
-    return (d[:, None] * h / n**0.5).to(device)
+    d = torch.stack([torch.full((), s / n**0.5, device=device) for s in signs])
+    return d[:, None] * h
+
+
+# The RHT matrix of each (device, signs), made once: a steady NVFP4 step builds none. Float32 only
+# (`_block_transform` works in float32). Under torch.compile the matrix is traced instead (device ops
+# on constants), so that a graph holds no reference to this cache.
+_HADAMARD_BY_DEVICE: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _hadamard_on(device: torch.device, signs: tuple[int, ...]) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return hadamard_matrix(signs, device)
+    key = (device, tuple(signs))
+    matrix = _HADAMARD_BY_DEVICE.get(key)
+    if matrix is None:
+        matrix = _HADAMARD_BY_DEVICE[key] = hadamard_matrix(key[1], device)
+    return matrix
 
 
 def _block_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int) -> torch.Tensor:
@@ -324,7 +342,7 @@ def _block_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int) -> torch.T
         raise ValueError(
             f"the Hadamard transform works in blocks of {n}; dimension {dim} has {moved.shape[-1]}"
         )
-    out = moved.unflatten(-1, (moved.shape[-1] // n, n)) @ matrix.to(moved.device)
+    out = moved.unflatten(-1, (moved.shape[-1] // n, n)) @ matrix
     return out.flatten(-2).movedim(-1, dim)
 
 
@@ -336,14 +354,14 @@ def random_hadamard_transform(
     orthogonal, so transforming both operands of a GEMM along its reduction dimension leaves the product
     unchanged (A M)(B M).T = A B.T, while spreading each block's outliers over all 16 elements. Each
     output is a float32 sum of 16 products +-x/4 (each exact): rounding only in the additions."""
-    return _block_transform(x, hadamard_matrix(signs), dim)
+    return _block_transform(x, _hadamard_on(x.device, signs), dim)
 
 
 def inverse_random_hadamard_transform(
     x: torch.Tensor, signs: tuple[int, ...] = RHT_SIGNS, dim: int = -1
 ) -> torch.Tensor:
     """The inverse of `random_hadamard_transform`: y = x @ M.T per block (M orthogonal)."""
-    return _block_transform(x, hadamard_matrix(signs).t(), dim)
+    return _block_transform(x, _hadamard_on(x.device, signs).t(), dim)
 
 
 # ---- the emulated blockwise GEMM -------------------------------------------------------------------

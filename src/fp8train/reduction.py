@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from . import streams
 from .errors import AmaxReductionError
 from .formats import fp8_max
 from .header import HEADER_LEN, Header
@@ -44,6 +45,7 @@ class PendingReduction:
     header: Optional[torch.Tensor] = None  # this rank's header; None when not reduced
     extra: Optional[torch.Tensor] = None  # amaxes beyond the agreed size (a growth step), reduced apart
     index: int = -1  # the channel's launch count at this launch
+    stream: Optional[torch.cuda.Stream] = None  # the stream that launched it, which owns the buffers
 
 
 class Direction:
@@ -146,6 +148,7 @@ class Direction:
     def launch(self, async_op: bool, region_index: int) -> None:
         """Snapshot and clear the recording slot, then start the MAX all-reduce on the snapshot."""
         storage = self.storage
+        stream = streams.current_stream(storage.device)  # owns the buffers allocated here
         n = storage.num_roles
         columns = tuple(sorted(set(self.recorded_columns)))
         self.recorded_columns.clear()
@@ -154,7 +157,7 @@ class Direction:
             snapshot = storage.recording.clone()
             storage.recording.zero_()
             snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
-            self.pending.append(PendingReduction(snapshot, [], n, Mark.now(snapshot.device)))
+            self.pending.append(PendingReduction(snapshot, [], n, Mark.now(snapshot.device), stream=stream))
             return
         index = channel.begin_launch(self)  # raises on every rank alike; no further collective then
         self.finish()  # the state digest must cover every earlier update (normally already applied)
@@ -167,7 +170,7 @@ class Direction:
         amaxes.masked_fill_(torch.isnan(amaxes), float("inf"))  # NCCL's MAX may drop NaN
         header = self.header.write(storage, len(self.members), columns, region_index, wire)
         buffer[:HEADER_LEN].copy_(header)
-        pending = PendingReduction(buffer, [], n, None, header, index=index)
+        pending = PendingReduction(buffer, [], n, None, header, index=index, stream=stream)
         if wire == agreed:
             pending.works.append(self._all_reduce(buffer, async_op))
             pending.launched_at = Mark.now(buffer.device)
@@ -210,34 +213,41 @@ class Direction:
 
     # ---- the only wait --------------------------------------------------------------------------
     def finish(self) -> None:
-        """Wait for every launched reduction, check it on the device, then run the fused update."""
+        """Wait for every launched reduction, check it on the device, then run the fused update.
+
+        Each runs on the stream that launched it, which owns its buffers and the FP8 state; a caller on
+        another stream (FSDP2's all-gather) then waits for it (streams.py)."""
         while self.pending:
             pending = self.pending.popleft()
             if self.channel is not None and self.channel.error is not None:
                 continue  # after a mismatch the collectives may be mispaired: apply nothing more
-            self._wait(pending)
-            n = pending.num_roles
-            ok = None
-            last = pending.buffer[:n]
-            if pending.header is not None:
-                amaxes = pending.buffer[HEADER_LEN:]
-                if pending.extra is not None:
-                    amaxes = torch.cat([amaxes, pending.extra])
-                last = amaxes[:n]
-                ok = self.channel.agrees(pending.buffer[:HEADER_LEN], pending.header, self, pending.index)
-            storage = self.storage
-            self.stats.updates += 1
-            self.stats.count_nonfinite(last, ok)
-            update_scaling(
-                storage.history[:, :n],
-                storage.scale[:n],
-                storage.scale_inv[:n],
-                last,
-                self.recipe,
-                self.fp8_max,
-                ok,
-                storage.digest[:n],
-            )
+            with streams.queued_on(pending.buffer.device, pending.stream):
+                self._apply(pending)
+
+    def _apply(self, pending: PendingReduction) -> None:
+        self._wait(pending)
+        n = pending.num_roles
+        ok = None
+        last = pending.buffer[:n]
+        if pending.header is not None:
+            amaxes = pending.buffer[HEADER_LEN:]
+            if pending.extra is not None:
+                amaxes = torch.cat([amaxes, pending.extra])
+            last = amaxes[:n]
+            ok = self.channel.agrees(pending.buffer[:HEADER_LEN], pending.header, self, pending.index)
+        storage = self.storage
+        self.stats.updates += 1
+        self.stats.count_nonfinite(last, ok)
+        update_scaling(
+            storage.history[:, :n],
+            storage.scale[:n],
+            storage.scale_inv[:n],
+            last,
+            self.recipe,
+            self.fp8_max,
+            ok,
+            storage.digest[:n],
+        )
 
     def settle(self, host_point: bool = False) -> None:
         """Complete the reductions before the state is read; issues no collective.

@@ -10,13 +10,16 @@ from typing import Optional
 
 import torch
 
+from . import streams
+
 __all__ = ["Mark", "ReductionStats", "HostMirror"]
 
 
 @dataclass(frozen=True)
 class Mark:
     """A point in time where the work that waits runs: the host clock on the CPU, an event on the
-    current stream on CUDA (where `work.wait()` makes the stream wait and returns at once)."""
+    device's current stream on CUDA (where `work.wait()` makes the stream wait and returns at once):
+    the device of the FP8 state, which need not be the current device."""
 
     host: float
     event: Optional[torch.cuda.Event] = None
@@ -26,7 +29,7 @@ class Mark:
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(streams.current_stream(device))
         return Mark(time.perf_counter(), event)
 
 
@@ -54,6 +57,9 @@ class ReductionStats:
         if start.event is None:
             setattr(self, name, getattr(self, name) + end.host - start.host)
         else:
+            # Fold the intervals the device has completed (without waiting), so that only those of the
+            # last few launches are held: the host runs at most VERDICT_LAG launches ahead (channel.py).
+            self._read_intervals(block=False)
             self._intervals.append((name, start.event, end.event))
 
     def count_nonfinite(self, last: torch.Tensor, ok: Optional[torch.Tensor]) -> None:
@@ -95,15 +101,16 @@ class HostMirror:
     `wait()` (for host points) waits for it. On the CPU every copy arrives at once."""
 
     def __init__(self, like: torch.Tensor) -> None:
+        self.device = like.device
         cuda = like.is_cuda
         self.host = torch.zeros(like.shape, dtype=like.dtype, pin_memory=cuda)
         self.host._fp8train_host_mirror = True  # host memory: reading it never waits for the device
         self.event = torch.cuda.Event() if cuda else None
 
     def publish(self, value: torch.Tensor) -> None:
-        self.host.copy_(value, non_blocking=True)
+        self.host.copy_(value, non_blocking=True)  # queued on the current stream of value's device
         if self.event is not None:
-            self.event.record()
+            self.event.record(streams.current_stream(self.device))
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()

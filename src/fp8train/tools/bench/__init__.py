@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "optim")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "comm", "optim")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -25,7 +25,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--latencies-ms", default="0,5,20,50", help="injected amax-collective latencies")
     parser.add_argument("--steps", type=int, default=None, help="steps per reduction-benchmark mode")
     parser.add_argument("--no-compile", action="store_true", help="step: leave out the torch.compile runs")
-    parser.add_argument("--ranks", default=None, help="scale: rank counts (default 2,4,8; --quick 2,4)")
+    parser.add_argument(
+        "--ranks", default=None, help="scale: rank counts (default 2,4,8; --quick 2,4); comm: (default 2,4)"
+    )
     parser.add_argument(
         "--from", dest="from_json", default=None,
         help="scale: analyse the measurements saved in this JSON again (the model, its check, the plot) "
@@ -95,6 +97,13 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         result = optim_states.run()
         print(table(result["moment_errors"], list(result["moment_errors"][0].keys())))
         return result
+    if suite == "comm":
+        from . import grad_comm
+
+        worlds = tuple(int(v) for v in args.ranks.split(",")) if args.ranks else (2, 4)
+        if args.quick:
+            return grad_comm.run(worlds=worlds[:1], size="tiny", batch=2, rounds=1)
+        return grad_comm.run(worlds=worlds, rounds=args.steps or 10)
     if suite == "gpu":
         from . import gpu
 
