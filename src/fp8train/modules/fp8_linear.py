@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import fsdp, ops, second_order
+from .. import fsdp, ops, saved, second_order
 from ..cast import amax
 from ..fsdp import GatheredWeight
 from ..gemm import Operand, choose_path, matmul
@@ -42,10 +42,12 @@ class _LinearFn(torch.autograd.Function):
             gathered = Operand(gather_fp8_tokens(local.values, sp_group), local.scale_inv)
             x_ops = x_ops._replace(forward=gathered, wgrad=gathered)
             shape = (gathered.values.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
-        y = matmul(x_ops.forward, w_ops.forward.t(), x.dtype, bias)
+        y = matmul(x_ops.forward, w_ops.forward.t(), _output_dtype(x), bias)
+        e2m1 = call.quantization.e2m1_values
+        (x_saved, x_form), (w_saved, w_form) = saved.pack(x_ops.wgrad, e2m1), saved.pack(w_ops.dgrad, e2m1)
         # the weight itself only for a double backward (create_graph): a reference, not a copy
-        ctx.save_for_backward(*x_ops.wgrad.tensors(), *w_ops.dgrad.tensors(), weight, call.token)
-        ctx.layouts = (x_ops.wgrad.layout, w_ops.dgrad.layout)
+        ctx.save_for_backward(*x_saved.tensors(), *w_saved.tensors(), weight, call.token)
+        ctx.layouts, ctx.forms = (x_saved.layout, w_saved.layout), (x_form, w_form)
         ctx.call, ctx.sp_group = call.without_tensors(), sp_group  # its tensors: saved above
         ctx.has_bias, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = bias is not None, x.shape, x.dtype, weight.dtype
         # not a view of y: FSDP2 warns on (and in-place ops would bypass hooks of) a view output
@@ -54,8 +56,8 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         *operands, weight, token = ctx.saved_tensors
-        x_wgrad = Operand.rebuild(operands[:3], ctx.layouts[0])
-        w_dgrad = Operand.rebuild(operands[3:], ctx.layouts[1])
+        x_wgrad = saved.unpack(Operand.rebuild(operands[:3], ctx.layouts[0]), ctx.forms[0])
+        w_dgrad = saved.unpack(Operand.rebuild(operands[3:], ctx.layouts[1]), ctx.forms[1])
         call = ctx.call.with_token(token)
         create_graph = torch.is_grad_enabled()
         if create_graph and (
@@ -86,6 +88,13 @@ class _LinearFn(torch.autograd.Function):
                 g_ops.wgrad.dequantize() if needs[1] else None, x_wgrad.dequantize(), needs[0],
             )  # fmt: skip
         return grad_x, grad_w, grad_bias, None, None, None
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """x's dtype, or torch.autocast's where it is on for x's device (as TransformerEngine's modules):
+    the activations after an FP8 GEMM then are what they would be after an autocast GEMM."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _HighPrecision(torch.autograd.Function):

@@ -79,12 +79,15 @@ class Quantization:
       calls have plans with frozen scales, amaxes are recorded and reduced (regions.py, plans.py);
     - `casts_before_gather`: a tensor's scale is known before the tensor is whole, so sequence-parallel
       inputs and FSDP2 weights are cast on each rank and gathered as FP8 bytes; otherwise they are
-      gathered in high precision and quantized whole.
+      gathered in high precision and quantized whole;
+    - `e2m1_values`: its operands hold E2M1 values (in float8_e4m3fn), which backward may keep packed
+      two to a byte (saved.py).
     """
 
     kind: ClassVar[str]
     reduces_amax: ClassVar[bool] = False
     casts_before_gather: ClassVar[bool] = False
+    e2m1_values: ClassVar[bool] = False
 
     def __init__(self, recipe) -> None:
         self.recipe = recipe

@@ -59,6 +59,7 @@ def _nvfp4(x: torch.Tensor, dim: int, two_d: bool = False, stochastic: bool = Fa
 
 class NVFP4Quantization(Quantization):
     kind = "nvfp4"
+    e2m1_values = True
 
     def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
         if not self.recipe.disable_2d_quantization:

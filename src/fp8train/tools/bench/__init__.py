@@ -8,7 +8,7 @@ from typing import Optional
 
 from .common import save, table
 
-SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "comm", "optim")
+SUITES = ("fused", "step", "reduction", "fsdp", "gpu", "scale", "comm", "optim", "memory")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -97,6 +97,12 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         result = optim_states.run()
         print(table(result["moment_errors"], list(result["moment_errors"][0].keys())))
         return result
+    if suite == "memory":
+        from . import memory
+
+        if args.quick:
+            return memory.run(size="tiny", batch=2, recipes=("delayed", "nvfp4"))
+        return memory.run()
     if suite == "comm":
         from . import grad_comm
 

@@ -1,0 +1,127 @@
+"""Memory of one training step of the demo GPT: parameters, gradients, optimizer state and the tensors
+saved for backward (counted with torch's saved-tensor hooks, each storage once, parameters left out),
+and the allocator's peak where the device has one (CUDA), for fp32, bf16 autocast, FP8 per recipe
+(operands as the GEMM takes them, then everything saved in FP8) and FP8 with FP8 optimizer states."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterable
+
+import torch
+
+import fp8train as ft
+from fp8train.optim import AdamW, state_bytes
+from fp8train.saved import ENV_SAVE_FP8
+from fp8train.tools.models import GPT, MODEL_SIZES, next_token_loss
+
+from .common import environment
+
+RECIPES = {
+    "delayed": ft.DelayedScaling,
+    "current": ft.Float8CurrentScaling,
+    "block": ft.Float8BlockScaling,
+    "mxfp8": ft.MXFP8BlockScaling,
+    "nvfp4": ft.NVFP4BlockScaling,
+}
+
+
+def saved_bytes(
+    fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()
+) -> tuple[torch.Tensor, int]:
+    """fn()'s result and the bytes autograd saved for its backward: each storage once, those of
+    `exclude` (the parameters, held anyway) left out."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@contextlib.contextmanager
+def _saving_fp8(on: bool):
+    before = os.environ.get(ENV_SAVE_FP8)
+    os.environ[ENV_SAVE_FP8] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV_SAVE_FP8]
+        else:
+            os.environ[ENV_SAVE_FP8] = before
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure(
+    config: str, recipe: str | None, save_fp8: bool, fp8_states: bool, size: str, batch: int, device: str
+) -> dict:
+    """One training step of a fresh demo GPT (same seed, same tokens) in `config`."""
+    torch.manual_seed(0)
+    cfg = MODEL_SIZES[size]
+    model = GPT(cfg).to(device)
+    for mlp in (block.mlp for block in model.blocks):
+        mlp.save_activation_input_fp8 = save_fp8
+    params = list(model.parameters())
+    opt = AdamW(params, lr=1e-3) if fp8_states else torch.optim.AdamW(params, lr=1e-3)
+    tokens = torch.randint(
+        0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1)
+    )
+    tokens = tokens.to(device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    bf16 = config != "fp32"  # FP8 too: its GEMMs' outputs, and the ops between them, in bf16
+    with _saving_fp8(save_fp8), torch.autocast(device.split(":")[0], torch.bfloat16, enabled=bf16):
+        with ft.fp8_autocast(enabled=recipe is not None, fp8_recipe=RECIPES[recipe]() if recipe else None):
+            logits, saved = saved_bytes(lambda: model(tokens[:, :-1]), params)
+        next_token_loss(logits, tokens).backward()
+    opt.step()
+    row = {
+        "config": config,
+        "params_MB": _nbytes(params) / 1e6,
+        "grads_MB": _nbytes(p.grad for p in params if p.grad is not None) / 1e6,
+        "optim_state_MB": state_bytes(opt) / 1e6,
+        "saved_MB": saved / 1e6,
+        "fp8_meta_MB": _nbytes(model.buffers()) / 1e6,
+    }
+    row["sum_MB"] = sum(v for k, v in row.items() if k.endswith("_MB"))
+    if cuda:
+        torch.cuda.synchronize()
+        row["allocator_peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 1e6 + row["params_MB"]
+    return row
+
+
+def run(
+    size: str = "small", batch: int = 16, device: str | None = None, recipes: Iterable[str] = tuple(RECIPES)
+) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    configs = [("fp32", None, False, False), ("bf16 autocast", None, False, False)]
+    for name in recipes:
+        configs += [(f"fp8 {name}", name, False, False), (f"fp8 {name}, saved in fp8", name, True, False)]
+    configs += [(f"fp8 {name}, saved in fp8, fp8 states", name, True, True) for name in recipes]
+    rows = [measure(c, r, s, f, size, batch, device) for c, r, s, f in configs]
+    bf16 = next(r for r in rows if r["config"] == "bf16 autocast")
+    for row in rows:
+        row["sum_vs_bf16"] = row["sum_MB"] / bf16["sum_MB"]
+        row["saved_vs_bf16"] = row["saved_MB"] / bf16["saved_MB"]
+    return {
+        "rows": rows,
+        "model": size,
+        "batch": batch,
+        "device": device,
+        "goal": "fp8 + fp8 states <= 0.6x bf16 autocast (sum of the step's bytes)",
+        "environment": environment(),
+    }
