@@ -29,21 +29,20 @@ RECIPES = {
 
 def saved_bytes(
     fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()
-) -> tuple[torch.Tensor, int]:
-    """fn()'s result and the bytes autograd saved for its backward: each storage once, those of
-    `exclude` (the parameters, held anyway) left out."""
+) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+    """fn()'s result, the bytes autograd saved for its backward (each storage once, those of `exclude`,
+    the parameters, which are held anyway, left out) and one saved tensor per storage counted."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return out, sum(seen.values())
+    return out, sum(t.untyped_storage().nbytes() for t in seen.values()), list(seen.values())
 
 
 @contextlib.contextmanager
@@ -86,7 +85,7 @@ def measure(
     bf16 = config != "fp32"  # FP8 too: its GEMMs' outputs, and the ops between them, in bf16
     with _saving_fp8(save_fp8), torch.autocast(device.split(":")[0], torch.bfloat16, enabled=bf16):
         with ft.fp8_autocast(enabled=recipe is not None, fp8_recipe=RECIPES[recipe]() if recipe else None):
-            logits, saved = saved_bytes(lambda: model(tokens[:, :-1]), params)
+            logits, saved, _ = saved_bytes(lambda: model(tokens[:, :-1]), params)
         next_token_loss(logits, tokens).backward()
     opt.step()
     row = {
