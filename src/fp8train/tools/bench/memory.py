@@ -103,6 +103,35 @@ def measure(
     return row
 
 
+def mlp_block(tokens: int = 512, hidden: int = 256, ffn: int = 1024) -> list[dict]:
+    """Bytes saved for backward by one MLP block (LayerNorm, fc1, GELU, fc2) of fp32 inputs: torch in
+    fp32 and in bf16 autocast, fp8train.LayerNormMLP per recipe with operands as the GEMM takes them
+    and with everything saved in FP8 (FP8TRAIN_SAVE_FP8=1, save_activation_input_fp8=True)."""
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.LayerNorm(hidden),
+        torch.nn.Linear(hidden, ffn),
+        torch.nn.GELU("tanh"),
+        torch.nn.Linear(ffn, hidden),
+    )
+    rows = []
+    for name, bf16 in (("torch fp32", False), ("torch bf16 autocast", True)):
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            saved = saved_bytes(lambda: ref(x.clone().requires_grad_()), ref.parameters())[1]
+        rows.append({"config": name, "saved_MB": saved / 1e6})
+    for recipe, make in RECIPES.items():
+        for save_fp8 in (False, True):
+            mlp = ft.LayerNormMLP(hidden, ffn, save_activation_input_fp8=save_fp8)
+            with _saving_fp8(save_fp8), ft.fp8_autocast(fp8_recipe=make()):
+                saved = saved_bytes(lambda: mlp(x.clone().requires_grad_()), mlp.parameters())[1]
+            rows.append(
+                {"config": f"fp8 {recipe}" + (", saved in fp8" if save_fp8 else ""), "saved_MB": saved / 1e6}
+            )
+    bf16 = rows[1]["saved_MB"]
+    return [{**row, "vs_bf16": row["saved_MB"] / bf16} for row in rows]
+
+
 def run(
     size: str = "small", batch: int = 16, device: str | None = None, recipes: Iterable[str] = tuple(RECIPES)
 ) -> dict:
@@ -118,6 +147,7 @@ def run(
         row["saved_vs_bf16"] = row["saved_MB"] / bf16["saved_MB"]
     return {
         "rows": rows,
+        "mlp_block": mlp_block(),
         "model": size,
         "batch": batch,
         "device": device,
