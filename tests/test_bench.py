@@ -222,3 +222,9 @@ def test_memory_bench_counts_each_part_of_a_step(tmp_path) -> None:
         parts = ("params_MB", "grads_MB", "optim_state_MB", "saved_MB", "fp8_meta_MB")
         assert abs(row["sum_MB"] - sum(row[k] for k in parts)) < 1e-9
         assert row["sum_vs_bf16"] == row["sum_MB"] / bf16["sum_MB"]
+    from fp8train.tools.report import _memory_table
+
+    lines = _memory_table(str(tmp_path))  # the run report's table, from the memory.json just written
+    assert any(line.startswith(f"| bf16 autocast | {bf16['params_MB']:.2f} |") for line in lines)
+    assert f"| {states['sum_MB']:.2f} | {states['sum_vs_bf16']:.2f} |" in "\n".join(lines)
+    assert _memory_table(str(tmp_path / "none")) == []
