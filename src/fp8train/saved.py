@@ -3,7 +3,8 @@
 On the hardware path (`torch._scaled_mm`) and for block-scaled recipes an operand's values are an FP8
 dtype already: 1 byte per element, kept as they are. The emulated per-tensor path multiplies FP8 values
 held in bf16 or fp32 (2 or 4 bytes); with `FP8TRAIN_SAVE_FP8=1` they are kept as FP8 bytes instead and
-decoded for the backward GEMM, and NVFP4's E2M1 values are packed two to a byte. Both conversions are
+decoded for the backward GEMM, and NVFP4's E2M1 values are packed two to a byte (their E4M3 block
+scales, held in fp32, as E4M3 bytes). Both conversions are
 exact (the values are FP8 values), so backward multiplies the same values bit for bit. The cost: one
 conversion per saved operand in forward, one gather from a 256-entry table per operand in backward
 (about a fifth of torch's own FP8 conversion on a CPU, which decodes each element in scalar code).
@@ -57,7 +58,7 @@ _E2M1_E4M3_BYTES = torch.tensor(
 def _e2m1_codes(values: torch.Tensor) -> torch.Tensor:
     """The 4-bit codes of E2M1 values held as float8_e4m3fn: sign bit, then the magnitude's index."""
     byte = values.view(torch.uint8)
-    magnitude = byte & 0x7F
+    magnitude = (byte & 0x7F).contiguous()  # bucketize searches contiguous values without a copy warning
     index = torch.bucketize(magnitude, _E2M1_E4M3_BYTES.to(values.device))  # exact bytes: a search
     return index.to(torch.uint8) | ((byte >> 7) << 3)
 
