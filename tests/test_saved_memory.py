@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import fp8train
 from fp8train.gemm import Operand
+from fp8train.microscaling import e8m0_to_float
 from fp8train.modules.layernorm_linear import _ActivationSavedFP8
 from fp8train.quantization.block import TILE, quantize_tiles
 from fp8train.saved import ENV_SAVE_FP8, decode_fp8, pack, saves_fp8_bytes, unpack
@@ -52,6 +53,16 @@ def test_e2m1_values_pack_two_to_a_byte_and_come_back(monkeypatch) -> None:
     back = unpack(packed, form)
     assert torch.equal(back.values.view(torch.uint8), operand.values.view(torch.uint8))  # -0.0 kept
     assert torch.equal(back.scale_inv, scales) and back.layout == operand.layout
+
+
+def test_e8m0_scales_are_kept_as_their_bytes_and_come_back(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_SAVE_FP8, "1")
+    codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    operand = Operand(torch.zeros(8, 1024).to(torch.float8_e4m3fn), e8m0_to_float(codes), (1, 32))
+    packed, form = pack(operand, e8m0=True)
+    assert torch.equal(packed.scale_inv, codes)  # every byte, 0 (2**-127, subnormal) and 255 (NaN) too
+    back = unpack(packed, form).scale_inv
+    assert torch.equal(back.view(torch.int32), operand.scale_inv.view(torch.int32))
 
 
 def test_the_option_is_checked(monkeypatch) -> None:
@@ -100,9 +111,16 @@ def test_saved_bytes_per_recipe_fp8_vs_bf16_autocast_vs_fp32(recipe, monkeypatch
     operand_elements = T * H + H * F_ + F_ * H + T * F_  # fc1's x and w, fc2's w and x
     values = operand_elements // 2 if recipe == "nvfp4" else operand_elements
     activation = T * F_ + T * F_ // TILE * 4  # E4M3 bytes and one fp32 scale per 1x128 tile
-    scales = {"delayed": 64, "current": 64, "block": 4 * (T * H + T * F_) // TILE + 4 * 2 * H * F_ // TILE**2}
+    # per-tensor: fp32 scalars; block: fp32 per tile; MXFP8: a byte per 32; NVFP4: a byte per 16
+    scales = {
+        "delayed": 64,
+        "current": 64,
+        "block": 4 * (T * H + T * F_) // TILE + 4 * 2 * H * F_ // TILE**2,
+        "mxfp8": operand_elements // 32,
+        "nvfp4": operand_elements // 16 + 64,
+    }
     low = norm + values + activation
-    assert low <= fp8 <= low + scales.get(recipe, operand_elements // 4), (recipe, fp8, low)
+    assert low <= fp8 <= low + scales[recipe], (recipe, fp8, low)
     big = [t for t in tensors if t.numel() >= T * H and t.dtype.itemsize > 1]
     assert [tuple(t.shape) for t in big] == [(T, H)]  # only the norm's input
     assert fp8 < 0.62 * bf16 < bf16 < fp32  # measured: 0.43 (NVFP4) to 0.61 (MXFP8's fp32 scales)

@@ -4,7 +4,7 @@ On the hardware path (`torch._scaled_mm`) and for block-scaled recipes an operan
 dtype already: 1 byte per element, kept as they are. The emulated per-tensor path multiplies FP8 values
 held in bf16 or fp32 (2 or 4 bytes); with `FP8TRAIN_SAVE_FP8=1` they are kept as FP8 bytes instead and
 decoded for the backward GEMM, and NVFP4's E2M1 values are packed two to a byte (their E4M3 block
-scales, held in fp32, as E4M3 bytes). Both conversions are
+scales, held in fp32, as E4M3 bytes; MXFP8's E8M0 scales, held in fp32, as their bytes). Both conversions are
 exact (the values are FP8 values), so backward multiplies the same values bit for bit. The cost: one
 conversion per saved operand in forward, one gather from a 256-entry table per operand in backward
 (about a fifth of torch's own FP8 conversion on a CPU, which decodes each element in scalar code).
@@ -18,12 +18,14 @@ from typing import Optional
 import torch
 
 from .gemm import Operand
+from .microscaling import e8m0_to_float
 
 __all__ = ["ENV_SAVE_FP8", "saves_fp8_bytes", "pack", "unpack", "decode_fp8"]
 
 ENV_SAVE_FP8 = "FP8TRAIN_SAVE_FP8"
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 E2M1 = "e2m1"  # the form of NVFP4 values packed two to a byte
+E8M0 = "e8m0"  # the form of MX operands whose power-of-2 scales are kept as their E8M0 bytes
 
 
 def saves_fp8_bytes() -> bool:
@@ -69,12 +71,22 @@ def _e2m1_values(packed: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table, 0, codes.reshape(-1).int()).view(codes.shape).view(torch.float8_e4m3fn)
 
 
-def pack(operand: Operand, e2m1: bool = False) -> tuple[Operand, Optional[object]]:
+def _e8m0_codes(scale_inv: torch.Tensor) -> torch.Tensor:
+    """The E8M0 bytes of MX scales 2**(byte - 127) in float32 (NaN: 255), exactly (frexp reads the
+    exponent of subnormals too: 2**-127 is 0.5 * 2**-126)."""
+    _, exponent = torch.frexp(scale_inv)
+    return torch.where(torch.isnan(scale_inv), 255, exponent + 126).to(torch.uint8)
+
+
+def pack(operand: Operand, e2m1: bool = False, e8m0: bool = False) -> tuple[Operand, Optional[object]]:
     """The operand as backward keeps it, and its form for `unpack`: None (kept as it is), the dtype to
-    decode FP8 bytes to, or E2M1 (NVFP4 values packed two to a byte; `e2m1`: the values are E2M1)."""
+    decode FP8 bytes to, E2M1 (NVFP4 values packed two to a byte; `e2m1`: the values are E2M1) or E8M0
+    (`e8m0`: the scales are MX scales, kept as their bytes)."""
     values = operand.values
     if not saves_fp8_bytes():
         return operand, None
+    if e8m0 and operand.block is not None:
+        return _with_values(operand, values, _e8m0_codes(operand.scale_inv)), E8M0
     if e2m1 and values.dtype == torch.float8_e4m3fn and values.dim() == 2 and values.shape[-1] % 2 == 0:
         codes = _e2m1_codes(values)
         packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -92,6 +104,8 @@ def unpack(operand: Operand, form: Optional[object]) -> Operand:
         return operand
     if form == E2M1:
         return _with_values(operand, _e2m1_values(operand.values), operand.scale_inv.float())
+    if form == E8M0:
+        return _with_values(operand, operand.values, e8m0_to_float(operand.scale_inv))
     return _with_values(operand, decode_fp8(operand.values, form))
 
 

@@ -43,8 +43,11 @@ class _LinearFn(torch.autograd.Function):
             x_ops = x_ops._replace(forward=gathered, wgrad=gathered)
             shape = (gathered.values.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
         y = matmul(x_ops.forward, w_ops.forward.t(), _output_dtype(x), bias)
-        e2m1 = call.quantization.e2m1_values
-        (x_saved, x_form), (w_saved, w_form) = saved.pack(x_ops.wgrad, e2m1), saved.pack(w_ops.dgrad, e2m1)
+        formats = call.quantization.e2m1_values, call.quantization.e8m0_scales
+        (x_saved, x_form), (w_saved, w_form) = (
+            saved.pack(x_ops.wgrad, *formats),
+            saved.pack(w_ops.dgrad, *formats),
+        )
         # the weight itself only for a double backward (create_graph): a reference, not a copy
         ctx.save_for_backward(*x_saved.tensors(), *w_saved.tensors(), weight, call.token)
         ctx.layouts, ctx.forms = (x_saved.layout, w_saved.layout), (x_form, w_form)

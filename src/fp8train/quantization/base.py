@@ -81,13 +81,15 @@ class Quantization:
       inputs and FSDP2 weights are cast on each rank and gathered as FP8 bytes; otherwise they are
       gathered in high precision and quantized whole;
     - `e2m1_values`: its operands hold E2M1 values (in float8_e4m3fn), which backward may keep packed
-      two to a byte (saved.py).
+      two to a byte (saved.py); `e8m0_scales`: its block scales are E8M0 values (MX), which backward
+      may keep as their bytes.
     """
 
     kind: ClassVar[str]
     reduces_amax: ClassVar[bool] = False
     casts_before_gather: ClassVar[bool] = False
     e2m1_values: ClassVar[bool] = False
+    e8m0_scales: ClassVar[bool] = False
 
     def __init__(self, recipe) -> None:
         self.recipe = recipe

@@ -58,6 +58,7 @@ def _mx(x: torch.Tensor, dim: int, encoding: str, two_d: bool = False) -> Operan
 
 class MXFP8Quantization(Quantization):
     kind = "mxfp8"
+    e8m0_scales = True
 
     def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
         if self.recipe.enable_2d_quantization:
