@@ -62,17 +62,39 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _fp8_meta_bytes(model: torch.nn.Module) -> int:
+    """Delayed scaling's amax histories and scales of every FP8 module (the other recipes keep none)."""
+    metas = [
+        m.fp8_meta[key]
+        for m in model.modules()
+        if isinstance(m, ft.FP8Module)
+        for key in ("scaling_fwd", "scaling_bwd")
+    ]
+    return sum(_nbytes((meta.amax_history, meta.scale, meta.scale_inv)) for meta in metas if meta is not None)
+
+
 def measure(
-    config: str, recipe: str | None, save_fp8: bool, fp8_states: bool, size: str, batch: int, device: str
+    config: str,
+    recipe: str | None,
+    save_fp8: bool,
+    fp8_states: bool,
+    size: str,
+    batch: int,
+    device: str,
+    bf16_params: bool = False,
 ) -> dict:
-    """One training step of a fresh demo GPT (same seed, same tokens) in `config`."""
+    """One training step of a fresh demo GPT (same seed, same tokens) in `config`; `bf16_params`:
+    parameters (and so gradients) in bf16, with fp8train.optim.AdamW's bf16 + remainder master."""
     torch.manual_seed(0)
     cfg = MODEL_SIZES[size]
-    model = GPT(cfg).to(device)
+    model = GPT(cfg).to(device, torch.bfloat16 if bf16_params else torch.float32)
     for mlp in (block.mlp for block in model.blocks):
         mlp.save_activation_input_fp8 = save_fp8
     params = list(model.parameters())
-    opt = AdamW(params, lr=1e-3) if fp8_states else torch.optim.AdamW(params, lr=1e-3)
+    if fp8_states:
+        opt = AdamW(params, lr=1e-3, master="bf16" if bf16_params else "fp32")
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-3)
     tokens = torch.randint(
         0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1)
     )
@@ -94,7 +116,7 @@ def measure(
         "grads_MB": _nbytes(p.grad for p in params if p.grad is not None) / 1e6,
         "optim_state_MB": state_bytes(opt) / 1e6,
         "saved_MB": saved / 1e6,
-        "fp8_meta_MB": _nbytes(model.buffers()) / 1e6,
+        "fp8_meta_MB": _fp8_meta_bytes(model) / 1e6,
     }
     row["sum_MB"] = sum(v for k, v in row.items() if k.endswith("_MB"))
     if cuda:
@@ -141,6 +163,12 @@ def run(
         configs += [(f"fp8 {name}", name, False, False), (f"fp8 {name}, saved in fp8", name, True, False)]
     configs += [(f"fp8 {name}, saved in fp8, fp8 states", name, True, True) for name in recipes]
     rows = [measure(c, r, s, f, size, batch, device) for c, r, s, f in configs]
+    rows += [
+        measure(
+            f"fp8 {name}, saved in fp8, fp8 states, bf16 params", name, True, True, size, batch, device, True
+        )
+        for name in recipes
+    ]
     bf16 = next(r for r in rows if r["config"] == "bf16 autocast")
     for row in rows:
         row["sum_vs_bf16"] = row["sum_MB"] / bf16["sum_MB"]
