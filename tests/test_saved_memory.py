@@ -194,3 +194,30 @@ def test_fp8_gemm_outputs_are_in_the_autocast_dtype() -> None:
     assert torch.equal(y16, y32.to(torch.bfloat16))
     y16.float().sum().backward()
     assert x.grad.dtype == torch.float32 and m2.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_mlp_with_the_activation_input_in_fp8_trains_like_without(activation) -> None:
+    """The gradients with h saved in FP8 differ from those without by the activation's error at h's
+    E4M3 values (at most L * 2**-4 relative, L <= 1.1 for GELU and SiLU-gated products of unit-scale
+    inputs) on top of both runs' own FP8 gradient error (each within U_E5M2 + U_E4M3 of the exact
+    gradient, normwise, as tests/test_modules.py bounds): within 2 * (U_E5M2 + U_E4M3) + 2**-4."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    grads, saved = [], []
+    for option in (False, True):
+        torch.manual_seed(0)
+        m = fp8train.LayerNormMLP(128, 256, activation=activation, save_activation_input_fp8=option)
+        xi = x.clone().requires_grad_()
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.Float8CurrentScaling()):
+            y, total, _ = saved_bytes(lambda m=m, xi=xi: m(xi), m.parameters())
+        y.square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in m.parameters())])
+        saved.append(total)
+    tol = 2 * (2.0**-3 + 2.0**-4) + 2.0**-4
+    for a, b in zip(*grads):
+        assert torch.isfinite(b).all()
+        assert (b - a).norm() <= tol * a.norm()
+    assert not all(torch.equal(a, b) for a, b in zip(*grads))
+    halves = 2 if activation == "swiglu" else 1  # h: fp32 (4 bytes) -> 1 byte and a scale per tile
+    gated = 64 * 256 * 4 if activation == "swiglu" else 0  # silu(gate), which the product also saves
+    assert saved[0] - saved[1] == 64 * halves * 256 * 3 - 64 * halves * 256 // 128 * 4 + gated
