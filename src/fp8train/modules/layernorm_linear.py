@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops, second_order
-from ..gemm import Operand
-from ..quantization.block import TILE, quantize_tiles
+from ..formats import fp8_max
+from ..quantization.block import TILE
+from ..quantization.current import scale_from_amax
 from ..saved import decode_fp8
 from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
@@ -70,12 +71,16 @@ class LayerNormLinear(FP8Module):
 
 class _ActivationSavedFP8(torch.autograd.Function):
     """act(h) that keeps h for backward as E4M3 bytes with one power-of-2 scale per 1x128 tile of its
-    last dimension, and differentiates act at those values (docs/design.md, section 16)."""
+    last dimension (per row where that is not a whole number of tiles), and differentiates act at
+    those values (docs/design.md, section 16)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, act) -> torch.Tensor:
-        values, scale_inv = quantize_tiles(h.detach().reshape(-1, h.shape[-1]), 1, power_2=True)
-        ctx.save_for_backward(values.to(torch.float8_e4m3fn), scale_inv)  # exact: E4M3 values
+        rows, cols = h.numel() // h.shape[-1], h.shape[-1]
+        tiles = h.detach().float().reshape(rows, -1, TILE if cols % TILE == 0 else cols)
+        scale = scale_from_amax(tiles.abs().amax(-1, keepdim=True), fp8_max("e4m3"), power_2=True)
+        # |tiles * scale| <= 448 (scale rounded down), so torch's cast (nearest even) does not overflow
+        ctx.save_for_backward((tiles * scale).to(torch.float8_e4m3fn), scale.reciprocal())
         ctx.act, ctx.shape, ctx.dtype = act, h.shape, h.dtype
         return act(h)
 
@@ -84,8 +89,7 @@ class _ActivationSavedFP8(torch.autograd.Function):
         if torch.is_grad_enabled():
             second_order.refuse_create_graph("an activation whose input was saved in FP8")
         codes, scale_inv = ctx.saved_tensors
-        h = Operand(decode_fp8(codes, torch.float32), scale_inv, (1, TILE)).dequantize()
-        h = h.view(ctx.shape).to(ctx.dtype).requires_grad_()
+        h = (decode_fp8(codes, torch.float32) * scale_inv).view(ctx.shape).to(ctx.dtype).requires_grad_()
         with torch.enable_grad():
             (grad_h,) = torch.autograd.grad(ctx.act(h), h, grad)
         return grad_h, None

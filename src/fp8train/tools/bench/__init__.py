@@ -103,7 +103,8 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if args.quick:
             return memory.run(size="tiny", batch=2, recipes=("delayed", "nvfp4"))
         result = memory.run()
-        print(table(result["mlp_block"], list(result["mlp_block"][0].keys())))
+        for part in ("mlp_block", "option_cost"):
+            print(table(result[part], list(result[part][0].keys())))
         return result
     if suite == "comm":
         from . import grad_comm

@@ -16,7 +16,7 @@ from fp8train.optim import AdamW, state_bytes
 from fp8train.saved import ENV_SAVE_FP8
 from fp8train.tools.models import GPT, MODEL_SIZES, next_token_loss
 
-from .common import environment
+from .common import environment, interleaved_medians
 
 RECIPES = {
     "delayed": ft.DelayedScaling,
@@ -154,6 +154,35 @@ def mlp_block(tokens: int = 512, hidden: int = 256, ffn: int = 1024) -> list[dic
     return [{**row, "vs_bf16": row["saved_MB"] / bf16} for row in rows]
 
 
+def option_cost(
+    recipes: Iterable[str], tokens: int = 512, hidden: int = 256, ffn: int = 1024, repeats: int = 7
+) -> list[dict]:
+    """Forward + backward time of the MLP block with and without everything saved in FP8, run
+    round-robin (the cost of the conversions and the decoding, side by side)."""
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    rows = []
+    for recipe in recipes:
+        fns = {}
+        for save_fp8 in (False, True):
+            mlp = ft.LayerNormMLP(hidden, ffn, save_activation_input_fp8=save_fp8)
+
+            def step(mlp=mlp, save_fp8=save_fp8, make=RECIPES[recipe]) -> None:
+                with _saving_fp8(save_fp8), ft.fp8_autocast(fp8_recipe=make()):
+                    y = mlp(x)
+                    y.sum().backward()
+
+            fns["saved in fp8" if save_fp8 else "default"] = step
+        ms = {k: v * 1e3 for k, v in interleaved_medians(fns, repeats).items()}
+        rows.append(
+            {
+                "recipe": recipe,
+                **{f"{k}_ms": v for k, v in ms.items()},
+                "ratio": ms["saved in fp8"] / ms["default"],
+            }
+        )
+    return rows
+
+
 def run(
     size: str = "small", batch: int = 16, device: str | None = None, recipes: Iterable[str] = tuple(RECIPES)
 ) -> dict:
@@ -176,6 +205,7 @@ def run(
     return {
         "rows": rows,
         "mlp_block": mlp_block(),
+        "option_cost": option_cost(recipes, repeats=2 if size == "tiny" else 7),
         "model": size,
         "batch": batch,
         "device": device,
