@@ -58,11 +58,13 @@ _E2M1_E4M3_BYTES = torch.tensor(
 
 
 def _e2m1_codes(values: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes of E2M1 values held as float8_e4m3fn: sign bit, then the magnitude's index."""
-    byte = values.view(torch.uint8)
-    magnitude = (byte & 0x7F).contiguous()  # bucketize searches contiguous values without a copy warning
-    index = torch.bucketize(magnitude, _E2M1_E4M3_BYTES.to(values.device))  # exact bytes: a search
-    return index.to(torch.uint8) | ((byte >> 7) << 3)
+    """The 4-bit codes of E2M1 values held as float8_e4m3fn (sign bit, then the magnitude's index):
+    a 256-entry table of every byte's code, built on the device, then one gather."""
+    byte = torch.arange(256, dtype=torch.uint8, device=values.device)
+    index = torch.bucketize(byte & 0x7F, _E2M1_E4M3_BYTES.to(values.device))  # exact bytes: a search
+    table = index.to(torch.uint8) | ((byte >> 7) << 3)
+    codes = torch.index_select(table, 0, values.view(torch.uint8).reshape(-1).int())
+    return codes.view(values.shape)
 
 
 def _e2m1_values(packed: torch.Tensor) -> torch.Tensor:
