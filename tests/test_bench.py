@@ -236,3 +236,29 @@ def test_optim_bench_reports_state_bytes_and_moment_errors(tmp_path) -> None:
     assert rows["fp8 AdamW, bf16 + remainder"]["total_bytes_per_param"] < 7.2
     kinds = {(r["second_moment"], r["rounding"]) for r in result["moment_errors"]}
     assert len(kinds) == 6 and all(r["v_rel_err"] >= 0 for r in result["moment_errors"])
+
+
+def test_memory_bench_counts_each_part_of_a_step(tmp_path) -> None:
+    rows = {r["config"]: r for r in _rows(tmp_path, "memory")}
+    fp32, bf16 = rows["fp32"], rows["bf16 autocast"]
+    fp8, saved_fp8 = rows["fp8 delayed"], rows["fp8 delayed, saved in fp8"]
+    states = rows["fp8 delayed, saved in fp8, fp8 states"]
+    assert fp32["params_MB"] == bf16["params_MB"] == states["params_MB"] > 0
+    assert fp32["grads_MB"] == fp32["params_MB"]  # fp32 gradients, one per parameter
+    # torch AdamW: two fp32 moments (and a 4-byte step count per parameter tensor)
+    assert fp32["optim_state_MB"] == pytest.approx(2 * fp32["params_MB"], rel=1e-3)
+    assert states["optim_state_MB"] < 0.3 * fp32["optim_state_MB"]  # FP8 moments and their scales
+    assert (
+        saved_fp8["saved_MB"] < fp8["saved_MB"]
+        and saved_fp8["saved_MB"] < bf16["saved_MB"] < fp32["saved_MB"]
+    )
+    for row in rows.values():
+        parts = ("params_MB", "grads_MB", "optim_state_MB", "saved_MB", "fp8_meta_MB")
+        assert abs(row["sum_MB"] - sum(row[k] for k in parts)) < 1e-9
+        assert row["sum_vs_bf16"] == row["sum_MB"] / bf16["sum_MB"]
+    from fp8train.tools.report import _memory_table
+
+    lines = _memory_table(str(tmp_path))  # the run report's table, from the memory.json just written
+    assert any(line.startswith(f"| bf16 autocast | {bf16['params_MB']:.2f} |") for line in lines)
+    assert f"| {states['sum_MB']:.2f} | {states['sum_vs_bf16']:.2f} |" in "\n".join(lines)
+    assert _memory_table(str(tmp_path / "none")) == []

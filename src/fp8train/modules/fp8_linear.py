@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import fsdp, ops, second_order
+from .. import fsdp, ops, saved, second_order
 from ..cast import amax
 from ..fsdp import GatheredWeight
 from ..gemm import Operand, choose_path, matmul
@@ -42,11 +42,16 @@ class _LinearFn(torch.autograd.Function):
             gathered = Operand(gather_fp8_tokens(local.values, sp_group), local.scale_inv)
             x_ops = x_ops._replace(forward=gathered, wgrad=gathered)
             shape = (gathered.values.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
-        y = matmul(x_ops.forward, w_ops.forward.t(), x.dtype, bias)
+        y = matmul(x_ops.forward, w_ops.forward.t(), _output_dtype(x), bias)
+        formats = call.quantization.e2m1_values, call.quantization.e8m0_scales
+        (x_saved, x_form), (w_saved, w_form) = (
+            saved.pack(x_ops.wgrad, *formats),
+            saved.pack(w_ops.dgrad, *formats),
+        )
         # the weight itself only for a double backward (create_graph): a reference, not a copy
-        saved = (*x_ops.wgrad.tensors(), *w_ops.dgrad.tensors(), weight, call.module_handle, call.token)
-        ctx.save_for_backward(*saved)
-        ctx.layouts = (x_ops.wgrad.layout, w_ops.dgrad.layout)
+        kept = (*x_saved.tensors(), *w_saved.tensors(), weight, call.module_handle, call.token)
+        ctx.save_for_backward(*kept)
+        ctx.layouts, ctx.forms = (x_saved.layout, w_saved.layout), (x_form, w_form)
         ctx.call, ctx.sp_group = call.without_tensors(), sp_group  # its tensors: saved above
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -56,8 +61,8 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         *operands, weight, module_handle, token = ctx.saved_tensors
-        x_wgrad = Operand.rebuild(operands[:3], ctx.layouts[0])
-        w_dgrad = Operand.rebuild(operands[3:], ctx.layouts[1])
+        x_wgrad = saved.unpack(Operand.rebuild(operands[:3], ctx.layouts[0]), ctx.forms[0])
+        w_dgrad = saved.unpack(Operand.rebuild(operands[3:], ctx.layouts[1]), ctx.forms[1])
         call = ctx.call.with_saved(module_handle, token)
         create_graph = torch.is_grad_enabled()
         if create_graph and (
@@ -89,6 +94,13 @@ class _LinearFn(torch.autograd.Function):
                 g_ops.wgrad.dequantize() if needs[1] else None, x_wgrad.dequantize(), needs[0],
             )  # fmt: skip
         return grad_x, grad_w, grad_bias, None, None, None
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """x's dtype, or torch.autocast's where it is on for x's device (as TransformerEngine's modules):
+    the activations after an FP8 GEMM then are what they would be after an autocast GEMM."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _HighPrecision(torch.autograd.Function):

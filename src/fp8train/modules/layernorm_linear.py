@@ -8,6 +8,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import ops, second_order
+from ..formats import fp8_max
+from ..quantization.block import TILE
+from ..quantization.current import scale_from_amax
+from ..saved import decode_fp8
 from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module
 from .fp8_linear import parallel_linear
@@ -64,10 +69,38 @@ class LayerNormLinear(FP8Module):
         return parallel_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch, self.tp)
 
 
+class _ActivationSavedFP8(torch.autograd.Function):
+    """act(h) that keeps h for backward as E4M3 bytes with one power-of-2 scale per 1x128 tile of its
+    last dimension (per row where that is not a whole number of tiles), and differentiates act at
+    those values (docs/design.md, section 17)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, act) -> torch.Tensor:
+        rows, cols = h.numel() // h.shape[-1], h.shape[-1]
+        tiles = h.detach().float().reshape(rows, -1, TILE if cols % TILE == 0 else cols)
+        scale = scale_from_amax(tiles.abs().amax(-1, keepdim=True), fp8_max("e4m3"), power_2=True)
+        # |tiles * scale| <= 448 (scale rounded down), so torch's cast (nearest even) does not overflow
+        ctx.save_for_backward((tiles * scale).to(torch.float8_e4m3fn), scale.reciprocal())
+        ctx.act, ctx.shape, ctx.dtype = act, h.shape, h.dtype
+        return act(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():
+            second_order.refuse_create_graph("an activation whose input was saved in FP8")
+        codes, scale_inv = ctx.saved_tensors
+        h = (decode_fp8(codes, torch.float32) * scale_inv).view(ctx.shape).to(ctx.dtype).requires_grad_()
+        with torch.enable_grad():
+            (grad_h,) = torch.autograd.grad(ctx.act(h), h, grad)
+        return grad_h, None
+
+
 class LayerNormMLP(FP8Module):
     """fc2(act(fc1(norm(x)))) with two FP8 GEMMs; `swiglu` splits fc1's output in two halves. With
     `tp_group` fc1 is column-parallel and fc2 row-parallel (swiglu: each rank holds matching shards
-    of the gate and up halves)."""
+    of the gate and up halves). `save_activation_input_fp8`: in FP8 training, the activation's input
+    (fc1's output, the block's largest saved tensor) is kept for backward as E4M3 in 1x128 tiles,
+    not in high precision (a quarter of fp32's bytes; the activation's gradient is taken there)."""
 
     num_gemms = 2
     gemm_names = ("fc1", "fc2")
@@ -86,8 +119,14 @@ class LayerNormMLP(FP8Module):
         tp_group=None,
         tp_size: Optional[int] = None,
         sequence_parallel: bool = False,
+        save_activation_input_fp8: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(save_activation_input_fp8, bool):
+            raise ValueError(
+                f"save_activation_input_fp8 must be True or False, got {save_activation_input_fp8!r}"
+            )
+        self.save_activation_input_fp8 = save_activation_input_fp8
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
@@ -125,4 +164,6 @@ class LayerNormMLP(FP8Module):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         first = is_first_microbatch
         h = parallel_linear(self, self.norm(x), self.fc1_weight, self.fc1_bias, 0, first, self.tp)
-        return parallel_linear(self, self._act(h), self.fc2_weight, self.fc2_bias, 1, first, self.tp_fc2)
+        saves_fp8 = self.save_activation_input_fp8 and h.requires_grad and ops.call_precision(self, 1).fp8
+        a = _ActivationSavedFP8.apply(h, self._act) if saves_fp8 else self._act(h)
+        return parallel_linear(self, a, self.fc2_weight, self.fc2_bias, 1, first, self.tp_fc2)

@@ -84,12 +84,17 @@ class Quantization:
       gathered in high precision and quantized whole;
     - `whole_blocks`: the block every GEMM dimension must fill (`check_whole_blocks`; convert_to_fp8
       keeps layers whose features are off it in high precision).
+    - `e2m1_values`: its operands hold E2M1 values (in float8_e4m3fn), which backward may keep packed
+      two to a byte (saved.py); `e8m0_scales`: its block scales are E8M0 values (MX), which backward
+      may keep as their bytes.
     """
 
     kind: ClassVar[str]
     reduces_amax: ClassVar[bool] = False
     casts_before_gather: ClassVar[bool] = False
     whole_blocks: ClassVar[int] = 1  # tokens, in and out features must be multiples of it (MX, NVFP4)
+    e2m1_values: ClassVar[bool] = False
+    e8m0_scales: ClassVar[bool] = False
 
     def __init__(self, recipe) -> None:
         self.recipe = recipe

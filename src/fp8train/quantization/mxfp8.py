@@ -69,6 +69,7 @@ def _mx(x: torch.Tensor, dim: int, encoding: str, two_d: bool = False) -> Operan
 class MXFP8Quantization(Quantization):
     kind = "mxfp8"
     whole_blocks = MX_BLOCK
+    e8m0_scales = True
 
     def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
         check_whole_blocks(weight, ("out_features", "in_features"), self.whole_blocks, "MXFP8BlockScaling")

@@ -71,6 +71,7 @@ def _nvfp4(x: torch.Tensor, dim: int, two_d: bool = False, stochastic: bool = Fa
 class NVFP4Quantization(Quantization):
     kind = "nvfp4"
     whole_blocks = NVFP4_BLOCK
+    e2m1_values = True
 
     def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
         check_whole_blocks(weight, ("out_features", "in_features"), self.whole_blocks, "NVFP4BlockScaling")

@@ -659,8 +659,26 @@ def _markdown(
             out += [f"- `{n}`: {u:.3f}" for u, n in med[:5]]
             out.append(f"- ... highest: `{med[-1][1]}`: {med[-1][0]:.3f}")
         out += ["", _overflow_table(run)]
+    out += _memory_table(run_dir)
     out.append("")
     return "\n".join(out)
+
+
+def _memory_table(run_dir: str) -> list[str]:
+    """`fp8train bench memory --out RUN_DIR`'s figures (memory.json), if the run has them."""
+    path = os.path.join(run_dir, "memory.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    out = ["", "Memory of one training step (`fp8train bench memory`), MB:", ""]
+    out += ["| config | params | grads | optimizer | saved | sum | vs bf16 autocast |", "|---|" + "---:|" * 6]
+    for r in rows:
+        cells = [r[k] for k in ("params_MB", "grads_MB", "optim_state_MB", "saved_MB", "sum_MB")]
+        out.append(
+            f"| {r['config']} | " + " | ".join(f"{v:.2f}" for v in cells) + f" | {r['sum_vs_bf16']:.2f} |"
+        )
+    return out
 
 
 def _interleaved_cells(ms: Optional[float], ref_ms: Optional[float], q: Optional[list]) -> str:

@@ -16,7 +16,19 @@ from typing import Optional
 from ..demo import int_at_least
 from .common import save, table
 
-SUITES = ("fused", "step", "cast", "reduction", "fsdp", "gpu", "scale", "comm", "checkpoint", "optim")
+SUITES = (
+    "fused",
+    "step",
+    "cast",
+    "reduction",
+    "fsdp",
+    "gpu",
+    "scale",
+    "comm",
+    "checkpoint",
+    "optim",
+    "memory",
+)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -141,6 +153,15 @@ def _run_suite(suite: str, args) -> Optional[dict]:
             return optim_states.run(elements=512, moment_steps=5, gpt_steps=3, seeds=1)
         result = optim_states.run()
         print(table(result["moment_errors"], list(result["moment_errors"][0].keys())))
+        return result
+    if suite == "memory":
+        from . import memory
+
+        if args.quick:
+            return memory.run(size="tiny", batch=2, recipes=("delayed", "nvfp4"))
+        result = memory.run()
+        for part in ("mlp_block", "option_cost"):
+            print(table(result[part], list(result[part][0].keys())))
         return result
     if suite == "gpu":
         from . import gpu
