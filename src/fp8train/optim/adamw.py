@@ -1,10 +1,10 @@
 """AdamW whose moments are FP8 blocks and whose master weight can be a bf16 weight plus one byte.
 
-Bytes of optimizer state per parameter (scales included, `state_bytes`): 2.06 for the two moments
-(one E4M3 byte each, a float32 scale per 128), plus the master: none for float32 parameters (the
-parameter is the master), 4 for a float32 master of bf16 parameters, 1 (the remainder) for
-`master="bf16"`. With the gradient and the parameter that makes 10.06 bytes for float32 (AdamW: 16)
-and 7.06 for bf16 + remainder.
+Bytes of optimizer state per parameter (scales included, `state_bytes`): 2.11 for the two moments
+(one E4M3 byte each, three float32 block figures per 128: the first moment's scale, the second's
+maximum and exponent), plus the master: none for float32 parameters (the parameter is the master),
+4 for a float32 master of bf16 parameters, 1 (the remainder) for `master="bf16"`. With the gradient
+and the parameter that makes 10.11 bytes for float32 (AdamW: 16) and 7.11 for bf16 + remainder.
 
 The update is AdamW's (torch.optim.AdamW, decoupled weight decay, bias correction) computed in
 float32 from the decoded state, over chunks of parameters at once: each chunk's blocks are
