@@ -357,14 +357,18 @@ def test_reduce_overhead_partitions_the_graph_around_every_protocol_op(monkeypat
         return reason
 
     monkeypatch.setattr(scheduler.Scheduler, "should_partition", spy)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # every graph scheduled here
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     fp8train.inspection.reset()
     run = torch.compile(fp8train.Linear(32, 32), mode="reduce-overhead", fullgraph=True)
-    with fp8train.fp8_autocast(fp8_recipe=RECIPE):
-        y = run(torch.randn(32, 32))
-    y.square().mean().backward()
+    # every graph scheduled here, not loaded from a cache; config.patch restores the settings (a
+    # monkeypatch of a torch config module deletes the key on undo, breaking later compilations)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            y = run(torch.randn(32, 32))
+        y.square().mean().backward()
     assert {name for name, _ in decided} == set(PROTOCOL_OPS)
     assert all(reason == f"custom partition op: {name}.default" for name, reason in decided), decided
 

@@ -409,8 +409,9 @@ def test_the_emulated_gemms_ignore_tf32_and_autocast(monkeypatch, name) -> None:
         assert torch.get_float32_matmul_precision() == "high"  # restored
     finally:
         torch.set_float32_matmul_precision(precision)
-    for p, q in zip(plain[:3], guarded[:3]):
-        assert torch.equal(p, q)
+    # the output comes in autocast's dtype (fp32's rounded once); the gradients then start from a bf16
+    # grad_output, so only the matmuls' recorded precision speaks for the backward
+    assert guarded[0].dtype == torch.bfloat16 and torch.equal(plain[0].to(torch.bfloat16), guarded[0])
     assert state.seen and all(s == ("highest", torch.float32, torch.float32) for s in state.seen), state.seen
 
 
