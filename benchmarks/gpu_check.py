@@ -95,10 +95,10 @@ def check_settings(
 
     - reduce_on_one_rank (a device): a one-rank process group (NCCL on CUDA, gloo on the CPU) whose
       amax groups reduce anyway, so that every part of the reduction (header, check, collective,
-      update) runs [patches fp8train.registry._reduces].
+      update) runs [sets fp8train.amax.settings.reduce_single_rank].
     - all_reduce: what torch.distributed.all_reduce becomes (a simulated collective).
     - standin_events: the reduction's CUDA timing branch, forced on the CPU with stand-in events
-      [patches fp8train.stats.Mark.now].
+      [patches fp8train.amax.stats.Mark.now].
     - cuda_emulation_warning: the block recipes' "emulated on CUDA" warning, forced on the CPU (the
       warning function is called with an input that says it is on CUDA) [patches
       warn_emulated_on_cuda wherever fp8train bound it]."""
@@ -120,12 +120,8 @@ def check_settings(
                 applied["fast_accum"] = f"{name}={value}"
         if reduce_on_one_rank is not None:
             _one_rank_group(reduce_on_one_rank)  # kept: main() destroys it at the end
-            registry = sys.modules["fp8train.registry"]
-            if hasattr(registry, "_reduces"):
-                stack.enter_context(_attr(registry, "_reduces", lambda recipe, group: recipe.reduce_amax))
-                applied["reduce_on_one_rank"] = "fp8train.registry._reduces"
-            else:
-                applied["reduce_on_one_rank"] = "not available (fp8train.registry._reduces is gone)"
+            stack.enter_context(ft.amax.settings.override(reduce_single_rank=True))
+            applied["reduce_on_one_rank"] = "fp8train.amax.settings.reduce_single_rank"
         if all_reduce is not None:
             stack.enter_context(_attr(dist, "all_reduce", all_reduce))
             applied["all_reduce"] = "torch.distributed.all_reduce"
@@ -166,10 +162,10 @@ def _one_rank_group(device: torch.device) -> None:
 
 
 def _force_cuda_timing(stack: contextlib.ExitStack, events: StandInEvents) -> str:
-    stats = sys.modules["fp8train.stats"]
+    stats = sys.modules["fp8train.amax.stats"]
     mark = getattr(stats, "Mark", None)
     if mark is None or not hasattr(mark, "now"):
-        return "not available (fp8train.stats.Mark.now is gone: its CUDA branch cannot be forced)"
+        return "not available (fp8train.amax.stats.Mark.now is gone: its CUDA branch cannot be forced)"
     stack.enter_context(
         _attr(
             mark,
@@ -177,7 +173,7 @@ def _force_cuda_timing(stack: contextlib.ExitStack, events: StandInEvents) -> st
             staticmethod(lambda *args, **kwargs: mark(time.perf_counter(), events.recorded_event())),
         )
     )
-    return "fp8train.stats.Mark.now"
+    return "fp8train.amax.stats.Mark.now"
 
 
 class _SaysCuda:

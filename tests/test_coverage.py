@@ -251,7 +251,7 @@ def test_statistics_match_naive_references_on_crafted_tensors() -> None:
     two_point = torch.tensor([1.0] + [0.0] * 3)
     assert abs(kurtosis(two_point).item() - 7 / 3) < 1e-6
     x = torch.tensor([[448.0, 2.0**-12, 2.0**-12, 2.0**-8, 2.0**-8, 2.0**-8, 1.0, 0.0]] * 2)
-    q = fp8train.recipe.quantization_of(fp8train.Float8CurrentScaling())
+    q = fp8train.quantization.quantization_of(fp8train.Float8CurrentScaling())
     operand = q.quantize_input(x, GemmCall(q, -1, 0, torch.float32)).forward
     zero, subnormal = underflow_shares(x, operand, 2.0**-6).tolist()
     assert (zero, subnormal) == (2 / 8, 3 / 8)
@@ -349,7 +349,7 @@ def test_block_scale_spread_and_range_against_a_naive_reference() -> None:
     x = torch.ones(2, 128)
     x[1] = 2.0**-8
     x[1, 5] = 2.0**-12
-    q = fp8train.recipe.quantization_of(fp8train.Float8BlockScaling())
+    q = fp8train.quantization.quantization_of(fp8train.Float8BlockScaling())
     operand = q.quantize_input(x, GemmCall(q, -1, 0, torch.float32)).forward
     inv = operand.scale_inv.flatten()
     assert torch.log2(inv.max() / inv.min()).item() == 8.0  # the naive reference of the spread

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import reduction
-from fp8train.registry import REGISTRY
-from fp8train.stats import HostMirror, Mark, ReductionStats
+from fp8train.amax import reduction
+from fp8train.amax.state import REGISTRY
+from fp8train.amax.stats import HostMirror, Mark, ReductionStats
 from fp8train.tools.ranks import run_ranks
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
@@ -59,7 +59,7 @@ def _install(streams: StandInStreams, inside: list, patch=setattr) -> list[tuple
     """Streams on the CPU: fp8train's stream choices then run as on CUDA (a forced branch; before
     streams.py existed, nothing in fp8train asked for a stream). Returns (inside FSDP2's all-gather,
     the current stream) of every fused update fp8train runs from then on."""
-    module = sys.modules.get("fp8train.streams")
+    module = sys.modules.get("fp8train.amax.streams")
     if module is not None:
         patch(module, "current_stream", streams.current_stream)
         patch(module, "use_stream", streams.use_stream)

@@ -16,7 +16,7 @@ import fp8train
 from cuda_contract import cuda_contract, relative_bound
 from fp8train import block_gemm, gemm, torch_internals
 from fp8train.microscaling import e8m0_to_float, swizzle_scales, unswizzle_scales
-from fp8train.recipe import quantization_of
+from fp8train.quantization import quantization_of
 
 CUDA0 = torch.device("cuda", 0)
 RECIPES = {

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.header import HEADER_LEN, Header
-from fp8train.scaling import ScalingStorage
+from fp8train.amax.header import HEADER_LEN, Header
+from fp8train.amax.storage import ScalingStorage
 from fp8train.telemetry import Telemetry
 from fp8train.tensor_stats import GemmStatistics
 from fp8train.tools.ranks import run_ranks
@@ -147,7 +147,7 @@ def test_the_counter_sees_reads_in_the_package() -> None:
     with HostReadCounter() as reads:
         model.state_dict()
     assert len(reads.sites) == 3 * 2 * 3  # amax_history, scale, scale_inv x 2 directions x 3 modules
-    assert all(site.startswith("cpu at modules/scaling_meta.py") for site in reads.sites)
+    assert all(site.startswith("cpu at amax/meta.py") for site in reads.sites)
     with HostReadCounter() as reads:
         torch.zeros(3).tolist()  # a read outside the package is not fp8train's
     assert reads.sites == []

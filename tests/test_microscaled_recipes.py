@@ -24,7 +24,7 @@ from fp8train.microscaling import (
     nvfp4_quantize,
     random_hadamard_transform,
 )
-from fp8train.recipe import quantization_of
+from fp8train.quantization import quantization_of
 
 MX = fp8train.MXFP8BlockScaling()
 MX_HYBRID_2D = fp8train.MXFP8BlockScaling(fp8_format=fp8train.Format.HYBRID, enable_2d_quantization=True)

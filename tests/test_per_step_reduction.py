@@ -139,7 +139,7 @@ def test_the_reference_tells_per_step_from_per_region() -> None:
 def test_the_reference_tells_a_step_that_keeps_its_first_microbatch_from_the_max(monkeypatch) -> None:
     """A broken per-step mode that keeps the step's first microbatch's amaxes instead of the MAX over
     its microbatches must fail the reference check: later microbatches have a larger range (_batch)."""
-    from fp8train.reduction import Direction
+    from fp8train.amax.reduction import Direction
 
     def first_only(self) -> None:
         if self.recorded_columns:

@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp8train
-from fp8train import DelayedScaling, LayoutMismatchError, channel
-from fp8train.header import HEADER_LEN
-from fp8train.reduction import Direction
+from fp8train import DelayedScaling, LayoutMismatchError
+from fp8train.amax import settings
+from fp8train.amax.header import HEADER_LEN
+from fp8train.amax.reduction import Direction
 from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
 from reference import E4M3_MAX, E5M2_MAX, RefScaling, amax_of
 
@@ -324,12 +325,11 @@ def _count(rank: int, world: int, layer_counts: list[int], steps: int) -> dict:
     """Collectives per step and direction for n modules; then groups that reduce nothing."""
     out = {}
     with AllReduceSpy() as spy:
-        for n, capacity in [(n, channel.INITIAL_WIRE) for n in layer_counts] + [(layer_counts[-1], 16)]:
-            channel.INITIAL_WIRE, saved = capacity, channel.INITIAL_WIRE  # read by the new Channel
-            trainer = Trainer(rank, dist.new_group(list(range(world))), layers=n, width=8)
-            for t in range(steps):
-                trainer.step(*batch(rank, t, width=8), spy=spy, read=None)
-            channel.INITIAL_WIRE = saved
+        for n, capacity in [(n, settings.initial_wire) for n in layer_counts] + [(layer_counts[-1], 16)]:
+            with settings.override(initial_wire=capacity):  # read by the new channel
+                trainer = Trainer(rank, dist.new_group(list(range(world))), layers=n, width=8)
+                for t in range(steps):
+                    trainer.step(*batch(rank, t, width=8), spy=spy, read=None)
             out[f"layers={n}, capacity={capacity}"] = trainer.finish()["calls"]
         single = [dist.new_group([r]) for r in range(world)]
         fp8train.reset_reduction_stats()
@@ -543,7 +543,7 @@ def test_one_collective_per_region_and_direction(two_ranks):
     runs = outcome(two_ranks, "count")
     for rank_runs in runs:
         for n in (4, 64):  # every collective carries INITIAL_WIRE amaxes: one per direction, always
-            calls = rank_runs[f"layers={n}, capacity={channel.INITIAL_WIRE}"]
+            calls = rank_runs[f"layers={n}, capacity={settings.initial_wire}"]
             assert calls == [(1, 1)] * len(calls), (n, calls)
         # 64 modules need more than 16 values: in the first step a blocking handshake settles the new
         # size of every collective on the process group, then the amaxes (reduction.py, "The layout
@@ -636,7 +636,7 @@ def test_reduction_stats_with_injected_latency(two_ranks):
     steady = 4 - 1
     launched = 2 * steady
     # every collective on a process group has one size, INITIAL_WIRE amaxes after the header
-    bytes_per_step = 4 * (2 * HEADER_LEN + 2 * channel.INITIAL_WIRE)  # float32, both directions
+    bytes_per_step = 4 * (2 * HEADER_LEN + 2 * settings.initial_wire)  # float32, both directions
     for rank_runs in outcome(two_ranks, "stats"):
         for stats in rank_runs.values():
             assert stats["launched"] == launched

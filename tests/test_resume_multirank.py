@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from fp8train.modules.base import decode_extra_state
+from fp8train.amax import decode_extra_state
 from fp8train.tools.ranks import run_ranks
 from helpers import digest, fp8_state
 

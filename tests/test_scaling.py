@@ -10,7 +10,7 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling, Format
-from fp8train.scaling import update_scaling
+from fp8train.amax.storage import update_scaling
 from reference import E4M3_MAX, E5M2_MAX, FLOAT32_MAX, RefScaling, amax_of, f32
 
 # ---- modules over several steps vs the reference -------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling
-from fp8train.modules.base import decode_extra_state
+from fp8train.amax import decode_extra_state
 from helpers import fp8_state
 
 RECIPE = DelayedScaling(amax_history_len=4)  # short: the window rolls over within the test

@@ -245,7 +245,7 @@ def test_every_n_steps_and_extra_fields(tmp_path):
 @pytest.mark.parametrize("recipe", [RECIPE, fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()])
 def test_records_name_the_recipe_and_the_report_reads_it(tmp_path, recipe):
     """A run logged by a plain loop (no demo metadata) is reported under its recipe kind."""
-    from fp8train.recipe import recipe_kind
+    from fp8train.quantization import recipe_kind
     from fp8train.tools.report import load_run
 
     model = torch.nn.Sequential(fp8train.Linear(16, 16))

@@ -36,7 +36,8 @@ import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp8train
-from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, channel, fp8_autocast
+from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, fp8_autocast
+from fp8train.amax import settings
 from fp8train.tools.ranks import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
 from helpers import digest, fp8_state, sgd
 
@@ -272,12 +273,9 @@ def growth(rank: int, world: int) -> dict:
     """With collectives that carry 4 amaxes at first, the model's 6 forward roles grow the size at step 0
     and `extra`'s 3 more at step 2: both growth steps settle the size in a blocking handshake."""
     out = {}
-    channel.INITIAL_WIRE, saved = 4, channel.INITIAL_WIRE  # read by each new Channel
-    try:
+    with settings.override(initial_wire=4):  # read by each new channel
         for case, diverge_at in GROWTH_CASES.items():
             out[case] = _growth_case(rank, case, diverge_at)
-    finally:
-        channel.INITIAL_WIRE = saved
     return out
 
 

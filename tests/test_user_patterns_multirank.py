@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import fp8train
-from fp8train import LayoutMismatchError, channel
+from fp8train import LayoutMismatchError
+from fp8train.amax import channel, settings
 from fp8train.tools.ranks import run_ranks, run_ranks_outcomes, run_scenarios
 from helpers import digest, fp8_state, sgd
 
@@ -189,7 +190,7 @@ class _LateMirror(channel.HostMirror):
 def late_flag(rank: int, world: int, lag: int) -> dict:
     if rank == 1:
         channel.HostMirror = _LateMirror  # StickyFlag and Channel make their mirrors through the name
-    channel.VERDICT_LAG["cpu"] = lag
+    settings.verdict_lag["cpu"] = lag  # this rank process only
     torch.manual_seed(0)
     model = _model()
     for step in range(12):

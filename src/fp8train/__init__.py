@@ -2,7 +2,8 @@
 scaling), with delayed scaling's global amax reduction asynchronous by default and correct by
 construction."""
 
-from . import comm, debug_switches, inspection, pipeline, telemetry
+from . import amax, comm, debug_switches, inspection, pipeline, telemetry
+from .amax import end_step, end_step_on
 from .autocast import autocast, fp8_autocast
 from .checkpoint_files import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
@@ -30,12 +31,12 @@ from .recipe import (
     NVFP4BlockScaling,
 )
 from .recompute import checkpoint
-from .steps import end_step, end_step_on
 from .tensor_parallel import reduce_sequence_parallel_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "amax",
     "comm",
     "inspection",
     "pipeline",

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from .recipe import DelayedScaling, Recipe, check_recipe, quantization_of
-from .regions import RegionSettings, enter_region, exit_region
+from .amax import RegionSettings, enter_region, exit_region
+from .quantization import quantization_of
+from .recipe import DelayedScaling, Recipe, check_recipe
 
 __all__ = ["fp8_autocast", "autocast"]
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .gemm import Operand
-from .quantization.block import TILE, Float8BlockScaling, quantize_tiles
+from .quantization.block import TILE, quantize_tiles
+from .recipe import Float8BlockScaling
 
 __all__ = [
     "BLOCK",

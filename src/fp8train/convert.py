@@ -20,7 +20,8 @@ from .fsdp import wrap_for_fsdp
 from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
 from .modules.linear import Linear
-from .recipe import Recipe, check_recipe, quantization_of
+from .quantization import quantization_of
+from .recipe import Recipe, check_recipe
 
 __all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible", "KEPT_BY_FILTER"]
 

@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from . import tensor_parallel
+from .amax import FWD_ROLES, REGISTRY
 from .cast import amax, quantize
-from .plans import FWD_ROLES
-from .registry import REGISTRY
 from .torch_internals import (
     in_backward,
     reset_fsdp_gather_buffers,
@@ -35,7 +34,7 @@ from .torch_internals import (
 )
 
 if TYPE_CHECKING:
-    from .regions import Region
+    from .amax import Region
 
 __all__ = [
     "FSDPFP8Weight",

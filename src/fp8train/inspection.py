@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .reduction import AmaxGroup, Direction
-from .registry import KEPT_REGIONS, REGISTRY
-from .scaling import ScalingStorage
+from .amax import KEPT_REGIONS, REGISTRY, AmaxGroup, Direction, ScalingStorage
 
 __all__ = [
     "synchronize",

@@ -24,14 +24,14 @@ from typing import Optional
 import torch
 
 from . import gemm
+from .amax import REGISTRY
 from .convert import KEPT_BY_FILTER, _is_hf_conv1d, fp8_compatible
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
 from .microscaling import MX_BLOCK, NVFP4_BLOCK
 from .modules.base import FP8Module
+from .quantization import RECIPES, recipe_kind
 from .quantization.block import TILE
-from .recipe import RECIPES, recipe_kind
-from .registry import REGISTRY
 
 __all__ = ["LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER"]
 

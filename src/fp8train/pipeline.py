@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .tensor_parallel import check_stage_group
+from .amax import check_stage_group
 
 __all__ = ["check_stage", "prepare_stage"]
 

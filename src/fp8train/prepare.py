@@ -24,10 +24,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .amax import Region, RegionSettings, enter_region, exit_region
 from .convert import FilterFn, convert_to_fp8
 from .modules.base import FP8Module
-from .recipe import DelayedScaling, Recipe, check_recipe, quantization_of
-from .regions import Region, RegionSettings, enter_region, exit_region
+from .quantization import quantization_of
+from .recipe import DelayedScaling, Recipe, check_recipe
 
 __all__ = ["prepare", "is_prepared", "FP8Forward", "first_and_last_linear_filter"]
 

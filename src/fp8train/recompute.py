@@ -11,8 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch.utils.checkpoint
 
-from .regions import RegionSettings
-from .registry import REGISTRY
+from .amax import REGISTRY, RegionSettings
 
 __all__ = ["checkpoint", "CallRecord"]
 

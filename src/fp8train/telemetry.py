@@ -38,10 +38,10 @@ from typing import Optional
 
 import torch
 
+from .amax import HostMirror
 from .inspection import DirectionView, counters
 from .layer_coverage import StepCoverage, coverage
 from .modules.base import BWD_ROLES, FWD_ROLES, FP8Module
-from .stats import HostMirror
 
 __all__ = ["Telemetry", "role_names", "read_metrics", "METRICS_FILE"]
 

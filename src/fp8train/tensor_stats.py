@@ -25,12 +25,13 @@ from typing import Optional
 
 import torch
 
+from .amax import REGISTRY
 from .gemm import Operand
 from .layer_coverage import gemm_weights
 from .modules.base import FP8Module
+from .quantization import quantization_of
 from .quantization.base import GemmCall
-from .recipe import Recipe, quantization_of
-from .registry import REGISTRY
+from .recipe import Recipe
 
 __all__ = [
     "kurtosis", "underflow_shares", "block_scale_stats", "relative_error", "GemmStatistics",

@@ -27,11 +27,11 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..amax import ending_step
 from ..autocast import autocast
 from ..convert import FilterFn, convert_to_fp8
 from ..modules.base import FP8Module
 from ..recipe import DelayedScaling, Recipe, check_recipe
-from ..steps import ending_step
 from . import require
 
 _precision = require("lightning.pytorch.plugins.precision", "lightning", "fp8train.integrations.lightning")

@@ -9,12 +9,9 @@ from typing import Optional
 
 import torch
 
+from ..amax import BWD_ROLES, FWD_ROLES, REGISTRY, ScalingMeta, decode_extra_state, parameters_loaded
 from ..fsdp import plain_weight
-from ..plans import BWD_ROLES, FWD_ROLES
 from ..quantization.base import WeightOperands
-from ..registry import REGISTRY
-from ..steps import parameters_loaded
-from .scaling_meta import ScalingMeta, decode_extra_state
 
 __all__ = ["FP8Module", "ScalingMeta", "decode_extra_state", "FWD_ROLES", "BWD_ROLES"]
 

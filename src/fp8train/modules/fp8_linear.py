@@ -9,13 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import fsdp, ops, saved, second_order
+from .. import fsdp, saved, second_order
+from ..amax import REGISTRY, call_precision, check_recipe_kind, note_training_output
 from ..cast import amax
 from ..fsdp import GatheredWeight
 from ..gemm import Operand, choose_path, matmul
-from ..plans import note_training_output
 from ..quantization.base import GemmCall, WeightOperands
-from ..registry import REGISTRY
 from ..tensor_parallel import (
     TensorParallel,
     TokenCollective,
@@ -145,7 +144,7 @@ def fp8_linear(
             "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
             "FP8 weight's bookkeeping runs outside the graph. Compile without the option, or run eagerly"
         )
-    precision = ops.call_precision(module, gemm_index)
+    precision = call_precision(module, gemm_index)
     quantization = precision.quantization
     gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
     if gathered and not (
@@ -164,7 +163,7 @@ def fp8_linear(
     if sp_group is not None and not quantization.casts_before_gather:
         x, sp_group = TokenCollective.apply(x, sp_group, True), None  # cast where the tensor is whole
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
-        ops.check_recipe_kind(module, quantization.kind)
+        check_recipe_kind(module, quantization.kind)
     stored = stored_weight is not None  # used as it is: never cast, cached or recorded
     cached = rebuild = None
     if is_first_microbatch is False and not stored:

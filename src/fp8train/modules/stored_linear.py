@@ -22,7 +22,7 @@ from ..block_format import (
 )
 from ..gemm import Operand
 from ..quantization.base import WeightOperands
-from ..quantization.block import Float8BlockScaling
+from ..recipe import Float8BlockScaling
 from ..torch_internals import ddp_ignore
 from .base import FP8Module
 from .fp8_linear import fp8_linear

@@ -9,38 +9,18 @@ cuBLASLt >= 12.9) for whole tiles (block_gemm.py), else emulated: operands dequa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from ..cast import cast_operand
-from ..formats import Format, fp8_max
+from ..formats import fp8_max
 from ..gemm import Operand
 from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
 from .current import scale_from_amax
 
-__all__ = ["Float8BlockScaling", "BlockQuantization", "TILE", "quantize_tiles", "dequantize_tiles"]
+__all__ = ["BlockQuantization", "TILE", "quantize_tiles", "dequantize_tiles"]
 
 TILE = 128
-
-
-@dataclass(frozen=True)
-class Float8BlockScaling:
-    """Block scaling (DeepSeek-V3's): E4M3 everywhere, one scale per 1x128 tile (128 consecutive
-    elements along the GEMM's reduction dimension) of inputs and gradients and per 128x128 block of
-    weights, each from its own amax; `power_2_scale` rounds scales down to a power of 2."""
-
-    power_2_scale: bool = True
-    fp8_format: Format = Format.E4M3
-
-    def __post_init__(self) -> None:
-        if self.fp8_format is not Format.E4M3:
-            raise ValueError(f"Float8BlockScaling uses Format.E4M3 everywhere, got {self.fp8_format!r}")
-        if not isinstance(self.power_2_scale, bool):
-            raise ValueError(
-                f"Float8BlockScaling.power_2_scale must be True or False, got {self.power_2_scale!r}"
-            )
 
 
 def quantize_tiles(

@@ -3,32 +3,14 @@ before its cast; no history and no amax reduction (docs/design.md, section 9).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..cast import amax
-from ..formats import FLOAT32_MAX, Format, fp8_max
+from ..formats import FLOAT32_MAX, fp8_max
 from .base import GemmCall, GradOperands, InputOperands, WeightOperands
 from .per_tensor import TensorQuantization
 
-__all__ = ["Float8CurrentScaling", "CurrentQuantization", "scale_from_amax", "current_scales"]
-
-
-@dataclass(frozen=True)
-class Float8CurrentScaling:
-    """Per-tensor current scaling: each tensor's scale from its own amax just before its cast
-    (`scale_from_amax`), no history. No amax reduction: every tensor is cast where it is whole, so
-    sequence-parallel inputs and FSDP2 weights are gathered in high precision first."""
-
-    fp8_format: Format = Format.HYBRID
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.fp8_format, Format) or self.fp8_format is Format.E5M2:
-            raise ValueError(
-                "Float8CurrentScaling.fp8_format must be Format.E4M3 or Format.HYBRID, "
-                f"got {self.fp8_format!r}"
-            )
+__all__ = ["CurrentQuantization", "scale_from_amax", "current_scales"]
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_max_value: float, power_2: bool = False) -> torch.Tensor:

@@ -13,11 +13,8 @@ and multiplied in fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..formats import Format
 from ..gemm import Operand
 from ..microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
 from .base import (
@@ -30,33 +27,7 @@ from .base import (
     warn_emulated_on_cuda,
 )
 
-__all__ = ["MXFP8BlockScaling", "MXFP8Quantization"]
-
-
-@dataclass(frozen=True)
-class MXFP8BlockScaling:
-    """MXFP8: one E8M0 scale per 32 consecutive values along the reduction dimension.
-
-    `fp8_format`: E4M3 everywhere, or HYBRID (E5M2 gradients). `enable_2d_quantization`: weights in
-    32x32 blocks (one copy serves w and w.T). `margin` is accepted for TransformerEngine's signature
-    and, as there, does not change MX scales (each is rounded up to the next power of two)."""
-
-    margin: int = 0
-    fp8_format: Format = Format.E4M3
-    enable_2d_quantization: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"MXFP8BlockScaling.margin must be an integer >= 0, got {self.margin!r}")
-        if self.fp8_format not in (Format.E4M3, Format.HYBRID):
-            raise ValueError(
-                f"MXFP8BlockScaling.fp8_format must be Format.E4M3 or Format.HYBRID, got {self.fp8_format!r}"
-            )
-        if not isinstance(self.enable_2d_quantization, bool):
-            raise ValueError(
-                "MXFP8BlockScaling.enable_2d_quantization must be True or False, "
-                f"got {self.enable_2d_quantization!r}"
-            )
+__all__ = ["MXFP8Quantization"]
 
 
 def _mx(x: torch.Tensor, dim: int, encoding: str, two_d: bool = False) -> Operand:

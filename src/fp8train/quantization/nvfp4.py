@@ -16,8 +16,6 @@ one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..gemm import Operand
@@ -32,27 +30,7 @@ from .base import (
     warn_emulated_on_cuda,
 )
 
-__all__ = ["NVFP4BlockScaling", "NVFP4Quantization"]
-
-
-@dataclass(frozen=True)
-class NVFP4BlockScaling:
-    """NVFP4: E2M1 values, an E4M3 scale per 16 values and an FP32 scale per tensor.
-
-    `disable_rht`: no Hadamard transform of the weight-gradient operands; `disable_stochastic_rounding`:
-    gradients rounded to nearest even like everything else; `disable_2d_quantization`: weights in
-    1x16 blocks along each GEMM's reduction dimension (two copies) instead of 16x16 blocks."""
-
-    disable_rht: bool = False
-    disable_stochastic_rounding: bool = False
-    disable_2d_quantization: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"NVFP4BlockScaling.{name} must be True or False, got {getattr(self, name)!r}"
-                )
+__all__ = ["NVFP4Quantization"]
 
 
 def _nvfp4(x: torch.Tensor, dim: int, two_d: bool = False, stochastic: bool = False, rotate: bool = False):

@@ -152,6 +152,7 @@ def _info() -> int:
     import torch
 
     from fp8train import __version__
+    from fp8train.amax import ENV_ASYNC, settings
     from fp8train.gemm import (
         ENV_FAST_ACCUM,
         ENV_PATH,
@@ -160,8 +161,7 @@ def _info() -> int:
         fast_accumulation,
         recipe_gemm,
     )
-    from fp8train.recipe import RECIPES
-    from fp8train.regions import ENV_ASYNC, async_amax_reduction
+    from fp8train.quantization import RECIPES
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -192,7 +192,7 @@ def _info() -> int:
         status = 2
     print(f"{ENV_PATH}={_env(ENV_PATH)} (unset or 'auto': chosen per device and shape)")
     try:
-        mode = "asynchronous" if async_amax_reduction() else "blocking"
+        mode = "asynchronous" if settings.asynchronous() else "blocking"
         print(f"{ENV_ASYNC}={_env(ENV_ASYNC)}: {mode} amax reduction")
     except ValueError as err:
         print(f"{ENV_ASYNC}: invalid setting: {err}")

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 import fp8train
+from fp8train.amax import ENV_ASYNC, settings
 from fp8train.debug_switches import apply_environment
 from fp8train.modules import FP8Module
-from fp8train.recipe import Recipe, recipe_kind
-from fp8train.regions import ENV_ASYNC, async_amax_reduction
+from fp8train.quantization import recipe_kind
+from fp8train.recipe import Recipe
 from fp8train.telemetry import Telemetry
 from fp8train.tensor_stats import GemmStatistics
 
@@ -137,7 +138,7 @@ def train_phase(
     fp8train.synchronize()
     fp8train.reset_reduction_stats()  # before the telemetry takes its baseline
     delayed = isinstance(recipe, fp8train.DelayedScaling)
-    async_mode = async_amax_reduction() if delayed else None
+    async_mode = settings.asynchronous() if delayed else None
     tensor_stats = None  # the sampled GEMMs' tensor statistics, on the quant-error steps' schedule
     if fp8 and args.quant_error_every:
         what_if = DEMO_RECIPES["mxfp8" if recipe_kind(recipe) != "mxfp8" else "current"]  # the same tensors
@@ -377,7 +378,7 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, Optional[Recipe], Optio
         if kind != "delayed":
             phases.append((f"fp8-{kind}", recipe, None))
             continue
-        primary = async_amax_reduction()
+        primary = settings.asynchronous()
         phases.append(("fp8-async" if primary else "fp8-blocking", recipe, primary))
         if args.compare_modes:
             phases.append(("fp8-blocking" if primary else "fp8-async", recipe, not primary))

@@ -21,9 +21,10 @@ import torch
 
 from fp8train.gemm import Operand
 from fp8train.modules import LayerNormLinear, Linear
+from fp8train.quantization import quantization_of
 from fp8train.quantization.base import GemmCall
 from fp8train.quantization.delayed import DelayedQuantization
-from fp8train.recipe import Recipe, quantization_of
+from fp8train.recipe import Recipe
 
 __all__ = [
     "ROLES", "Captured", "TensorTap", "DelayedScales", "sample_gemms", "quantization_errors",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fp8train as ft
-from fp8train.scaling import update_scaling
+from fp8train.amax import update_scaling
 
 from .common import OpCounter, interleaved_medians
 

@@ -17,39 +17,20 @@ import weakref
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
+from ..torch_internals import at_end_of_backward, graph_task_id
 from .channel import Channel
+from .membership import reduces_across_ranks, world_if_default
 from .reduction import AmaxGroup
 from .stats import ReductionStats
-from .torch_internals import at_end_of_backward, graph_task_id
 
 if TYPE_CHECKING:
-    from .plans import Plan
+    from .calls import Plan
     from .regions import BackwardPass, Region, RegionSettings
 
 __all__ = ["Registry", "REGISTRY", "KEPT_REGIONS"]
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
-
-
-def _world_if_default(process_group):
-    if process_group is None and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return process_group
-
-
-def _reduces(recipe, process_group) -> bool:
-    if not (recipe.reduce_amax and dist.is_available() and dist.is_initialized()):
-        return False
-    # A group this rank is not in reports world size -1, which would read as "no reduction" and let
-    # the rank train alone, silently, with its own scales.
-    if dist.get_rank(process_group) < 0:
-        raise ValueError(
-            f"rank {dist.get_rank()} is not a member of the amax reduction group passed to "
-            "fp8_autocast(fp8_group=...); pass a group that contains every rank that runs this region"
-        )
-    return dist.get_world_size(process_group) > 1
 
 
 class Registry:
@@ -105,13 +86,13 @@ class Registry:
     # ---- amax groups ---------------------------------------------------------------------------------
     def amax_group(self, recipe, process_group) -> AmaxGroup:
         """The amax group of `recipe` (a DelayedScaling) on `process_group` (None: the world)."""
-        process_group = _world_if_default(process_group)
+        process_group = world_if_default(process_group)
         # recipes equal as the header sees them (callables by their code) share a group
         key = (recipe.key(), recipe.reduce_amax, process_group)
         group = self.groups.get(key)
         if group is None:
             channel = None
-            if _reduces(recipe, process_group):
+            if reduces_across_ranks(recipe, process_group):
                 channel = self.channels.setdefault(process_group, Channel(process_group))
             group = self.groups[key] = AmaxGroup(recipe, process_group, channel, self.stats)
         return group

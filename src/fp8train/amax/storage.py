@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .formats import FLOAT32_MAX
+from ..formats import FLOAT32_MAX
 
 if TYPE_CHECKING:
-    from .quantization.delayed import DelayedScaling
+    from ..recipe import DelayedScaling
 
 __all__ = ["DIGEST_PRIME", "ScalingStorage", "bits_mod_p", "history_digest", "update_scaling"]
 

@@ -16,39 +16,24 @@
 from __future__ import annotations
 
 import collections
-import os
 import weakref
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from .quantization.base import Quantization
+from ..torch_internals import in_backward, in_pipeline_shape_inference
 from .reduction import AmaxGroup, Direction
-from .registry import REGISTRY
-from .torch_internals import in_backward, in_pipeline_shape_inference
+from .settings import settings as knobs
+from .state import REGISTRY
 
 __all__ = [
-    "ENV_ASYNC",
     "RegionSettings",
     "Region",
     "BackwardPass",
-    "async_amax_reduction",
     "enter_region",
     "exit_region",
 ]
-
-ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"
-
-
-def async_amax_reduction() -> bool:
-    """Read NVTE_ASYNC_AMAX_REDUCTION: unset or '1' is asynchronous, '0' blocking."""
-    value = os.environ.get(ENV_ASYNC)
-    if value is None or value.strip() == "1":
-        return True
-    if value.strip() == "0":
-        return False
-    raise ValueError(f"{ENV_ASYNC}={value!r} is not valid: use 1 (asynchronous, the default) or 0 (blocking)")
 
 
 @dataclass(frozen=True)
@@ -58,7 +43,7 @@ class RegionSettings:
     enabled: bool
     calibrating: bool
     recipe: object  # one of recipe.RECIPES
-    quantization: Quantization
+    quantization: Any  # the recipe's Quantization (quantization/), opaque to the protocol
     group: object  # the amax group's torch.distributed ProcessGroup, or None for the world
 
     @property
@@ -146,7 +131,7 @@ def enter_region(settings: RegionSettings) -> Optional[Region]:
         settings = replace(settings, enabled=False, calibrating=False)  # shapes only: high precision
     region = None
     if not REGISTRY.stack and not replaying:
-        region = Region(REGISTRY.regions_entered + 1, async_amax_reduction())
+        region = Region(REGISTRY.regions_entered + 1, knobs.asynchronous())
     if settings.active and settings.quantization.reduces_amax and not replaying:
         REGISTRY.amax_group(settings.recipe, settings.group)  # a group this rank is not in: raise now
     # nothing above may have left state behind: it can raise (a bad env value, a foreign group)

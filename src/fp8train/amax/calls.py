@@ -11,22 +11,21 @@ from __future__ import annotations
 import collections
 import weakref
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from .quantization.base import Quantization
-from .reduction import Direction
-from .regions import Region, RegionSettings, current_backward_pass
-from .registry import REGISTRY
-from .steps import check_step_open
-from .tensor_parallel import check_amax_group, check_stage_group
-from .torch_internals import (
+from ..torch_internals import (
     ddp_join_that_does_not_throw,
     in_backward,
     inside_reentrant_checkpoint,
     pipeline_group_of_caller,
 )
+from .membership import check_amax_group, check_stage_group
+from .reduction import Direction
+from .regions import Region, RegionSettings, current_backward_pass
+from .state import REGISTRY
+from .steps import check_step_open
 
 __all__ = ["Plan", "plan_forward", "note_training_output", "FWD_ROLES", "BWD_ROLES"]
 
@@ -39,7 +38,7 @@ class Plan:
     """How one forward call of an FP8 module runs, and what its backward owes the protocol."""
 
     fp8: bool
-    quantization: Quantization
+    quantization: Any  # the recipe's Quantization (quantization/), opaque to the protocol
     region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
     serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
     # delayed scaling only (quantization.reduces_amax):

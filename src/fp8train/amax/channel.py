@@ -9,20 +9,15 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .errors import LayoutMismatchError
+from ..errors import LayoutMismatchError
 from .header import HEADER_LEN, mismatch_error
+from .settings import settings
 from .stats import HostMirror
 
 if TYPE_CHECKING:
     from .reduction import Direction
 
-__all__ = ["Channel", "INITIAL_WIRE", "VERDICT_LAG"]
-
-# Amaxes every collective can carry from the start (16 KiB with the header), so that a model of up to
-# that many roles per direction never needs a blocking size handshake (section 3: a pipeline stage
-# must not block at its region's exit); more grows the size once, with a handshake.
-INITIAL_WIRE = 4096
-VERDICT_LAG = {"cuda": 8}  # launches between folding a verdict on the device and reading it on the host
+__all__ = ["Channel"]
 
 
 class StickyFlag:
@@ -46,13 +41,13 @@ class Channel:
     When to raise is decided by launch count alone, so that every rank raises at the same launch
     whatever the timing of its device: launch k raises if a reduction launched at k - 2 or earlier
     (finished by then in a normal loop; waited for otherwise) disagreed. The disagreements are folded
-    on the device into `verdict`, whose host copy is read VERDICT_LAG launches later (at once on the
-    CPU; on CUDA the copy has long arrived by then, so the read does not stall the host).
+    on the device into `verdict`, whose host copy is read `settings.verdict_lag` launches later (at
+    once on the CPU; on CUDA the copy has long arrived by then, so the read does not stall the host).
     """
 
     def __init__(self, process_group) -> None:
         self.process_group = process_group
-        self.agreed = INITIAL_WIRE  # values after the header, agreed by every rank (in a handshake)
+        self.agreed = settings.initial_wire  # values after the header, agreed by every rank (in a handshake)
         self.directions: list[Direction] = []
         self.flag: Optional[StickyFlag] = None
         self.failure: Optional[torch.Tensor] = None  # [direction, reduced header, local header]
@@ -122,7 +117,7 @@ class Channel:
         mirror.publish(self.verdict)
         self.verdicts.append((index, mirror))
         due, oldest = self.verdicts[0]
-        if due <= index - VERDICT_LAG.get(self.verdict.device.type, 0):
+        if due <= index - settings.verdict_lag.get(self.verdict.device.type, 0):
             self._spare = self.verdicts.popleft()[1]
             if bool(oldest.wait()):
                 self.error = self._mismatch_error()

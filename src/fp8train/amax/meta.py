@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..reduction import Direction
+from .reduction import Direction
 
 __all__ = ["ScalingMeta", "decode_extra_state"]
 

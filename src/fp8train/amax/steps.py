@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from .regions import async_amax_reduction
-from .registry import REGISTRY
+from .settings import settings
+from .state import REGISTRY
 
 __all__ = ["end_step", "end_step_on", "ending_step", "check_step_open", "parameters_loaded"]
 
@@ -35,7 +35,7 @@ def end_step() -> None:
     zeros where it trained nothing since the last boundary); per-region groups are not affected.
     Collective over each group's ranks, which must all call it at the same point (after the step's
     last backward)."""
-    async_op = async_amax_reduction()
+    async_op = settings.asynchronous()
     REGISTRY.step_parameters.clear()
     REGISTRY.boundaries += 1
     for group in REGISTRY.step_groups:  # in the order they first trained: the same on every rank

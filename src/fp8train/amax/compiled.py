@@ -9,16 +9,15 @@ ordered side effects (so a compiled graph neither drops nor reorders them); eage
 functions directly.
 """
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .debug_switches import SWITCHES
-from .plans import BWD_ROLES, FWD_ROLES, plan_forward
-from .quantization.base import Quantization
+from ..debug_switches import SWITCHES
+from ..torch_internals import keep_out_of_cuda_graphs, register_ordered_effects, round_divisions_as_eager
+from .calls import BWD_ROLES, FWD_ROLES, plan_forward
 from .regions import current_backward_pass
-from .registry import REGISTRY
-from .torch_internals import keep_out_of_cuda_graphs, register_ordered_effects, round_divisions_as_eager
+from .state import REGISTRY
 
 __all__ = ["CallPrecision", "call_precision", "forward_scales", "backward_scales", "check_recipe_kind"]
 
@@ -28,7 +27,7 @@ INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 0  # role of each tensor within its GEMM's co
 class CallPrecision(NamedTuple):
     fp8: bool  # the GEMM runs in FP8
     record: bool  # its amaxes are recorded (training, or calibrating)
-    quantization: Optional[Quantization] = None  # the recipe's, when the call runs in FP8 or records
+    quantization: Any = None  # the recipe's, when the call runs in FP8 or records
 
 
 def capturing_cuda_graph(device: torch.device) -> bool:

@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import AmaxReductionError
+from ..formats import fp8_max
+from ..torch_internals import graph_task_id
 from . import streams
-from .errors import AmaxReductionError
-from .formats import fp8_max
 from .header import HEADER_LEN, Header
-from .scaling import ScalingStorage, update_scaling
 from .stats import Mark, ReductionStats
-from .torch_internals import graph_task_id
+from .storage import ScalingStorage, update_scaling
 
 if TYPE_CHECKING:
+    from ..recipe import DelayedScaling
     from .channel import Channel
-    from .quantization.delayed import DelayedScaling
 
 __all__ = ["AmaxGroup", "Direction", "PendingReduction"]
 

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import LayoutMismatchError, StateMismatchError
-from .scaling import DIGEST_PRIME, ScalingStorage, bits_mod_p
+from ..errors import LayoutMismatchError, StateMismatchError
+from .storage import DIGEST_PRIME, ScalingStorage, bits_mod_p
 
 __all__ = ["HEADER_FIELDS", "HEADER_LEN", "Header", "state_digest", "mismatch_error"]
 
