@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import fp8train
+from fp8train.quantization import recipe_kind
 from fp8train.quantization.block import dequantize_tiles, quantize_tiles
 from fp8train.quantization.current import current_scales, scale_from_amax
-from fp8train.quantization import recipe_kind
 
 F32_MAX = np.float32(np.finfo(np.float32).max)
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fp8train import DelayedScaling, Format
+from fp8train.amax.reduction import Direction
+from fp8train.amax.stats import ReductionStats
+from fp8train.amax.storage import update_scaling
 from fp8train.cast import quantize
 from fp8train.recipe import fp8_dtype
-from fp8train.amax.reduction import Direction
-from fp8train.amax.storage import update_scaling
-from fp8train.amax.stats import ReductionStats
 from reference import RefScaling
 
 F32_MAX = float(np.finfo(np.float32).max)

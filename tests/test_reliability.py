@@ -29,8 +29,8 @@ from fp8train import (
     load_checkpoint,
     save_checkpoint,
 )
-from fp8train.modules import FP8Module
 from fp8train.amax import decode_extra_state
+from fp8train.modules import FP8Module
 from fp8train.tools.ranks import assert_ok, run_ranks_outcomes
 from helpers import digest, fp8_state
 
