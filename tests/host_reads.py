@@ -68,7 +68,7 @@ HOST_RESIDENT = {
     # The region token: a CPU int64 scalar each forward call hands its backward node to name its
     # region (it passes through compiled graphs). It stays in host memory, is never copied to a
     # device, and the backward reads it there.
-    ("lift_fresh", "amax/compiled.py", "_forward_scales"),
+    ("lift_fresh", "amax/calls.py", "_forward_scales"),
 }
 
 

@@ -318,8 +318,8 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     do not. It is given once per recipe and process (tests/test_compile.py: also under torch.compile)."""
     import warnings
 
+    from fp8train.amax import Call
     from fp8train.quantization import base, block, mxfp8, nvfp4
-    from fp8train.quantization.base import GemmCall
 
     seen = []
     for module in (block, mxfp8, nvfp4):
@@ -334,7 +334,7 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     ):
         q = quantization_of(recipe)
         scales = torch.ones(2, 2) if isinstance(recipe, fp8train.DelayedScaling) else None
-        q.quantize_input(x, GemmCall(q, None, 0, torch.float32, scales))
+        q.quantize_input(x, Call.outside_module(q, scales))
     assert seen == ["Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"]
     base._warn_emulated.cache_clear()
     with warnings.catch_warnings(record=True) as caught:

@@ -126,11 +126,11 @@ def test_block_sizes_show_on_tensors_with_outliers() -> None:
 
 
 def _dequantized_input(recipe, x: torch.Tensor) -> torch.Tensor:
+    from fp8train.amax import Call
     from fp8train.quantization import quantization_of
-    from fp8train.quantization.base import GemmCall
 
     q = quantization_of(recipe)
-    return q.quantize_input(x, GemmCall(q, -1, 0, torch.float32)).forward.dequantize()
+    return q.quantize_input(x, Call.outside_module(q)).forward.dequantize()
 
 
 def test_delayed_scaling_is_measured_with_the_scales_its_step_used(tmp_path) -> None:
@@ -192,12 +192,12 @@ def test_measuring_does_not_change_training() -> None:
 
     assert losses(True) == losses(False)
     captured = next(iter(_captured_gpt().values()))
+    from fp8train.amax import Call
     from fp8train.quantization import quantization_of
-    from fp8train.quantization.base import GemmCall
 
     state = torch.get_rng_state()
     q = quantization_of(DEMO_RECIPES["nvfp4"])
-    q.quantize_grad(captured.grad_output, GemmCall(q, -1, 0, torch.float32), (True, False))
+    q.quantize_grad(captured.grad_output, Call.outside_module(q), (True, False))
     assert not torch.equal(state, torch.get_rng_state())
 
 

@@ -21,15 +21,13 @@ Layouts and the call; which GEMM runs where is gemm.py's choice (`gemm.kernel_ch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .microscaling import MX_BLOCK, NVFP4_BLOCK, pack_e2m1, swizzle_scales
+from .operand import Operand
 from .torch_internals import scaled_mm
-
-if TYPE_CHECKING:
-    from .gemm import Operand
 
 __all__ = [
     "BLOCK_FORMATS",

@@ -10,35 +10,21 @@ outside an FP8 region the converted model computes exactly what the original did
 
 from __future__ import annotations
 
-import math
-import weakref
 from typing import Callable, Optional
 
 import torch
 
+from .debug_switches import apply_environment
 from .fsdp import wrap_for_fsdp
+from .layer_coverage import KEPT_BY_FILTER, fp8_compatible, is_hf_conv1d, log_summary
 from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
 from .modules.linear import Linear
-from .quantization import quantization_of
 from .recipe import Recipe, check_recipe
 
-__all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible", "KEPT_BY_FILTER"]
+__all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible"]
 
 FilterFn = Callable[[torch.nn.Module, str], bool]
-
-# FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16.
-GEMM_MULTIPLE = 16
-# layers a filter_fn kept in high precision (what layer_coverage.py reports as "filter"); written here only
-KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-
-
-def fp8_compatible(in_features: int, out_features: int, recipe: Optional[Recipe] = None) -> bool:
-    """Whether an FP8 GEMM can take a weight of this shape: multiples of 16, and whole blocks of
-    `recipe` where it has blocks that every GEMM dimension must fill (MXFP8: 32, NVFP4: 16)."""
-    blocks = 1 if recipe is None else quantization_of(recipe).whole_blocks
-    multiple = math.lcm(GEMM_MULTIPLE, blocks)
-    return in_features % multiple == 0 and out_features % multiple == 0
 
 
 class Conv1D(FP8Module):
@@ -66,11 +52,6 @@ class Conv1D(FP8Module):
         return f"nf={self.out_features}, nx={self.in_features}"
 
 
-def _is_hf_conv1d(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
-
-
 def _swap(
     module: torch.nn.Module, fsdp_fp8_all_gather: bool, recipe: Optional[Recipe]
 ) -> Optional[FP8Module]:
@@ -80,7 +61,7 @@ def _swap(
             return None
         new = Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
         new.weight, new.bias = module.weight, module.bias
-    elif _is_hf_conv1d(module):
+    elif is_hf_conv1d(module):
         if not fp8_compatible(*module.weight.shape, recipe):
             return None
         new = Conv1D(module.weight, module.bias)
@@ -144,9 +125,6 @@ def convert_to_fp8(
 
 def _converted(model: torch.nn.Module, recipe: Optional[Recipe], log: bool) -> torch.nn.Module:
     """A converted model: the switches of FP8TRAIN_HIGH_PRECISION applied, its coverage logged once."""
-    from .debug_switches import apply_environment
-    from .layer_coverage import log_summary  # layer_coverage reads this module's facts
-
     apply_environment(model)
     if log:
         log_summary(model, recipe)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from . import amax as protocol
 from . import tensor_parallel
-from .amax import FWD_ROLES, REGISTRY
 from .cast import amax, quantize
 from .torch_internals import (
     in_backward,
@@ -287,9 +287,10 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
     pending = book.pending()
     if in_backward():
         return pending[-1] if pending else book.latest
-    settings = REGISTRY.settings
+    settings = protocol.current_settings()
     casts_first = settings is not None and settings.enabled and settings.quantization.casts_before_gather
-    region = REGISTRY.region if casts_first else None  # other recipes cast the whole weight: gathered as is
+    # other recipes cast the whole weight: gathered as is
+    region = protocol.current_region() if casts_first else None
     if any(gather.region is not region for gather in pending):
         raise RuntimeError(
             f"{module.signature} (fsdp_fp8_all_gather) ran forward in another FP8 region or precision "
@@ -299,7 +300,7 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
         )
     scales = None
     if region is not None:
-        group = REGISTRY.amax_group(settings.recipe, settings.group)
+        group = protocol.amax_group_of(settings)
         amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
         if len(set(shard_ranks)) > 1 and not set(shard_ranks) <= set(amax_ranks):  # one shard: its own
             raise ValueError(
@@ -308,12 +309,10 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
                 "be cast with its own scale. Use an fp8_group that contains the sharding group (the default, "
                 "all ranks, does) with reduce_amax=True, or build the module without fsdp_fp8_all_gather"
             )
-        meta = module.fp8_meta["scaling_fwd"]
-        column = meta.offset + FWD_ROLES * gemm_index + 1  # the weight's role
-        if meta.direction is None:  # not trained yet: its own scale, which joining will keep
-            scale, scale_inv = meta.own_scales(next(module.parameters()).device)
-        else:
-            scale, scale_inv = region.scales_for(meta.direction)
+        # the scales the forward will cast with (its call's plan takes the same: ScalingMeta.scales_in)
+        device = next(module.parameters()).device
+        scale, scale_inv, offset = module.fp8_meta["scaling_fwd"].scales_in(region, device)
+        column = protocol.roles.forward_column(offset, gemm_index, protocol.roles.WEIGHT)
         scales = (scale[column], scale_inv[column])
     book.latest = WeightGather(scales, region)
     return book.latest
@@ -322,7 +321,7 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
 def _tied_weight_gather(module) -> WeightGather:
     """A weight shared with a module that is not an FP8 module: gathered as is outside FP8 regions,
     refused inside (only its FP8 module may use a weight gathered in FP8)."""
-    settings = REGISTRY.settings
+    settings = protocol.current_settings()
     if settings is not None and settings.enabled and settings.quantization.casts_before_gather:
         raise RuntimeError(
             f"fsdp_fp8_all_gather: FSDP2 gathers a weight for {type(module).__name__}, which shares it "
@@ -336,7 +335,7 @@ def _tied_weight_gather(module) -> WeightGather:
 def is_current_gather(gather: WeightGather) -> bool:
     """Whether a weight gathered in FP8 for `gather` may serve this call: gathered for this region,
     or a recomputation in backward (whose re-gather reproduced the original forward's)."""
-    return gather.region is REGISTRY.region or in_backward() or REGISTRY.recompute is not None
+    return gather.region is protocol.current_region() or in_backward() or protocol.replaying()
 
 
 def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output: torch.Tensor) -> None:
@@ -347,6 +346,6 @@ def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output:
 
 def gathered_backward_ran(handle: torch.Tensor, gemm_index: int, node) -> None:
     """The backward of the forward whose autograd node is `node` ran: it owes nothing any more."""
-    book = REGISTRY.module(handle).fsdp_gathers.get(gemm_index)
+    book = protocol.module_of(handle).fsdp_gathers.get(gemm_index)
     if book is not None:
         book.owed = [(ref, gather) for ref, gather in book.owed if ref() is not node]

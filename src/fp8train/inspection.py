@@ -1,18 +1,29 @@
 """Reading fp8train's state: the public readers (`synchronize`, `reduction_stats`) and a small view of
-the registry for tests, telemetry and benchmarks (docs/design.md, section 3).
+the amax protocol's state for tests, telemetry and benchmarks (docs/design.md, section 3).
 
 The views read the live state through a narrow surface (what a test or a dashboard needs: the
 storage of an amax group's direction, its members, reductions pending and in flight, roles recorded
 so far); nothing here changes training except `reset()` and `DirectionView.complete()`, which do what
-their names say.
+their names say. They live in the protocol (`amax/views.py`); this is their public name.
 """
 
-from __future__ import annotations
+from .amax import views
 
-from dataclasses import dataclass
-from typing import Optional
-
-from .amax import KEPT_REGIONS, REGISTRY, AmaxGroup, Direction, ScalingStorage
+KEPT_REGIONS = views.KEPT_REGIONS
+AmaxGroupView = views.AmaxGroupView
+DirectionView = views.DirectionView
+RegionView = views.RegionView
+amax_group = views.amax_group
+amax_groups = views.amax_groups
+counters = views.counters
+current_region = views.current_region
+live_regions = views.live_regions
+open_regions = views.open_regions
+reduction_stats = views.reduction_stats
+regions_owing_backward = views.regions_owing_backward
+reset = views.reset
+reset_reduction_stats = views.reset_reduction_stats
+synchronize = views.synchronize
 
 __all__ = [
     "synchronize",
@@ -29,136 +40,5 @@ __all__ = [
     "live_regions",
     "regions_owing_backward",
     "KEPT_REGIONS",
+    "counters",
 ]
-
-
-# ---- the public readers ----------------------------------------------------------------------------------
-def synchronize() -> None:
-    """Complete every in-flight amax reduction and apply it, then raise any mismatch. No collective."""
-    REGISTRY.synchronize()
-
-
-def reduction_stats(complete: bool = True) -> dict:
-    """Per-process reduction counters: launched, bytes_reduced, exposed_wait_s, hidden_s, updates,
-    nonfinite_amax_events.
-
-    By default in-flight reductions are completed first (no collective is issued), so the counters
-    include the last step's update; `complete=False` reads them without waiting for anything (CUDA
-    timings and counts whose copies have not arrived are left for a later read).
-    """
-    if complete:
-        synchronize()
-    return REGISTRY.stats.as_dict(wait=complete)
-
-
-def reset_reduction_stats() -> None:
-    REGISTRY.stats.reset()
-
-
-def counters() -> dict:
-    """The reduction counters as they stand, without waiting for anything (telemetry)."""
-    return REGISTRY.stats.as_dict(wait=False)
-
-
-# ---- views for tests, telemetry and benchmarks ------------------------------------------------------------
-def reset() -> None:
-    """Forget every region, amax group, channel and counter of this process (between tests or
-    benchmark runs; modules that trained before keep their FP8 state as views of dropped groups)."""
-    REGISTRY.reset()
-
-
-def open_regions() -> int:
-    """How many fp8_autocast regions are active (nested), 0 outside any."""
-    return len(REGISTRY.stack)
-
-
-@dataclass(frozen=True)
-class RegionView:
-    serial: int  # outermost regions are numbered from 1 in the order they are entered
-    async_op: bool  # its reductions are launched asynchronously (NVTE_ASYNC_AMAX_REDUCTION)
-
-
-def current_region() -> Optional[RegionView]:
-    """The outermost region being run, or None."""
-    region = REGISTRY.region
-    return None if region is None else RegionView(region.serial, region.async_op)
-
-
-@dataclass(frozen=True)
-class DirectionView:
-    """One direction ("fwd" or "bwd") of an amax group."""
-
-    direction: Direction
-
-    @property
-    def name(self) -> str:
-        return self.direction.name
-
-    @property
-    def storage(self) -> Optional[ScalingStorage]:
-        """Every role's history (H x N), scale, scale_inv, recording slot and history digest (N)."""
-        return self.direction.storage
-
-    @property
-    def fp8_max(self) -> float:
-        return self.direction.fp8_max
-
-    @property
-    def members(self) -> list[str]:
-        """The signature of each module that joined, in order (its columns follow in that order)."""
-        return list(self.direction.members)
-
-    @property
-    def pending_reductions(self) -> int:
-        """Reductions launched and not finished (their update not applied yet)."""
-        return len(self.direction.pending)
-
-    @property
-    def in_flight(self) -> int:
-        """Pending reductions whose collective has not been waited for."""
-        return sum(1 for p in self.direction.pending if p.works)
-
-    @property
-    def recorded_roles(self) -> tuple[int, ...]:
-        """Columns that recorded amaxes since the last launch."""
-        return tuple(self.direction.recorded_columns)
-
-    def complete(self) -> None:
-        """Finish the pending reductions (wait, check, update): what any reader of FP8 state does."""
-        self.direction.finish()
-
-
-@dataclass(frozen=True)
-class AmaxGroupView:
-    group: AmaxGroup
-
-    @property
-    def fwd(self) -> DirectionView:
-        return DirectionView(self.group.fwd)
-
-    @property
-    def bwd(self) -> DirectionView:
-        return DirectionView(self.group.bwd)
-
-    @property
-    def training_regions(self) -> int:
-        return self.group.training_regions
-
-
-def amax_groups() -> list[AmaxGroupView]:
-    return [AmaxGroupView(group) for group in REGISTRY.groups.values()]
-
-
-def amax_group(recipe, process_group=None) -> AmaxGroupView:
-    """The amax group of a DelayedScaling `recipe` on `process_group` (None: the world)."""
-    return AmaxGroupView(REGISTRY.amax_group(recipe, process_group))
-
-
-def live_regions() -> int:
-    """Regions still alive (at most KEPT_REGIONS recent ones, plus those autograd graphs hold)."""
-    return len(REGISTRY.live_regions())
-
-
-def regions_owing_backward() -> int:
-    """Live regions whose backward has not run while their graph lives."""
-    return sum(region.owes_backward() for region in REGISTRY.live_regions())

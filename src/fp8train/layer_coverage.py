@@ -17,28 +17,53 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import gemm
-from .amax import REGISTRY
-from .convert import KEPT_BY_FILTER, _is_hf_conv1d, fp8_compatible
+from .amax import current_call
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
 from .microscaling import MX_BLOCK, NVFP4_BLOCK
 from .modules.base import FP8Module
-from .quantization import RECIPES, recipe_kind
+from .quantization import RECIPES, quantization_of, recipe_kind
 from .quantization.block import TILE
+from .recipe import Recipe
 
-__all__ = ["LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER"]
+__all__ = [
+    "LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER",
+    "fp8_compatible", "is_hf_conv1d", "KEPT_BY_FILTER",
+]  # fmt: skip
 
 LOGGER = logging.getLogger("fp8train")
 # the block each block-scaled recipe kind scales by (along a GEMM's reduction dimension)
 RECIPE_BLOCKS = {"block": TILE, "mxfp8": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 BLOCK_PATH = "block_dequantized"  # gemm.matmul: block-scaled operands dequantized, fp32 matmul
+
+
+# ---- which layers convert_to_fp8 converts (convert.py applies these rules, coverage explains them) ----
+# FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16.
+GEMM_MULTIPLE = 16
+# layers a filter_fn kept in high precision (reported as "filter"); written by convert.py only
+KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def fp8_compatible(in_features: int, out_features: int, recipe: Optional[Recipe] = None) -> bool:
+    """Whether an FP8 GEMM can take a weight of this shape: multiples of 16, and whole blocks of
+    `recipe` where it has blocks that every GEMM dimension must fill (MXFP8: 32, NVFP4: 16)."""
+    blocks = 1 if recipe is None else quantization_of(recipe).whole_blocks
+    multiple = math.lcm(GEMM_MULTIPLE, blocks)
+    return in_features % multiple == 0 and out_features % multiple == 0
+
+
+def is_hf_conv1d(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
 
 
 @dataclass(frozen=True)
@@ -137,7 +162,7 @@ def gemm_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, 
         ]
     if isinstance(module, torch.nn.Linear):
         return [("", module.weight, module.in_features, module.out_features)]
-    if _is_hf_conv1d(module):
+    if is_hf_conv1d(module):
         return [("", module.weight, *module.weight.shape)]
     return []
 
@@ -248,15 +273,15 @@ class StepCoverage:
         x = args[0]
         tokens = x.numel() // x.shape[-1]
         training = torch.is_grad_enabled()
-        plan = REGISTRY.plan_of(module) if isinstance(module, FP8Module) else None
-        fp8 = plan is not None and plan.fp8
+        call = current_call(module) if isinstance(module, FP8Module) else None
+        fp8 = call is not None and call.fp8
         if isinstance(module, FP8Module) and not fp8:
             self.high_precision_layers.add(self._names[id(module)])
         fsdp = type(module).__name__.startswith("FSDP")
         for _, weight, k, n in weights:
             gemms = 1 + (training and x.requires_grad) + (training and weight.requires_grad)
             self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms
-            path = gemm_path(plan.quantization.kind, weight.device, tokens, k, n) if fp8 else "high_precision"
+            path = gemm_path(call.quantization.kind, weight.device, tokens, k, n) if fp8 else "high_precision"
             self.gemms[path] += gemms
             if isinstance(weight, GatheredWeight) and weight.fp8:
                 self.gathered_bytes["fp8"] += weight.numel()

@@ -7,56 +7,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch.utils.checkpoint
 
-from .amax import REGISTRY, RegionSettings
+from .amax import recomputation_context_fn
 
-__all__ = ["checkpoint", "CallRecord"]
-
-
-class CallRecord:
-    """One fp8train.checkpoint call: the regions active at the call and each FP8 module's plans in order.
-
-    The plans are noted during the original forward; every recomputation replays them from the
-    start, so a recomputation (or a second one, with retain_graph) uses exactly the original scales.
-    """
-
-    def __init__(self, stack: tuple[RegionSettings, ...]) -> None:
-        self.stack = stack
-        self.plans: dict[int, list] = {}
-        self.cursor: dict[int, int] = {}
-
-    def add(self, module_id: int, plan) -> None:
-        self.plans.setdefault(module_id, []).append(plan)
-
-    def next(self, module_id: int) -> Optional[Any]:
-        """The plan of this module's next call in the original forward, or None if it ran no more."""
-        index = self.cursor.get(module_id, 0)
-        plans = self.plans.get(module_id, [])
-        if index >= len(plans):
-            return None
-        self.cursor[module_id] = index + 1
-        return plans[index]
-
-
-class _Replaying:
-    """Context of every recomputation of one checkpoint call (torch enters it again for each one, e.g.
-    with retain_graph): replay under the regions that were active at the original call."""
-
-    def __init__(self, call: CallRecord) -> None:
-        self.call = call
-        self.active: list = []
-
-    def __enter__(self) -> None:
-        replaying = REGISTRY.replaying(self.call, list(self.call.stack))
-        replaying.__enter__()
-        self.active.append(replaying)
-        self.call.cursor = {}
-
-    def __exit__(self, *exc) -> None:
-        self.active.pop().__exit__(*exc)
+__all__ = ["checkpoint"]
 
 
 def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -75,11 +32,6 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
         # A compiled graph recomputes inside the graph (AOTAutograd), without running this module's
         # Python again: the protocol's ops are not replayed, and there is nothing to note.
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
-    call = CallRecord(tuple(REGISTRY.stack))
-
-    def context_fn():
-        return REGISTRY.noting(call), _Replaying(call)
-
     return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+        function, *args, use_reentrant=False, context_fn=recomputation_context_fn(), **kwargs
     )

@@ -38,17 +38,18 @@ from typing import Optional
 
 import torch
 
-from .amax import HostMirror
+from .amax import HostMirror, roles
 from .inspection import DirectionView, counters
 from .layer_coverage import StepCoverage, coverage
-from .modules.base import BWD_ROLES, FWD_ROLES, FP8Module
+from .modules.base import FP8Module
 
 __all__ = ["Telemetry", "role_names", "read_metrics", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
-FWD_ROLE_NAMES = {0: "input", 1: "weight"}  # role 2 (output) is never cast, its amax stays 0
-BWD_ROLE_NAMES = {0: "grad_output"}  # role 1 (grad_input) is never cast
-_DIRECTIONS = (("scaling_fwd", FWD_ROLES, FWD_ROLE_NAMES), ("scaling_bwd", BWD_ROLES, BWD_ROLE_NAMES))
+_DIRECTIONS = (
+    ("scaling_fwd", roles.FWD_ROLES, roles.FWD_ROLE_NAMES),
+    ("scaling_bwd", roles.BWD_ROLES, roles.BWD_ROLE_NAMES),
+)
 
 
 def role_names(model: torch.nn.Module) -> list[tuple[str, FP8Module, str, int]]:

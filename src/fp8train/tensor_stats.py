@@ -25,12 +25,11 @@ from typing import Optional
 
 import torch
 
-from .amax import REGISTRY
+from .amax import Call, current_call
 from .gemm import Operand
 from .layer_coverage import gemm_weights
 from .modules.base import FP8Module
 from .quantization import quantization_of
-from .quantization.base import GemmCall
 from .recipe import Recipe
 
 __all__ = [
@@ -99,7 +98,7 @@ def relative_error(operand: Operand, x: torch.Tensor) -> torch.Tensor:
 
 def _operands(quantization, x: torch.Tensor, role: str, scales: Optional[torch.Tensor]) -> Optional[Operand]:
     """`x` quantized as the run quantizes `role` (input, weight: the forward GEMM's; grad: dgrad's)."""
-    call = GemmCall(quantization, -1, 0, torch.float32, scales=scales)
+    call = Call.outside_module(quantization, scales)
     fork = [x.device.index or 0] if x.is_cuda else []
     with torch.random.fork_rng(devices=fork):  # stochastic rounding must not move the training's draws
         if role == "input":
@@ -173,23 +172,19 @@ class GemmStatistics:
             x = self._norm_outputs.pop(id(module), None)
             if not self.armed or not args:
                 return
-            plan = REGISTRY.plan_of(module)
-            if plan is None or not plan.fp8:
+            call = current_call(module)
+            if call is None or not call.fp8:
                 return
             x = args[0] if x is None else x  # what the GEMM multiplies
             x = x.detach().reshape(-1, x.shape[-1])
             _, weight, _, _ = gemm_weights(module)[0]
             w = weight.detach().t() if type(module).__name__ == "Conv1D" else weight.detach()
             with torch.no_grad():
-                scales = None
-                if plan.quantization.reduces_amax:
-                    base = plan.fwd_offset
-                    s, inv = plan.scale[base : base + 2], plan.scale_inv[base : base + 2]
-                    scales = torch.stack([s, inv])
-                self._role(name, "input", x, plan.quantization, scales)
-                self._role(name, "weight", w, plan.quantization, scales)
+                scales = call.frozen_scales()
+                self._role(name, "input", x, call.quantization, scales)
+                self._role(name, "weight", w, call.quantization, scales)
             if output.requires_grad:
-                quantization = plan.quantization
+                quantization = call.quantization
                 output.register_hook(
                     lambda g: self._role(
                         name, "grad_output", g.detach().reshape(-1, g.shape[-1]), quantization

@@ -1,47 +1,72 @@
 """Delayed scaling's amax protocol, behind this one face (docs/design.md, section 3).
 
-Nothing outside `amax/` imports past this file (tests/test_layers.py): the modules call it per
-region, per call and per step; readers (`inspection`, telemetry) see its state through views.
+Nothing outside `amax/` imports past this file (tests/test_layers.py). What the rest of the package
+asks of the protocol:
+
+- regions: `enter_region` / `exit_region` with a `RegionSettings` (autocast.py, prepare.py);
+- calls: `begin_call(module, gemm_index)` gives the `Call` each FP8 GEMM hands down (fp8_linear,
+  the recipes); `current_call` reads a module's latest call (coverage, tensor statistics);
+  `recomputation_context_fn` replays calls in fp8train.checkpoint;
+- modules: `register_module` / `module_of` (handles), `ScalingMeta` (fp8_meta) and its checkpoint
+  form, the role layout (`roles`);
+- the step boundary: `end_step`, `end_step_on`, `ending_step`, `parameters_loaded`;
+- FSDP2's FP8 gathers: `current_settings`, `current_region`, `amax_group_of`, `replaying`;
+- readers: `views` (fp8train.inspection), `HostMirror` (telemetry), `check_stage_group` (pipeline);
+- `settings`: the knobs (async switch, initial wire size, verdict lag); `update_scaling`: the fused
+  update (its benchmark).
 """
 
-from .calls import BWD_ROLES, FWD_ROLES, note_training_output
-from .compiled import backward_scales, call_precision, check_recipe_kind, forward_scales
+from typing import Optional
+
+import torch
+
+from . import roles, views
+from .calls import Call, begin_call, current_call
 from .membership import check_stage_group
 from .meta import ScalingMeta, decode_extra_state
-from .reduction import AmaxGroup, Direction
-from .regions import Region, RegionSettings, enter_region, exit_region
+from .plans import recomputation_context_fn
+from .reduction import AmaxGroup
+from .regions import enter_region, exit_region
 from .settings import ENV_ASYNC, settings
-from .state import KEPT_REGIONS, REGISTRY
+from .state import STATE, Region, RegionSettings
 from .stats import HostMirror
 from .steps import end_step, end_step_on, ending_step, parameters_loaded
-from .storage import ScalingStorage, update_scaling
+from .storage import update_scaling
 
 __all__ = [
-    "BWD_ROLES",
-    "FWD_ROLES",
-    "note_training_output",
-    "call_precision",
-    "check_recipe_kind",
-    "backward_scales",
-    "forward_scales",
-    "check_stage_group",
-    "ScalingMeta",
-    "decode_extra_state",
-    "ENV_ASYNC",
-    "Region",
-    "RegionSettings",
-    "settings",
-    "enter_region",
-    "exit_region",
-    "KEPT_REGIONS",
-    "REGISTRY",
-    "HostMirror",
-    "end_step",
-    "end_step_on",
-    "ending_step",
-    "parameters_loaded",
-    "ScalingStorage",
-    "update_scaling",
-    "AmaxGroup",
-    "Direction",
-]
+    "RegionSettings", "Region", "enter_region", "exit_region",
+    "Call", "begin_call", "current_call", "recomputation_context_fn",
+    "register_module", "module_of", "ScalingMeta", "decode_extra_state", "roles",
+    "end_step", "end_step_on", "ending_step", "parameters_loaded",
+    "current_settings", "current_region", "amax_group_of", "replaying",
+    "views", "HostMirror", "check_stage_group", "settings", "ENV_ASYNC", "update_scaling",
+]  # fmt: skip
+
+
+def register_module(module: torch.nn.Module) -> torch.Tensor:
+    """A new handle for `module` (an FP8Module): how the protocol's custom ops name it."""
+    return STATE.handles.register(module)
+
+
+def module_of(handle: torch.Tensor) -> torch.nn.Module:
+    return STATE.handles.module(handle)
+
+
+def current_settings() -> Optional[RegionSettings]:
+    """The innermost active region's settings (None outside every region)."""
+    return STATE.regions.settings
+
+
+def current_region() -> Optional[Region]:
+    """The outermost region being run (None outside every region)."""
+    return STATE.regions.region
+
+
+def amax_group_of(settings: RegionSettings) -> AmaxGroup:
+    """The amax group the region of `settings` trains (delayed scaling)."""
+    return STATE.groups.of(settings.recipe, settings.group)
+
+
+def replaying() -> bool:
+    """An fp8train.checkpoint call is being recomputed."""
+    return STATE.recompute.replaying is not None

@@ -1,211 +1,261 @@
-"""The plan of each FP8 call: its precision, delayed scaling's frozen scales and where its amaxes go,
-and what its backward owes its region (docs/design.md, sections 3 and 5).
+"""One FP8 GEMM call, `Call`: made once by `begin_call` at the GEMM and handed down, and the steps it
+asks of the protocol, eagerly or as custom ops that torch.compile graphs call at run time
+(docs/design.md, sections 5 and 6).
 
-A call's plan is made at its module's first GEMM (ops.py) and kept by the registry for the rest of
-the call. Training calls note their plan in their region, so that an activation recomputation in
-backward replays it: same scales, no amax recorded.
+A Call goes to the recipe's quantization (`call_scales`, the `quantize_*` methods), which reaches the
+protocol through the Call's methods only: record this GEMM's amaxes and take the region's frozen
+scales (`forward_scales`), take the gradient's scale in backward (`backward_scales`), note the output
+whose backward the region owes (`note_output`). Eagerly a Call carries its module call's plan
+(plans.py), made at the module's first GEMM. A compiled graph holds the FP8 math (casts, GEMMs) as
+ordinary ops that inductor fuses; what the protocol does is Python state, so the same steps run as
+custom ops registered as ordered side effects (a compiled graph neither drops nor reorders them),
+which name the module by its handle and make the plan at run time.
 """
 
 from __future__ import annotations
 
-import collections
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from ..torch_internals import (
-    ddp_join_that_does_not_throw,
-    in_backward,
-    inside_reentrant_checkpoint,
-    pipeline_group_of_caller,
-)
-from .membership import check_amax_group, check_stage_group
-from .reduction import Direction
-from .regions import Region, RegionSettings, current_backward_pass
-from .state import REGISTRY
-from .steps import check_step_open
+from ..debug_switches import SWITCHES
+from ..torch_internals import keep_out_of_cuda_graphs, register_ordered_effects, round_divisions_as_eager
+from .plans import note_training_output, plan_forward
+from .regions import current_backward_pass
+from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
+from .state import STATE, Plan
 
-__all__ = ["Plan", "plan_forward", "note_training_output", "FWD_ROLES", "BWD_ROLES"]
-
-FWD_ROLES = 3  # input, weight, output per GEMM
-BWD_ROLES = 2  # grad_output, grad_input per GEMM
+__all__ = ["Call", "begin_call", "current_call"]
 
 
-@dataclass
-class Plan:
-    """How one forward call of an FP8 module runs, and what its backward owes the protocol."""
+@dataclass(frozen=True)
+class Call:
+    """One FP8 GEMM call of a module: how it runs, and what its quantization needs besides the tensors.
 
-    fp8: bool
-    quantization: Any  # the recipe's Quantization (quantization/), opaque to the protocol
-    region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
-    serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
-    # delayed scaling only (quantization.reduces_amax):
-    scale: Optional[torch.Tensor] = None  # forward scales of the module's group (a frozen snapshot)
-    scale_inv: Optional[torch.Tensor] = None
-    fwd_offset: int = 0  # the module's first column in the group's forward and backward storage
-    bwd_offset: int = 0
-    records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
+    Built field by field where it changes (`for_gemm`, `without_tensors`, `with_saved`):
+    dataclasses.replace is not traceable by dynamo in every torch.
+    """
 
+    fp8: bool  # the GEMM runs in FP8
+    record: bool  # its amaxes are recorded (training, or calibrating)
+    quantization: Any = None  # the recipe's Quantization, when the call runs in FP8 or records
+    module_handle: Optional[torch.Tensor] = None  # names the module to the custom ops (state.py)
+    gemm_index: int = 0
+    operand_dtype: Optional[torch.dtype] = None  # per-tensor operands: FP8 (hardware GEMM), bf16 or fp32
+    scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
+    token: Optional[torch.Tensor] = None  # delayed scaling: names the call's region to its backward
+    plan: Optional[Plan] = None  # eager: its module call's plan (compiled graphs make it at run time)
 
-def plan_forward(module, training: bool) -> Optional[Plan]:
-    """How `module` (an FP8Module) runs this forward call; None: in high precision, recording nothing.
+    @staticmethod
+    def outside_module(quantization, scales: Optional[torch.Tensor] = None) -> Call:
+        """A call that quantizes a tensor as `quantization` would in FP8, outside any module's call
+        (readers: quantization error, tensor statistics): float32 operands, nothing recorded."""
+        return Call(True, False, quantization, None, 0, torch.float32, scales)
 
-    `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad)."""
-    if REGISTRY.recompute is not None or in_backward():
-        plan = _recompute_plan(module)
-        if plan is not None:
-            for call in REGISTRY.checkpoints:  # a checkpoint nested in the one being recomputed
-                call.add(id(module), plan)
-        return plan
-    settings = REGISTRY.settings
-    if settings is None or not settings.active:
-        return None
-    region = REGISTRY.region
-    quantization = settings.quantization
-    if settings.enabled and training:
-        module.claim_recipe_kind(quantization.kind)
-    if settings.enabled and not training and region.grad_at_entry:
-        _refuse_reentrant_checkpoint()
-    if quantization.reduces_amax:
-        plan = _delayed_plan(module, settings, region, training)
-    elif settings.enabled:
-        plan = Plan(True, quantization)
-    else:
-        return None  # calibrating records amaxes for delayed scaling only
-    if settings.enabled and training:
-        plan.region, plan.serial = region, region.serial
-    if training:  # noted for recomputation; the replay holds no region reference and records nothing
-        region.backward_done = False  # (again, when a backward ran inside the region)
-        replay = replace(plan, records_into=None, region=None)
-        region.calls.setdefault(id(module), collections.deque()).append(replay)
-        for call in REGISTRY.checkpoints:
-            call.add(id(module), replay)
-    return plan
+    def for_gemm(self, operand_dtype: torch.dtype, scales: Optional[torch.Tensor], token) -> Call:
+        """This call with its GEMM's operand dtype and the scales and token `forward_scales` gave."""
+        return Call(
+            self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
+            operand_dtype, scales, token, self.plan,
+        )  # fmt: skip
 
+    def without_tensors(self) -> Call:
+        """What backward keeps on its context (the tensors travel through save_for_backward; the plan,
+        which holds the region, is not kept: backward names the region by the token)."""
+        return Call(self.fp8, self.record, self.quantization, None, self.gemm_index, self.operand_dtype)
 
-def _delayed_plan(module, settings: RegionSettings, region: Region, training: bool) -> Plan:
-    """Delayed scaling: the module joins its amax group when it first records; the region's frozen
-    scales; amaxes recorded when training or calibrating."""
-    group = REGISTRY.amax_group(settings.recipe, settings.group)
-    record = settings.calibrating or training
-    fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
-    if record:
-        if group not in region.trained and group.fwd.channel is not None:
-            _refuse_ddp_join()
-        if fwd_meta.direction is None:
-            reduces = group.fwd.channel is not None
-            check_amax_group(module, group.process_group, reduces)
-            pipeline_group = pipeline_group_of_caller()
-            if pipeline_group is not False:  # inside a torch.distributed.pipelining stage
-                check_stage_group(module.signature, group.process_group, reduces, pipeline_group)
-            device = next(module.parameters()).device
-            fwd_meta.join(group.fwd, module.signature, device)
-            bwd_meta.join(group.bwd, module.signature, device)
-        elif fwd_meta.direction is not group.fwd:
-            raise RuntimeError(
-                f"{module.signature} trains under one recipe and amax group; it was first trained "
-                f"with {fwd_meta.direction.recipe} and is now run with {settings.recipe} (or another "
-                "group). Use the same fp8_recipe and fp8_group for every training region of a module"
-            )
-        region.trained.setdefault(group, -1)  # only once the module is a member: it can launch
-        if group.recipe.per_step and training:
-            check_step_open(module)
-    if fwd_meta.direction is None:  # not trained yet (evaluation): its own scales, on its device
-        (scale, scale_inv), offset = fwd_meta.own_scales(next(module.parameters()).device), 0
-    else:
-        scale, scale_inv = region.scales_for(fwd_meta.direction)
-        offset = fwd_meta.offset
-    return Plan(
-        fp8=settings.enabled,
-        quantization=settings.quantization,
-        scale=scale,
-        scale_inv=scale_inv,
-        fwd_offset=offset,
-        bwd_offset=bwd_meta.offset,
-        records_into=group.fwd if record else None,
-    )
+    def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> Call:
+        """The backward's call: this one's fields with the saved tensors."""
+        return Call(
+            self.fp8, self.record, self.quantization, module_handle, self.gemm_index, self.operand_dtype,
+            None, token,
+        )  # fmt: skip
+
+    # ---- what the call asks of the protocol ----------------------------------------------------------
+    def forward_scales(
+        self, x_amax: Optional[torch.Tensor], w_amax: Optional[torch.Tensor], like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record this GEMM's amaxes; its scales [[x, w], [x_inv, w_inv]] and its region's token."""
+        if torch.compiler.is_compiling():  # the graph runs without grad: whether the call trains is passed
+            training = torch.is_grad_enabled()
+            return _forward_scales_op(self.module_handle, self.gemm_index, x_amax, w_amax, like, training)
+        return _forward_scales(self.plan, self.gemm_index, x_amax, w_amax, like)
+
+    def backward_scales(self, g_amax: torch.Tensor) -> torch.Tensor:
+        """Record this backward GEMM's grad_output amax; [scale, scale_inv] for it."""
+        if torch.compiler.is_compiling():
+            return _backward_scales_op(self.module_handle, self.gemm_index, g_amax, self.token)
+        return _backward_scales(STATE.handles.module(self.module_handle), self.gemm_index, g_amax, self.token)
+
+    def check_recipe_kind(self) -> None:
+        """Under torch.compile, a training call's check that its module trains under one recipe kind
+        runs in the graph, at run time, so that its error reaches the caller as it is (raised while
+        tracing, dynamo would hide it). Eager calls are checked in their plan."""
+        _check_recipe_kind_op(self.module_handle, self.quantization.kind)
+
+    def note_output(self, output: torch.Tensor) -> None:
+        """The GEMM's output (eager): its region owes a backward while the output's graph lives."""
+        note_training_output(self.plan, output)
+
+    def frozen_scales(self) -> Optional[torch.Tensor]:
+        """[[x, w], [x_inv, w_inv]] this GEMM casts with under delayed scaling, recording nothing
+        (readers: tensor statistics); None for other recipes and for compiled calls."""
+        if self.plan is None or self.plan.scale is None:
+            return None
+        return _gemm_scales(self.plan, self.gemm_index)
 
 
-def _recompute_plan(module) -> Optional[Plan]:
-    """The plan of the original forward call, replayed: same scales, no amax, no registration."""
-    call = REGISTRY.recompute
-    if call is not None:  # fp8train.checkpoint noted this call's plans and restored its settings
-        settings = REGISTRY.settings
+def begin_call(module, gemm_index: int) -> Call:
+    """GEMM `gemm_index` of `module`'s current forward call (an FP8Module).
+
+    Eager, the module call's plan is made at its first GEMM (and is its current call until the next
+    one). Under torch.compile the answer comes from the region settings and grad mode, which dynamo
+    guards, and the plan is made at run time by the forward_scales op: the same rules, since a
+    compiled graph is never a recomputation.
+    """
+    handle = module.fp8_handle
+    if torch.compiler.is_compiling():
+        settings = STATE.regions.settings
         if settings is None or not settings.active:
-            return None  # the original call ran in high precision
-        plan = call.next(id(module))
-        if plan is None:
-            raise RuntimeError(
-                f"{module.signature} runs more often in the recomputed forward than in the original "
-                "one; a function passed to fp8train.checkpoint must call the same FP8 modules each time"
-            )
-        return plan
-    # torch.utils.checkpoint(use_reentrant=False): the one region whose backward still owes a call
-    candidates = [r for r in REGISTRY.live_regions() if r.owes_backward() and r.calls.get(id(module))]
-    if not candidates:
-        return None  # no FP8 training call pending: the original forward was high precision
-    first = candidates[0].calls[id(module)][0]
-    stateless = not first.quantization.reduces_amax and all(
-        p.quantization.recipe == first.quantization.recipe for r in candidates for p in r.calls[id(module)]
-    )  # a recipe that scales each tensor from itself: any pending call of it replays alike
-    plans = candidates[0].calls[id(module)] if len(candidates) == 1 or stateless else ()
-    # backward recomputes later calls first: taking the oldest plan is right only if all are alike
-    if plans and all(p.fp8 == plans[0].fp8 and p.scale is plans[0].scale for p in plans):
-        return plans.popleft()
-    raise RuntimeError(
-        f"{module.signature} is being recomputed during backward, but fp8train cannot tell which "
-        f"FP8 forward it repeats ({len(candidates)} candidate regions, or calls of it that ran "
-        "differently in one region). Wrap the recomputed code in "
-        "fp8train.checkpoint(fn, *args), or use torch.utils.checkpoint with use_reentrant=False "
-        "and one region per backward pass; a region's backward must run in one backward pass"
-    )
+            return Call(False, False, None, handle, gemm_index)
+        record = settings.quantization.reduces_amax and (settings.calibrating or torch.is_grad_enabled())
+        return Call(settings.enabled, record, settings.quantization, handle, gemm_index)
+    if gemm_index == 0:
+        # a bisecting switch (debug_switches.py) holds it in high precision: no plan, also in a replay
+        held = SWITCHES.high_precision_now(module)
+        plan = None if held else plan_forward(module, torch.is_grad_enabled())
+        STATE.calls.begin(module, plan)
+    else:  # a later GEMM of the module's call (LayerNormMLP's fc2)
+        plan = STATE.calls.of(module)
+    return _planned_call(plan, handle, gemm_index)
 
 
-def _refuse_reentrant_checkpoint() -> None:
-    """Raise inside torch.utils.checkpoint(use_reentrant=True) in a training region.
+def current_call(module, gemm_index: int = 0) -> Optional[Call]:
+    """GEMM `gemm_index` of `module`'s latest eager forward call (readers, after the call); None when
+    it ran in high precision or has not run."""
+    plan = STATE.calls.of(module)
+    return None if plan is None else _planned_call(plan, module.fp8_handle, gemm_index)
 
-    Its forward runs without grad, so the FP8 call records nothing and owes no backward, and its
-    recomputation in backward cannot be told apart from another call of the same module. Called for
-    FP8 calls without grad in a region entered with grad (evaluation inside a training region, or
-    this), so evaluation under no_grad outside the region pays nothing.
-    """
-    if inside_reentrant_checkpoint():
+
+def _planned_call(plan: Optional[Plan], handle: torch.Tensor, gemm_index: int) -> Call:
+    if plan is None:  # high precision, recording nothing
+        return Call(False, False, None, handle, gemm_index)
+    return Call(plan.fp8, plan.records_into is not None, plan.quantization, handle, gemm_index, plan=plan)
+
+
+# ---- the steps, eagerly -----------------------------------------------------------------------------------
+def capturing_cuda_graph(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_cuda_graph_capture(like: torch.Tensor) -> None:
+    """A CUDA graph replays kernels, not Python: captured, the protocol's work would be skipped at
+    every replay (plans, amax recording, frozen scales read once, no end-of-backward launch)."""
+    if capturing_cuda_graph(like.device):
         raise RuntimeError(
-            "torch.utils.checkpoint(..., use_reentrant=True) over FP8 modules in a training region: "
-            "use_reentrant=True is not supported (its forward runs without autograd, so its FP8 "
-            "calls cannot be matched to their recomputation). Use fp8train.checkpoint(fn, *args) or "
-            "torch.utils.checkpoint(fn, *args, use_reentrant=False)"
+            "an FP8 call of fp8train is being captured into a CUDA graph (torch.cuda.graph, or "
+            "torch.compile(mode='reduce-overhead') on a torch whose inductor has no "
+            "custom_should_partition_ops); the amax protocol runs Python at every call, which a replay "
+            "would skip. Capture only code outside FP8 modules, compile with mode='default' or "
+            "'max-autotune-no-cudagraphs', or use a torch whose inductor keeps fp8train's ops out of "
+            "its CUDA graphs (docs/design.md, section 6)"
         )
 
 
-def _refuse_ddp_join() -> None:
-    """Raise inside DistributedDataParallel's join() (uneven inputs) unless it throws on early termination.
-
-    A rank that ran out of data shadows DDP's collectives, not the amax all-reduces, so the others'
-    amax collectives would pair with DDP's (gloo kills the process on the size mismatch; NCCL hangs).
-    Called at the first FP8 call of each region: every rank raises in its first step inside join(),
-    before any rank can have joined.
-    """
-    if ddp_join_that_does_not_throw():
-        raise RuntimeError(
-            "DistributedDataParallel.join() (uneven inputs) cannot be used with a multi-rank FP8 "
-            "amax reduction: a rank that ran out of data would shadow DDP's collectives but not "
-            "fp8train's amax all-reduce, and the other ranks would hang or abort. Use "
-            "join(throw_on_early_termination=True) (every rank stops when one runs out of data), "
-            "give every rank the same number of batches (e.g. DistributedSampler(drop_last=True)), "
-            "or DelayedScaling(reduce_amax=False)"
-        )
+def _gemm_scales(plan: Plan, gemm_index: int) -> torch.Tensor:
+    base = forward_column(plan.offset, gemm_index, INPUT)
+    return torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]])
 
 
-def note_training_output(plan: Optional[Plan], output: torch.Tensor) -> None:
-    """An FP8 training call's output: its region owes a backward while this graph lives. Recipes that
-    record nothing in backward get a hook on the node that marks their region's backward as run (for
-    plain torch.utils.checkpoint's recomputations to find the regions still pending)."""
-    if plan is None or plan.region is None or output.grad_fn is None:
-        return
-    region = plan.region
-    region.outputs.append(weakref.ref(output.grad_fn))
-    if not plan.quantization.reduces_amax:
-        output.grad_fn.register_hook(lambda *_: current_backward_pass().note(None, region))
+def _forward_scales(
+    plan: Plan,
+    gemm_index: int,
+    x_amax: Optional[torch.Tensor],
+    w_amax: Optional[torch.Tensor],
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record this GEMM's amaxes into the plan's direction; its scales (the region's frozen ones, a
+    copy) and its region's token (a CPU int64 scalar: the region's serial for a training call's
+    backward, -1 otherwise)."""
+    refuse_cuda_graph_capture(like)
+    if plan.records_into is not None:
+        if x_amax is not None:
+            plan.records_into.record(forward_column(plan.offset, gemm_index, INPUT), x_amax)
+        if w_amax is not None:
+            plan.records_into.record(forward_column(plan.offset, gemm_index, WEIGHT), w_amax)
+    token = torch.tensor(plan.serial)
+    token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+    return _gemm_scales(plan, gemm_index), token
+
+
+def _backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Record this backward GEMM's grad_output amax; return [scale, scale_inv] for it.
+
+    Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
+    launches the group's backward reduction when it ends."""
+    refuse_cuda_graph_capture(g_amax)
+    meta = module.fp8_meta["scaling_bwd"]
+    direction = meta.direction
+    direction.finish()
+    direction.check()
+    column = backward_column(meta.offset, gemm_index, GRAD_OUTPUT)
+    direction.record(column, g_amax)
+    current_backward_pass().note(direction.group, STATE.regions.by_serial(int(token)))
+    return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
+
+
+# ---- the custom ops ----------------------------------------------------------------------------------------
+# Each op names its module by handle (state.py): a host tensor, an input of the graph.
+@torch.library.custom_op("fp8train::forward_scales", mutates_args=())
+def _forward_scales_op(
+    handle: torch.Tensor,
+    gemm_index: int,
+    x_amax: Optional[torch.Tensor],
+    w_amax: Optional[torch.Tensor],
+    like: torch.Tensor,
+    training: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    module = STATE.handles.module(handle)
+    if gemm_index == 0:  # the module call's plan, made at run time
+        STATE.calls.begin(module, plan_forward(module, training, compiled=True))
+    return _forward_scales(STATE.calls.of(module), gemm_index, x_amax, w_amax, like)
+
+
+@_forward_scales_op.register_fake
+def _(handle, gemm_index, x_amax, w_amax, like, training):
+    return like.new_empty((2, 2), dtype=torch.float32), torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("fp8train::backward_scales", mutates_args=())
+def _backward_scales_op(
+    handle: torch.Tensor, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor
+) -> torch.Tensor:
+    return _backward_scales(STATE.handles.module(handle), gemm_index, g_amax, token)
+
+
+@_backward_scales_op.register_fake
+def _(handle, gemm_index, g_amax, token):
+    return g_amax.new_empty((2,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8train::check_recipe_kind", mutates_args=())
+def _check_recipe_kind_op(handle: torch.Tensor, kind: str) -> None:
+    STATE.handles.module(handle).claim_recipe_kind(kind)
+
+
+@_check_recipe_kind_op.register_fake
+def _(handle, kind):
+    return None
+
+
+PROTOCOL_OPS = (
+    torch.ops.fp8train.forward_scales,
+    torch.ops.fp8train.backward_scales,
+    torch.ops.fp8train.check_recipe_kind,
+)
+ORDERED_EFFECTS = register_ordered_effects(op.default for op in PROTOCOL_OPS)
+# mode="reduce-overhead": the graph's CUDA graphs hold the compute between these ops, never the ops
+KEPT_OUT_OF_CUDA_GRAPHS = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
+# compiled scales are eager's: fp8_max / amax and 1 / scale correctly rounded on GPUs too
+DIVISIONS_ROUNDED_AS_EAGER = round_divisions_as_eager()

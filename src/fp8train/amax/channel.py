@@ -5,17 +5,14 @@ verdict, decided by launch count alone, of when every rank raises."""
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from ..errors import LayoutMismatchError
-from .header import HEADER_LEN, mismatch_error
+from .header import HEADER_LEN, Member, mismatch_error
 from .settings import settings
 from .stats import HostMirror
-
-if TYPE_CHECKING:
-    from .reduction import Direction
 
 __all__ = ["Channel"]
 
@@ -48,18 +45,18 @@ class Channel:
     def __init__(self, process_group) -> None:
         self.process_group = process_group
         self.agreed = settings.initial_wire  # values after the header, agreed by every rank (in a handshake)
-        self.directions: list[Direction] = []
+        self.directions: list[Member] = []
         self.flag: Optional[StickyFlag] = None
         self.failure: Optional[torch.Tensor] = None  # [direction, reduced header, local header]
         self.error: Optional[LayoutMismatchError] = None
         self.launches = 0
-        self.unfolded: collections.deque[tuple[int, Direction]] = collections.deque()  # launched, not folded
+        self.unfolded: collections.deque[tuple[int, Member]] = collections.deque()  # launched, not folded
         self.disagreed: dict[int, torch.Tensor] = {}  # launch index -> the ranks' headers differed (device)
         self.verdict: Optional[torch.Tensor] = None  # a folded reduction disagreed (device bool)
         self.verdicts: collections.deque[tuple[int, HostMirror]] = collections.deque()  # copies on their way
         self._spare: Optional[HostMirror] = None  # a verdict copy read already, for reuse
 
-    def attach(self, direction: Direction, device: torch.device) -> None:
+    def attach(self, direction: Member, device: torch.device) -> None:
         if self.flag is None:
             self.flag = StickyFlag(device)
             self.failure = torch.zeros(1 + 2 * HEADER_LEN, device=device)
@@ -72,7 +69,7 @@ class Channel:
         self.directions.append(direction)
 
     def agrees(
-        self, reduced: torch.Tensor, local: torch.Tensor, direction: Direction, index: int = -1
+        self, reduced: torch.Tensor, local: torch.Tensor, direction: Member, index: int = -1
     ) -> torch.Tensor:
         """Whether every rank sent the same header and nothing failed before (a device bool). The
         disagreement of launch `index` is kept for the verdict (section docstring)."""
@@ -101,7 +98,11 @@ class Channel:
             return str(exc)
         return ""
 
-    def begin_launch(self, direction: Direction) -> int:
+    def grow(self, wire: int) -> None:
+        """Every rank agreed (in a blocking handshake) that collectives carry `wire` values from now on."""
+        self.agreed = wire
+
+    def begin_launch(self, direction: Member) -> int:
         """Decide whether this launch raises (the same decision on every rank: see the class docstring),
         and return its index."""
         self.check()

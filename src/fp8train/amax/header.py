@@ -8,7 +8,7 @@ agree iff max == min for every field.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,20 @@ import torch.distributed as dist
 from ..errors import LayoutMismatchError, StateMismatchError
 from .storage import DIGEST_PRIME, ScalingStorage, bits_mod_p
 
-__all__ = ["HEADER_FIELDS", "HEADER_LEN", "Header", "state_digest", "mismatch_error"]
+__all__ = ["HEADER_FIELDS", "HEADER_LEN", "Header", "Member", "state_digest", "mismatch_error"]
+
+
+class Member(Protocol):
+    """What the wire needs of a direction reduced on a channel (reduction.Direction): its names for
+    messages, and its one wait."""
+
+    name: str
+    recipe_key: str
+
+    def describe(self) -> str: ...
+
+    def finish(self) -> None: ...
+
 
 HEADER_FIELDS = (
     "layout_hi",  # two 24-bit halves of the layout fingerprint: direction, recipe, modules in
@@ -88,9 +101,9 @@ class Header:
         return torch.stack([q, -q], dim=1).flatten()
 
 
-def mismatch_error(direction, reduced: list[float], local: list[float]) -> LayoutMismatchError:
+def mismatch_error(direction: Member, reduced: list[float], local: list[float]) -> LayoutMismatchError:
     """The error for a reduction whose ranks disagreed: `reduced` and `local` are its header as the
-    group reduced it and as this rank sent it; `direction` the `reduction.Direction` it belongs to."""
+    group reduced it and as this rank sent it; `direction` the direction it belongs to."""
     differing = [name for i, name in enumerate(HEADER_FIELDS) if reduced[2 * i] != -reduced[2 * i + 1]]
     rank = dist.get_rank() if dist.is_initialized() else 0
     if differing and set(differing) <= _STATE_FIELDS:

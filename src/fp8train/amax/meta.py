@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from .reduction import Direction
+
+if TYPE_CHECKING:
+    from .state import Region
 
 __all__ = ["ScalingMeta", "decode_extra_state"]
 
@@ -60,6 +63,14 @@ class ScalingMeta:
         if device not in self._own_on_device:
             self._own_on_device[device] = (self.own_scale.to(device), self.own_scale_inv.to(device))
         return self._own_on_device[device]
+
+    def scales_in(self, region: Region, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(scale, scale_inv, offset): the scales this direction's module casts with in `region`, and
+        its first column in them. A module that has not trained yet uses its own (on `device`; joining
+        its group keeps them); a member uses its group's, frozen for the region."""
+        if self.direction is None:
+            return *self.own_scales(device), 0
+        return *region.scales_for(self.direction), self.offset
 
     def _as_own(self) -> dict:
         """The attributes of this direction holding its current state as its own (a copy, not a view)."""

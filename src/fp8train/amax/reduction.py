@@ -180,7 +180,7 @@ class Direction:
             self._all_reduce(pending.buffer, async_op=False)
             if not bool(channel.agrees(pending.buffer[:HEADER_LEN], header, self)):
                 channel.check(block=True)
-            channel.agreed = wire
+            channel.grow(wire)
             pending.works.append(self._all_reduce(pending.extra, async_op))
             pending.launched_at = Mark.now(buffer.device)
         self.pending.append(pending)
@@ -290,6 +290,10 @@ class AmaxGroup:
         self.fwd.group = self.bwd.group = self
         self.training_regions = 0  # (per-step reduction: its steps)
         self.latest_region = None  # the latest region that launched its forward reduction
+
+    def note_exit(self, region) -> None:
+        """`region` (state.Region), which trained this group, exits: it launches now."""
+        self.latest_region = region
 
     def next_region_index(self) -> int:
         index = self.training_regions

@@ -1,12 +1,15 @@
-"""The one process-wide state of fp8train, and its only owner (docs/design.md, section 3).
+"""What the protocol keeps between calls, and its one owner (docs/design.md, section 3).
 
-Everything the protocol must find again between calls lives here: the stack of active
-`fp8_autocast` settings and the outermost region being run, the live regions (backward nodes and
-recomputations name them by serial), the amax groups and the channel of each process group, the
-reduction counters, the FP8 modules by handle (how compiled graphs name them) with each one's plan
-for its current call, the running backward pass, and the activation-recomputation calls being noted
-or replayed. Other modules read it and change it through its methods only; `reset()` (tests,
-benchmarks: `fp8train.inspection.reset`) forgets it all but the module handles.
+`STATE` is the one process-wide state of fp8train. It is composed of one owner per concern, each
+changed through its own methods only: the region stack (active `fp8_autocast` settings, the
+outermost region, the live regions by serial), the amax groups (and the channel of each process
+group, and the reduction counters), the FP8 modules by handle, each module's current call, the
+running backward pass, the per-step boundary, and the activation recomputations being noted or
+replayed. `STATE.reset()` (tests, benchmarks: `fp8train.inspection.reset`) makes every owner afresh
+but the module handles, which compiled graphs hold.
+
+The objects the owners hold are defined here too (a region, a backward pass, a module call's plan),
+so that the protocol's files import this one and it imports none of them.
 """
 
 from __future__ import annotations
@@ -14,51 +17,156 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ..torch_internals import at_end_of_backward, graph_task_id
 from .channel import Channel
 from .membership import reduces_across_ranks, world_if_default
-from .reduction import AmaxGroup
+from .reduction import AmaxGroup, Direction
 from .stats import ReductionStats
 
-if TYPE_CHECKING:
-    from .calls import Plan
-    from .regions import BackwardPass, Region, RegionSettings
-
-__all__ = ["Registry", "REGISTRY", "KEPT_REGIONS"]
+__all__ = ["STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "Plan"]
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
 
 
-class Registry:
+# ---- what the owners hold -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RegionSettings:
+    """One fp8_autocast entry's arguments, with its recipe's quantization."""
+
+    enabled: bool
+    calibrating: bool
+    recipe: Any  # one of recipe.py's recipes
+    quantization: Any  # the recipe's Quantization (quantization/): the protocol reads `reduces_amax`, `kind`
+    group: Any  # the amax group's torch.distributed ProcessGroup, or None for the world
+
+    @property
+    def active(self) -> bool:
+        """FP8 casts or amax recording happen in this region."""
+        return self.enabled or self.calibrating
+
+
+@dataclass
+class Plan:
+    """How one forward call of an FP8 module runs (made at its first GEMM, calls.py), and what its
+    backward owes the protocol; a training call's plan is noted in its region for recomputation."""
+
+    fp8: bool
+    quantization: Any  # the recipe's Quantization
+    region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
+    serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
+    # delayed scaling only (quantization.reduces_amax):
+    scale: Optional[torch.Tensor] = None  # forward scales of the module's group (a frozen snapshot)
+    scale_inv: Optional[torch.Tensor] = None
+    offset: int = 0  # the module's first column in its group's forward storage
+    records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
+
+    def replay(self) -> Plan:
+        """The plan as a recomputation replays it: same scales, no amax recorded, no region held."""
+        return Plan(self.fp8, self.quantization, None, self.serial, self.scale, self.scale_inv, self.offset)
+
+
+class Region:
+    """One outermost fp8_autocast entry: the amax groups it trained, and its forward calls."""
+
+    def __init__(self, serial: int, async_op: bool) -> None:
+        self.serial = serial
+        self.async_op = async_op
+        self.grad_at_entry = torch.is_grad_enabled()
+        self.trained: dict[AmaxGroup, int] = {}  # groups in the order they first trained -> index
+        self.snapshots: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
+        self.calls: dict[int, collections.deque[Plan]] = {}  # module id -> replays of its training calls
+        self.outputs: list[weakref.ref] = []  # autograd nodes of its FP8 training calls' outputs
+        self.compiled_calls = False  # training calls from a compiled graph, whose outputs are not seen
+        self.backward_done = False
+
+    def owes_backward(self) -> bool:
+        """Its backward has not run and its graph is alive (a dropped graph owes nothing)."""
+        if self.backward_done:
+            return False
+        # no node: no call produced a graph (frozen layers), unless a compiled graph made the calls
+        return self.compiled_calls or any(node() is not None for node in self.outputs)
+
+    def note_trained(self, group: AmaxGroup) -> None:
+        """`group` recorded amaxes here for training (once a module is a member: it can launch)."""
+        self.trained.setdefault(group, -1)
+
+    def note_training_call(self, module_id: int, replay: Plan, compiled: bool = False) -> None:
+        """A training call ran (again, when a backward ran inside the region): its backward is owed,
+        and a recomputation may replay it."""
+        self.backward_done = False
+        self.calls.setdefault(module_id, collections.deque()).append(replay)
+        self.compiled_calls |= compiled
+
+    def note_output(self, node) -> None:
+        self.outputs.append(weakref.ref(node))
+
+    def backward_ran(self) -> None:
+        self.backward_done = True
+        self.calls.clear()
+
+    def index_of(self, group: AmaxGroup) -> int:
+        """This region's index among `group`'s training regions (taken by its first launch)."""
+        if self.trained[group] < 0:
+            self.trained[group] = group.next_region_index()
+        return self.trained[group]
+
+    def scales_for(self, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) this region uses for `direction`: finished once, then frozen (a copy)."""
+        snap = self.snapshots.get(direction)
+        if snap is None or snap[0].numel() != direction.storage.num_roles:
+            direction.finish()
+            direction.check()
+            snap = (direction.storage.scale.clone(), direction.storage.scale_inv.clone())
+            self.snapshots[direction] = snap
+        return snap
+
+
+class BackwardPass:
+    """What one backward pass (an autograd graph task) recorded: launched when the pass ends.
+
+    Each group's reduction carries the index of the region whose backward recorded into it first in
+    the pass, so a rank that ran a backward its peers did not (or in another order) fails the check.
+    """
+
+    def __init__(self, step: StepBoundary) -> None:
+        self.step = step
+        self.groups: dict[AmaxGroup, Region] = {}  # group -> the first region that recorded into it
+        self.regions: dict[Region, None] = {}
+
+    def note(self, group: Optional[AmaxGroup], region: Optional[Region]) -> None:
+        if region is None:  # its region was collected: it cannot be named, the group's latest stands in
+            region = group.latest_region
+        if group is not None:  # None: a recipe that reduces nothing
+            self.groups.setdefault(group, region)
+        self.regions[region] = None
+
+    def end(self) -> None:
+        for group, region in self.groups.items():
+            if group.recipe.per_step:  # kept for the step boundary (steps.py)
+                group.bwd.accumulate()
+                self.step.note_group(group)
+            elif group.bwd.recorded_columns:
+                group.bwd.launch(region.async_op, region.index_of(group))
+        for region in self.regions:
+            region.backward_ran()
+
+
+# ---- the owners -------------------------------------------------------------------------------------------
+class RegionStack:
+    """The active fp8_autocast settings (innermost last), the outermost region, the live regions."""
+
     def __init__(self) -> None:
-        # never reset: a module keeps its handle, which compiled graphs hold, across resets
-        self._handles = 0
-        self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget every region, amax group, channel, call plan and counter."""
-        self.stack: list[RegionSettings] = []  # active fp8_autocast settings, innermost last
+        self.stack: list[RegionSettings] = []
         self.region: Optional[Region] = None  # the outermost region being run
-        self.regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
-        self.recent: collections.deque[Region] = collections.deque(maxlen=KEPT_REGIONS)
-        self.regions_entered = 0
-        self.groups: dict[tuple, AmaxGroup] = {}
-        self.channels: dict[object, Channel] = {}
-        self.stats = ReductionStats()
-        self.plans: weakref.WeakKeyDictionary[torch.nn.Module, Plan] = weakref.WeakKeyDictionary()
-        self._backward_pass: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
-        self.step_groups: dict[AmaxGroup, None] = {}  # per-step groups this rank trained, in that order
-        self.boundaries = 0  # step boundaries taken (steps.py)
-        self.step_parameters: dict[int, tuple] = {}  # module id -> its parameters' versions this step
-        self.recompute = None  # the fp8train.checkpoint call being recomputed (recompute.CallRecord)
-        self.checkpoints: list = []  # fp8train.checkpoint calls whose forward is running: they note plans
+        self._by_serial: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
+        self._recent: collections.deque[Region] = collections.deque(maxlen=KEPT_REGIONS)
+        self.entered = 0  # serial of the latest outermost region
 
-    # ---- regions ------------------------------------------------------------------------------------
     @property
     def settings(self) -> Optional[RegionSettings]:
         """The innermost active region's settings (None outside every region)."""
@@ -67,24 +175,41 @@ class Registry:
     def push(self, settings: RegionSettings, region: Optional[Region]) -> None:
         self.stack.append(settings)
         if region is not None:
-            self.regions_entered = region.serial
+            self.entered = region.serial
             self.region = region
-            self.regions[region.serial] = region
-            self.recent.append(region)
+            self._by_serial[region.serial] = region
+            self._recent.append(region)
 
     def pop(self, region: Optional[Region]) -> None:
         self.stack.pop()
         if region is not None:
             self.region = None
 
-    def live_regions(self) -> list[Region]:
-        return list(self.regions.values())
+    def live(self) -> list[Region]:
+        return list(self._by_serial.values())
 
-    def region_by_serial(self, serial: int) -> Optional[Region]:
-        return self.regions.get(serial)
+    def by_serial(self, serial: int) -> Optional[Region]:
+        return self._by_serial.get(serial)
 
-    # ---- amax groups ---------------------------------------------------------------------------------
-    def amax_group(self, recipe, process_group) -> AmaxGroup:
+    @contextlib.contextmanager
+    def replaced(self, stack: tuple[RegionSettings, ...]) -> Iterator[None]:
+        """The settings of `stack` in force (a recomputation replays under its original regions)."""
+        saved, self.stack = self.stack, list(stack)
+        try:
+            yield
+        finally:
+            self.stack = saved
+
+
+class AmaxGroups:
+    """The amax groups, the channel of each process group, and their reduction counters."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple, AmaxGroup] = {}
+        self.channels: dict[object, Channel] = {}
+        self.stats = ReductionStats()
+
+    def of(self, recipe, process_group) -> AmaxGroup:
         """The amax group of `recipe` (a DelayedScaling) on `process_group` (None: the world)."""
         process_group = world_if_default(process_group)
         # recipes equal as the header sees them (callables by their code) share a group
@@ -97,64 +222,6 @@ class Registry:
             group = self.groups[key] = AmaxGroup(recipe, process_group, channel, self.stats)
         return group
 
-    def note_step_group(self, group: AmaxGroup) -> None:
-        """A per-step group that trained: launched at every step boundary from now on, in the order in
-        which the groups first trained (the same on every rank)."""
-        self.step_groups.setdefault(group, None)
-
-    # ---- modules and their calls ---------------------------------------------------------------------
-    def register_module(self, module: torch.nn.Module) -> torch.Tensor:
-        """A new handle for `module`: how the protocol's ops (ops.py) name it, in eager code and in
-        compiled graphs. A host int64 scalar rather than an int: a graph takes a tensor attribute as an
-        input, so one graph serves every module of a kind, where dynamo would guard an int attribute's
-        value and compile once per module (a model's blocks compiled one by one)."""
-        self._handles += 1
-        self.modules[self._handles] = module
-        handle = torch.tensor(self._handles, dtype=torch.int64, device="cpu")
-        handle._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
-        return handle
-
-    def module(self, handle: torch.Tensor) -> torch.nn.Module:
-        return self.modules[int(handle)]
-
-    def plan_of(self, module: torch.nn.Module) -> Optional[Plan]:
-        """The plan of `module`'s current call (made at its first GEMM)."""
-        return self.plans.get(module)
-
-    def set_plan(self, module: torch.nn.Module, plan: Optional[Plan]) -> None:
-        self.plans[module] = plan
-
-    # ---- backward passes ------------------------------------------------------------------------------
-    def backward_pass(self, make) -> BackwardPass:
-        """The running backward pass's record, made with `make()` (and its end queued) at its first
-        FP8 backward node."""
-        task = graph_task_id()
-        if self._backward_pass is None or self._backward_pass[0] != task:
-            record = make()
-            self._backward_pass = (task, record)
-            at_end_of_backward(record.end)
-        return self._backward_pass[1]
-
-    # ---- activation recomputation (recompute.py) ------------------------------------------------------
-    @contextlib.contextmanager
-    def noting(self, call) -> Iterator[None]:
-        """While `call`'s forward runs, FP8 calls note their plans in it."""
-        self.checkpoints.append(call)
-        try:
-            yield
-        finally:
-            self.checkpoints.remove(call)
-
-    @contextlib.contextmanager
-    def replaying(self, call, stack: list) -> Iterator[None]:
-        """While `call` is recomputed: the regions active at the original call, and its noted plans."""
-        saved = self.recompute, self.stack
-        self.recompute, self.stack = call, list(stack)
-        try:
-            yield
-        finally:
-            self.recompute, self.stack = saved
-
     def synchronize(self) -> None:
         """Complete every in-flight amax reduction and apply it, then raise any mismatch. No collective."""
         for group in self.groups.values():
@@ -164,4 +231,125 @@ class Registry:
             channel.check(block=True)
 
 
-REGISTRY = Registry()
+class ModuleHandles:
+    """FP8 modules by handle: how the protocol's custom ops name them (never reset)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+
+    def register(self, module: torch.nn.Module) -> torch.Tensor:
+        """A new handle for `module`, in eager code and in compiled graphs. A host int64 scalar rather
+        than an int: a graph takes a tensor attribute as an input, so one graph serves every module of
+        a kind, where dynamo would guard an int attribute's value and compile once per module (a
+        model's blocks compiled one by one)."""
+        self._count += 1
+        self._modules[self._count] = module
+        handle = torch.tensor(self._count, dtype=torch.int64, device="cpu")
+        handle._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+        return handle
+
+    def module(self, handle: torch.Tensor) -> torch.nn.Module:
+        return self._modules[int(handle)]
+
+
+class CurrentCalls:
+    """Each module's current forward call: its plan, made at its first GEMM, for its later GEMMs, the
+    custom ops of a compiled graph and readers (coverage, tensor statistics)."""
+
+    def __init__(self) -> None:
+        self._plans: weakref.WeakKeyDictionary[torch.nn.Module, Optional[Plan]] = weakref.WeakKeyDictionary()
+
+    def of(self, module: torch.nn.Module) -> Optional[Plan]:
+        return self._plans.get(module)
+
+    def begin(self, module: torch.nn.Module, plan: Optional[Plan]) -> None:
+        self._plans[module] = plan
+
+
+class BackwardPasses:
+    """The running backward pass's record, made (and its end queued) at its first FP8 backward node."""
+
+    def __init__(self, step: StepBoundary) -> None:
+        self._step = step
+        self._current: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
+
+    def current(self) -> BackwardPass:
+        task = graph_task_id()
+        if self._current is None or self._current[0] != task:
+            record = BackwardPass(self._step)
+            self._current = (task, record)
+            at_end_of_backward(record.end)
+        return self._current[1]
+
+
+class StepBoundary:
+    """Per-step amax reduction's boundary: the groups to launch at it, and what detects a missing one."""
+
+    def __init__(self) -> None:
+        self.groups: dict[AmaxGroup, None] = {}  # per-step groups this rank trained, in that order
+        self.taken = 0  # step boundaries taken
+        self._parameters: dict[int, tuple] = {}  # module id -> its parameters' versions this step
+
+    def note_group(self, group: AmaxGroup) -> None:
+        """A per-step group that trained: launched at every step boundary from now on, in the order in
+        which the groups first trained (the same on every rank)."""
+        self.groups.setdefault(group, None)
+
+    def take(self) -> list[AmaxGroup]:
+        """A boundary: the groups to launch, in order; the next step starts."""
+        self._parameters.clear()
+        self.taken += 1
+        return list(self.groups)
+
+    def same_parameters(self, module_id: int, versions: tuple) -> bool:
+        """Whether a module's parameter versions are those of its first training call of the step."""
+        return self._parameters.setdefault(module_id, versions) == versions
+
+    def parameters_loaded(self, module_id: int) -> None:
+        self._parameters.pop(module_id, None)
+
+
+class Recomputation:
+    """fp8train.checkpoint calls: those whose forward runs (they note the plans of its FP8 calls) and
+    the one being recomputed (its plans are replayed)."""
+
+    def __init__(self) -> None:
+        self.replaying: Any = None  # the call being recomputed (calls.CallRecord)
+        self.noting: list = []  # calls whose forward is running
+
+    @contextlib.contextmanager
+    def noting_into(self, record) -> Iterator[None]:
+        self.noting.append(record)
+        try:
+            yield
+        finally:
+            self.noting.remove(record)
+
+    @contextlib.contextmanager
+    def replay(self, record, regions: RegionStack) -> Iterator[None]:
+        """While `record` is recomputed: the regions active at the original call, and its noted plans."""
+        saved, self.replaying = self.replaying, record
+        try:
+            with regions.replaced(record.stack):
+                yield
+        finally:
+            self.replaying = saved
+
+
+class State:
+    def __init__(self) -> None:
+        self.handles = ModuleHandles()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every region, amax group, channel, call plan, counter and boundary; keep the handles."""
+        self.regions = RegionStack()
+        self.groups = AmaxGroups()
+        self.calls = CurrentCalls()
+        self.step = StepBoundary()
+        self.backward = BackwardPasses(self.step)
+        self.recompute = Recomputation()
+
+
+STATE = State()

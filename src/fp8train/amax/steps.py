@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .settings import settings
-from .state import REGISTRY
+from .state import STATE
 
 __all__ = ["end_step", "end_step_on", "ending_step", "check_step_open", "parameters_loaded"]
 
@@ -36,9 +36,7 @@ def end_step() -> None:
     Collective over each group's ranks, which must all call it at the same point (after the step's
     last backward)."""
     async_op = settings.asynchronous()
-    REGISTRY.step_parameters.clear()
-    REGISTRY.boundaries += 1
-    for group in REGISTRY.step_groups:  # in the order they first trained: the same on every rank
+    for group in STATE.step.take():  # in the order they first trained: the same on every rank
         index = group.next_region_index()
         group.fwd.launch_step(async_op, index)
         group.bwd.launch_step(async_op, index)
@@ -50,9 +48,9 @@ def ending_step(closure: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(closure)
     def closure_then_boundary(*args: Any, **kwargs: Any) -> Any:
-        boundaries = REGISTRY.boundaries
+        boundaries = STATE.step.taken
         result = closure(*args, **kwargs)
-        if REGISTRY.boundaries == boundaries:
+        if STATE.step.taken == boundaries:
             end_step()
         return result
 
@@ -87,9 +85,7 @@ def check_step_open(module: torch.nn.Module) -> None:
     microbatches, so for them the boundary is the user's to get right (documented)."""
     if type(module).__name__.startswith("FSDP"):
         return
-    versions = _versions(module)
-    seen = REGISTRY.step_parameters.setdefault(id(module), versions)
-    if seen != versions:
+    if not STATE.step.same_parameters(id(module), _versions(module)):
         raise RuntimeError(
             f"{module.signature}: DelayedScaling(amax_reduction='step') needs the optimizer step's boundary: "
             "its parameters changed (the optimizer stepped) but fp8train.end_step() was not called, so the "
@@ -101,4 +97,4 @@ def check_step_open(module: torch.nn.Module) -> None:
 def parameters_loaded(module: torch.nn.Module) -> None:
     """`module`'s parameters were loaded from a checkpoint (`load_state_dict`): a change that is not
     an optimizer step, so the open step goes on from the loaded values."""
-    REGISTRY.step_parameters.pop(id(module), None)
+    STATE.step.parameters_loaded(id(module))

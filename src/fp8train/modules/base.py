@@ -9,11 +9,11 @@ from typing import Optional
 
 import torch
 
-from ..amax import BWD_ROLES, FWD_ROLES, REGISTRY, ScalingMeta, decode_extra_state, parameters_loaded
+from ..amax import ScalingMeta, decode_extra_state, parameters_loaded, register_module, roles
 from ..fsdp import plain_weight
 from ..quantization.base import WeightOperands
 
-__all__ = ["FP8Module", "ScalingMeta", "decode_extra_state", "FWD_ROLES", "BWD_ROLES"]
+__all__ = ["FP8Module"]
 
 
 class FP8Module(torch.nn.Module):
@@ -35,11 +35,11 @@ class FP8Module(torch.nn.Module):
         for classes that combine FP8Module with another module class whose `__init__` runs instead
         (fp8train.integrations.torchtitan)."""
         self.fp8_meta = {
-            "scaling_fwd": ScalingMeta(FWD_ROLES * self.num_gemms),
-            "scaling_bwd": ScalingMeta(BWD_ROLES * self.num_gemms),
+            "scaling_fwd": ScalingMeta(roles.FWD_ROLES * self.num_gemms),
+            "scaling_bwd": ScalingMeta(roles.BWD_ROLES * self.num_gemms),
         }
         self.recipe_kind: Optional[str] = None  # the kind of recipe it trains with ("delayed", ...), once set
-        self.fp8_handle = REGISTRY.register_module(self)  # how the protocol's ops name it (registry.py)
+        self.fp8_handle = register_module(self)  # how the protocol's custom ops name it
         self.shards_checked = False  # sequence parallelism: token shards checked equal across TP ranks
         self.fsdp_gathers: dict = {}  # fsdp.py's bookkeeping of FP8 weight gathers, per GEMM
         # (GEMM index, recipe kind) -> the weight's FP8 operands, kept across microbatches, and the
@@ -99,14 +99,14 @@ class FP8Module(torch.nn.Module):
     def __getstate__(self) -> dict:
         """What a copy (deepcopy, pickle, torch.save of the module, an EMA model) keeps: parameters and
         FP8 state; not FSDP2 gather bookkeeping or cached FP8 weights, which belong to this module's own
-        calls (the registry keeps the current call's plan, so nothing of it is copied)."""
+        calls (the protocol keeps the current call's plan, so nothing of it is copied)."""
         state = dict(self.__dict__)
         state.update(fsdp_gathers={}, _weight_cache={}, _weight_cast_scales={})
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.fp8_handle = REGISTRY.register_module(self)  # a copy is a module of its own
+        self.fp8_handle = register_module(self)  # a copy is a module of its own
 
     def _apply(self, fn, recurse: bool = True):
         """`to()`, `cuda()`, `to_empty()`: FP8 state that joined an amax group on another device

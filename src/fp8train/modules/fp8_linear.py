@@ -1,5 +1,5 @@
 """The FP8 linear function every module calls: the operands its recipe's quantization gives, multiplied
-(docs/design.md, section 9), and what each call asks of the protocol (ops.py)."""
+(docs/design.md, section 9), with the `Call` the protocol makes for the GEMM handed down (amax/)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import fsdp, saved, second_order
-from ..amax import REGISTRY, call_precision, check_recipe_kind, note_training_output
+from ..amax import Call, begin_call
 from ..cast import amax
 from ..fsdp import GatheredWeight
 from ..gemm import Operand, choose_path, matmul
-from ..quantization.base import GemmCall, WeightOperands
+from ..quantization.base import WeightOperands
 from ..tensor_parallel import (
     TensorParallel,
     TokenCollective,
@@ -32,7 +32,7 @@ class _LinearFn(torch.autograd.Function):
     gathered in FP8), the gradient quantized in backward, all by `call.quantization`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_ops: WeightOperands, call: GemmCall, sp_group):
+    def forward(ctx, x, weight, bias, w_ops: WeightOperands, call: Call, sp_group):
         x2d = x.reshape(-1, x.shape[-1])
         x_ops = call.quantization.quantize_input(x2d, call)
         shape = x.shape
@@ -144,26 +144,26 @@ def fp8_linear(
             "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
             "FP8 weight's bookkeeping runs outside the graph. Compile without the option, or run eagerly"
         )
-    precision = call_precision(module, gemm_index)
-    quantization = precision.quantization
+    call = begin_call(module, gemm_index)
+    quantization = call.quantization
     gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
     if gathered and not (
-        precision.fp8 and quantization.casts_before_gather and fsdp.is_current_gather(weight.gather)
+        call.fp8 and quantization.casts_before_gather and fsdp.is_current_gather(weight.gather)
     ):
         # gathered in FP8 for another region (FSDP2 kept it gathered), or needed in high precision
         weight, gathered = _HighPrecision.apply(weight), False  # gathered again, in the parameter dtype
-    if not precision.fp8 or weight.numel() == 0:  # an empty GEMM (Linear(0, n)): the bias, as torch gives
+    if not call.fp8 or weight.numel() == 0:  # an empty GEMM (Linear(0, n)): the bias, as torch gives
         if stored_weight is not None:
             weight = stored_weight.forward.dequantize().to(x.dtype)
-        elif precision.record and weight.numel():  # calibrating: amaxes only
-            quantization.call_scales(module, gemm_index, x, lambda: amax(weight), record=True)
+        elif call.record and weight.numel():  # calibrating: amaxes only
+            quantization.call_scales(call, x, lambda: amax(weight))
         if sp_group is not None:
             x = TokenCollective.apply(x, sp_group, True)
         return F.linear(x, weight, bias)
     if sp_group is not None and not quantization.casts_before_gather:
         x, sp_group = TokenCollective.apply(x, sp_group, True), None  # cast where the tensor is whole
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
-        check_recipe_kind(module, quantization.kind)
+        call.check_recipe_kind()
     stored = stored_weight is not None  # used as it is: never cast, cached or recorded
     cached = rebuild = None
     if is_first_microbatch is False and not stored:
@@ -178,13 +178,11 @@ def fp8_linear(
                 )
     reused = cached is not None or rebuild is not None  # the step's weight: no weight amax recorded
     weight_amax = None if reused or stored else (weight.shard_amax if gathered else lambda: amax(weight))
-    scales, token = quantization.call_scales(module, gemm_index, x, weight_amax, precision.record)
+    scales, token = quantization.call_scales(call, x, weight_amax)
     if rebuild is not None:  # the weight scale the step's first microbatch cast the weight with
         scales = torch.stack([scales[:, 0], rebuild.to(scales.device)], dim=1)
     tokens = x.numel() // x.shape[-1] * (1 if sp_group is None else dist.get_world_size(sp_group))
-    call = GemmCall(
-        quantization, module.fp8_handle, gemm_index, _operand_dtype(tokens, weight), scales, token
-    )
+    call = call.for_gemm(_operand_dtype(tokens, weight), scales, token)
     if stored:  # used as it is, whatever the recipe (a block operand: matmul dequantizes it)
         w_ops = stored_weight
     elif cached is not None:
@@ -198,8 +196,8 @@ def fp8_linear(
         cast_scales = None if scales is None else scales[:, 1]
         module.cache_weight(gemm_index, quantization.kind, w_ops, copy=gathered, cast_scales=cast_scales)
     y = _LinearFn.apply(x, weight, bias, w_ops, call, sp_group)
-    if not torch.compiler.is_compiling():  # the plan lookup (a weak dict) is not traceable in every torch
-        note_training_output(REGISTRY.plan_of(module), y)
+    if not torch.compiler.is_compiling():  # compiled graphs' outputs: the region counts their calls
+        call.note_output(y)
     if gathered:
         fsdp.note_gathered_forward(module, gemm_index, weight.gather, y)
     return y

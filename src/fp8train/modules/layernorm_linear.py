@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import amax, second_order
+from .. import second_order
+from ..amax import begin_call
 from ..formats import fp8_max
 from ..quantization.block import TILE
 from ..quantization.current import scale_from_amax
@@ -164,6 +165,6 @@ class LayerNormMLP(FP8Module):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         first = is_first_microbatch
         h = parallel_linear(self, self.norm(x), self.fc1_weight, self.fc1_bias, 0, first, self.tp)
-        saves_fp8 = self.save_activation_input_fp8 and h.requires_grad and amax.call_precision(self, 1).fp8
+        saves_fp8 = self.save_activation_input_fp8 and h.requires_grad and begin_call(self, 1).fp8
         a = _ActivationSavedFP8.apply(h, self._act) if saves_fp8 else self._act(h)
         return parallel_linear(self, a, self.fc2_weight, self.fc2_bias, 1, first, self.tp_fc2)

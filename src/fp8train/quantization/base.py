@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
+from ..amax import Call
 from ..gemm import RECIPE_KERNELS, Operand, kernel_choice
 
-__all__ = [
-    "Quantization", "GemmCall", "WeightOperands", "InputOperands", "GradOperands", "check_whole_blocks"
-]  # fmt: skip
+__all__ = ["Quantization", "WeightOperands", "InputOperands", "GradOperands", "check_whole_blocks"]
 
 
 class WeightOperands(NamedTuple):
@@ -50,35 +48,14 @@ class GradOperands(NamedTuple):
     wgrad: Optional[Operand]  # None: the weight gradient is not needed
 
 
-@dataclass(frozen=True)
-class GemmCall:
-    """One FP8 GEMM call of a module: what its quantization needs besides the tensors."""
-
-    quantization: Quantization
-    module_handle: Optional[torch.Tensor]  # names the module to the protocol's ops (registry.py, ops.py)
-    gemm_index: int
-    operand_dtype: torch.dtype  # per-tensor operands: an FP8 dtype (hardware GEMM), or bf16/fp32
-    scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
-    token: Optional[torch.Tensor] = None  # delayed scaling: names the call's region to its backward
-
-    def without_tensors(self) -> GemmCall:
-        """What backward keeps on its context (the tensors travel through save_for_backward). Built
-        field by field: dataclasses.replace is not traceable by dynamo in every torch."""
-        return GemmCall(self.quantization, None, self.gemm_index, self.operand_dtype)
-
-    def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> GemmCall:
-        """The backward's call: this one's fields with the saved tensors."""
-        return GemmCall(self.quantization, module_handle, self.gemm_index, self.operand_dtype, None, token)
-
-
 class Quantization:
     """How one recipe quantizes a linear layer's operands. Subclasses: one per recipe family, each in
-    its own file, registered in recipe.py.
+    its own file, registered in quantization/__init__.py.
 
     Class attributes say how the recipe meets the rest of the library:
     - `kind`: its name in checkpoints (a module trains under one kind) and in the weight cache;
     - `reduces_amax`: its scales come from amax histories shared by an amax group (delayed scaling):
-      calls have plans with frozen scales, amaxes are recorded and reduced (regions.py, plans.py);
+      calls have plans with frozen scales, amaxes are recorded and reduced (amax/);
     - `casts_before_gather`: a tensor's scale is known before the tensor is whole, so sequence-parallel
       inputs and FSDP2 weights are cast on each rank and gathered as FP8 bytes; otherwise they are
       gathered in high precision and quantized whole;
@@ -103,23 +80,23 @@ class Quantization:
     def grad_encoding(self) -> str:
         return self.recipe.fp8_format.bwd
 
-    def call_scales(self, module, gemm_index: int, x: torch.Tensor, weight_amax, record: bool):
-        """(scales, token) of a GEMM call: recorded amaxes and frozen scales for delayed scaling;
-        (None, None) for recipes that scale each tensor from itself. `weight_amax()` gives the
-        weight's amax, or is None when the weight is not cast (a cached FP8 weight)."""
+    def call_scales(self, call: Call, x: torch.Tensor, weight_amax):
+        """(scales, token) of a GEMM call: recorded amaxes (when `call.record`) and frozen scales for
+        delayed scaling; (None, None) for recipes that scale each tensor from itself. `weight_amax()`
+        gives the weight's amax, or is None when the weight is not cast (a cached FP8 weight)."""
         return None, None
 
-    def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+    def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         raise NotImplementedError
 
-    def reuse_weight(self, cached: WeightOperands, call: GemmCall) -> WeightOperands:
+    def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
         """A weight quantized for an earlier microbatch (is_first_microbatch=False), for this call."""
         return cached
 
-    def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
+    def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         raise NotImplementedError
 
-    def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
+    def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         """The output gradient's operands for dgrad and wgrad (`needs`: which of them are needed)."""
         raise NotImplementedError
 

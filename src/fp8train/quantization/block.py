@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..amax import Call
 from ..cast import cast_operand
 from ..formats import fp8_max
 from ..gemm import Operand
-from .base import GemmCall, GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
+from .base import GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
 from .current import scale_from_amax
 
 __all__ = ["BlockQuantization", "TILE", "quantize_tiles", "dequantize_tiles"]
@@ -64,20 +65,20 @@ def _tiles(x: torch.Tensor, power_2: bool, transposed: bool = False, fp8: bool =
 class BlockQuantization(Quantization):
     kind = "block"
 
-    def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+    def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         """128x128 blocks, which serve w and w.T alike: one quantization for forward and dgrad."""
         q, scale_inv = quantize_tiles(
             weight.detach(), TILE, self.recipe.power_2_scale, dtype=torch.float8_e4m3fn
         )
         return WeightOperands.same(Operand(q, scale_inv, (TILE, TILE)))
 
-    def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
+    def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         """Along in_features for the forward; along the tokens, 1-byte, for the weight gradient."""
         warn_emulated_on_cuda(x2d, "Float8BlockScaling")
         power_2 = self.recipe.power_2_scale
         return InputOperands(_tiles(x2d, power_2), _tiles(x2d, power_2, transposed=True, fp8=True))
 
-    def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
+    def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         """Along out_features for dgrad, along the tokens for wgrad."""
         power_2 = self.recipe.power_2_scale
         dgrad = _tiles(g2d, power_2) if needs[0] else None

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from ..amax import Call
 from ..cast import amax
 from ..formats import FLOAT32_MAX, fp8_max
-from .base import GemmCall, GradOperands, InputOperands, WeightOperands
+from .base import GradOperands, InputOperands, WeightOperands
 from .per_tensor import TensorQuantization
 
 __all__ = ["CurrentQuantization", "scale_from_amax", "current_scales"]
@@ -35,14 +36,14 @@ def current_scales(x: torch.Tensor, encoding: str) -> tuple[torch.Tensor, torch.
 class CurrentQuantization(TensorQuantization):
     kind = "current"
 
-    def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+    def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         return WeightOperands.same(
             self.cast(weight, *current_scales(weight, "e4m3"), "e4m3", call.operand_dtype)
         )
 
-    def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
+    def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         operand = self.cast(x2d, *current_scales(x2d, "e4m3"), "e4m3", call.operand_dtype)
         return InputOperands(operand, operand)
 
-    def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
+    def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         return self.grad_operands(g2d, *current_scales(g2d, self.grad_encoding), call)

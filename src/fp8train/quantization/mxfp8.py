@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ..amax import Call
 from ..gemm import Operand
 from ..microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
 from .base import (
-    GemmCall,
     GradOperands,
     InputOperands,
     Quantization,
@@ -42,18 +42,18 @@ class MXFP8Quantization(Quantization):
     whole_blocks = MX_BLOCK
     e8m0_scales = True
 
-    def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+    def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         check_whole_blocks(weight, ("out_features", "in_features"), self.whole_blocks, "MXFP8BlockScaling")
         if self.recipe.enable_2d_quantization:
             return WeightOperands.same(_mx(weight, 0, "e4m3", two_d=True))
         return WeightOperands(_mx(weight, 1, "e4m3"), _mx(weight, 0, "e4m3"))  # along in; along out
 
-    def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
+    def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         warn_emulated_on_cuda(x2d, "MXFP8BlockScaling")
         check_whole_blocks(x2d, ("tokens", "in_features"), self.whole_blocks, "MXFP8BlockScaling")
         return InputOperands(_mx(x2d, 1, "e4m3"), _mx(x2d, 0, "e4m3"))  # along in; along the tokens
 
-    def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
+    def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         encoding = self.grad_encoding
         dgrad = _mx(g2d, 1, encoding) if needs[0] else None  # along out
         wgrad = _mx(g2d, 0, encoding) if needs[1] else None  # along the tokens

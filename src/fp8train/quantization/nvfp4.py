@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from ..amax import Call
 from ..gemm import Operand
 from ..microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
 from .base import (
-    GemmCall,
     GradOperands,
     InputOperands,
     Quantization,
@@ -51,19 +51,19 @@ class NVFP4Quantization(Quantization):
     whole_blocks = NVFP4_BLOCK
     e2m1_values = True
 
-    def quantize_weight(self, weight: torch.Tensor, call: GemmCall) -> WeightOperands:
+    def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         check_whole_blocks(weight, ("out_features", "in_features"), self.whole_blocks, "NVFP4BlockScaling")
         if not self.recipe.disable_2d_quantization:
             return WeightOperands.same(_nvfp4(weight, 0, two_d=True))
         return WeightOperands(_nvfp4(weight, 1), _nvfp4(weight, 0))  # along in; along out
 
-    def quantize_input(self, x2d: torch.Tensor, call: GemmCall) -> InputOperands:
+    def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         warn_emulated_on_cuda(x2d, "NVFP4BlockScaling")
         check_whole_blocks(x2d, ("tokens", "in_features"), self.whole_blocks, "NVFP4BlockScaling")
         rotate = not self.recipe.disable_rht
         return InputOperands(_nvfp4(x2d, 1), _nvfp4(x2d, 0, rotate=rotate))  # along in; along the tokens
 
-    def quantize_grad(self, g2d: torch.Tensor, call: GemmCall, needs: tuple[bool, bool]) -> GradOperands:
+    def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         stochastic, rotate = not self.recipe.disable_stochastic_rounding, not self.recipe.disable_rht
         dgrad = _nvfp4(g2d, 1, stochastic=stochastic) if needs[0] else None
         wgrad = _nvfp4(g2d, 0, stochastic=stochastic, rotate=rotate) if needs[1] else None

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from ..amax import Call
 from ..cast import cast_operand
 from ..formats import fp8_dtype
 from ..gemm import Operand
-from .base import GemmCall, GradOperands, Quantization, WeightOperands
+from .base import GradOperands, Quantization, WeightOperands
 
 __all__ = ["TensorQuantization"]
 
@@ -20,12 +21,12 @@ class TensorQuantization(Quantization):
     def cast(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, encoding: str, dtype) -> Operand:
         return Operand(cast_operand(x, scale, encoding, dtype), scale_inv)
 
-    def reuse_weight(self, cached: WeightOperands, call: GemmCall) -> WeightOperands:
+    def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
         # FP8 values convert exactly between the operand dtypes of the GEMM paths
         operand = cached.forward
         return WeightOperands.same(Operand(operand.values.to(call.operand_dtype), operand.scale_inv))
 
-    def grad_operands(self, g2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, call: GemmCall):
+    def grad_operands(self, g2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, call: Call):
         """The gradient cast once for both backward GEMMs: FP8 in the gradient encoding's dtype for
         the hardware GEMM, else in the emulation's operand dtype."""
         encoding = self.grad_encoding

@@ -19,10 +19,10 @@ from typing import Optional
 
 import torch
 
+from fp8train.amax import Call
 from fp8train.gemm import Operand
 from fp8train.modules import LayerNormLinear, Linear
 from fp8train.quantization import quantization_of
-from fp8train.quantization.base import GemmCall
 from fp8train.quantization.delayed import DelayedQuantization
 from fp8train.recipe import Recipe
 
@@ -155,10 +155,10 @@ def quantization_errors(
             if delayed is None:
                 raise ValueError("delayed scaling casts with the step's scales: pass DelayedScales.read(...)")
             s, inv = delayed.scale.to(x.device), delayed.scale_inv.to(x.device)
-            call = GemmCall(q, None, 0, torch.float32, scales=torch.stack([s[:2], inv[:2]]))
+            call = Call.outside_module(q, torch.stack([s[:2], inv[:2]]))
             grad = q.grad_operands(g, s[2], inv[2], call).dgrad if g is not None else None
         else:
-            call = GemmCall(q, None, 0, torch.float32)
+            call = Call.outside_module(q)
             grad = q.quantize_grad(g, call, (True, False)).dgrad if g is not None else None
         operands = {
             "input": q.quantize_input(x, call).forward,

@@ -1,0 +1,239 @@
+"""The plan of each FP8 module call: its precision, delayed scaling's frozen scales and where its
+amaxes go, and what its backward owes its region (docs/design.md, sections 3 and 5).
+
+A module call's plan is made at its first GEMM (calls.py) and is the module's current call for the
+rest of the call (`STATE.calls`). Training calls note their plan in their region, so that an
+activation recomputation in backward replays it: same scales, no amax recorded; fp8train.checkpoint
+notes the plans of its function's calls and replays them in order (`recomputation_context_fn`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..torch_internals import (
+    ddp_join_that_does_not_throw,
+    in_backward,
+    inside_reentrant_checkpoint,
+    pipeline_group_of_caller,
+)
+from .membership import check_amax_group, check_stage_group
+from .regions import current_backward_pass
+from .state import STATE, Plan, Region, RegionSettings
+from .steps import check_step_open
+
+__all__ = ["plan_forward", "note_training_output", "CallRecord", "recomputation_context_fn"]
+
+
+def plan_forward(module, training: bool, compiled: bool = False) -> Optional[Plan]:
+    """How `module` (an FP8Module) runs this forward call; None: in high precision, recording nothing.
+
+    `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad);
+    `compiled`: the call is made by a compiled graph (whose outputs the region does not see)."""
+    if STATE.recompute.replaying is not None or in_backward():
+        plan = _recompute_plan(module)
+        if plan is not None:
+            for record in STATE.recompute.noting:  # a checkpoint nested in the one being recomputed
+                record.add(id(module), plan)
+        return plan
+    settings = STATE.regions.settings
+    if settings is None or not settings.active:
+        return None
+    region = STATE.regions.region
+    quantization = settings.quantization
+    if settings.enabled and training:
+        module.claim_recipe_kind(quantization.kind)
+    if settings.enabled and not training and region.grad_at_entry:
+        _refuse_reentrant_checkpoint()
+    if quantization.reduces_amax:
+        plan = _delayed_plan(module, settings, region, training)
+    elif settings.enabled:
+        plan = Plan(True, quantization)
+    else:
+        return None  # calibrating records amaxes for delayed scaling only
+    if settings.enabled and training:
+        plan.region, plan.serial = region, region.serial
+    if training:  # noted for recomputation; the replay holds no region reference and records nothing
+        replay = plan.replay()
+        region.note_training_call(id(module), replay, compiled and plan.region is not None)
+        for record in STATE.recompute.noting:
+            record.add(id(module), replay)
+    return plan
+
+
+def _delayed_plan(module, settings: RegionSettings, region: Region, training: bool) -> Plan:
+    """Delayed scaling: the module joins its amax group when it first records; the region's frozen
+    scales; amaxes recorded when training or calibrating."""
+    group = STATE.groups.of(settings.recipe, settings.group)
+    record = settings.calibrating or training
+    fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
+    if record:
+        if group not in region.trained and group.fwd.channel is not None:
+            _refuse_ddp_join()
+        if fwd_meta.direction is None:
+            reduces = group.fwd.channel is not None
+            check_amax_group(module, group.process_group, reduces)
+            pipeline_group = pipeline_group_of_caller()
+            if pipeline_group is not False:  # inside a torch.distributed.pipelining stage
+                check_stage_group(module.signature, group.process_group, reduces, pipeline_group)
+            device = next(module.parameters()).device
+            fwd_meta.join(group.fwd, module.signature, device)
+            bwd_meta.join(group.bwd, module.signature, device)
+        elif fwd_meta.direction is not group.fwd:
+            raise RuntimeError(
+                f"{module.signature} trains under one recipe and amax group; it was first trained "
+                f"with {fwd_meta.direction.recipe} and is now run with {settings.recipe} (or another "
+                "group). Use the same fp8_recipe and fp8_group for every training region of a module"
+            )
+        region.note_trained(group)  # only once the module is a member: it can launch
+        if group.recipe.per_step and training:
+            check_step_open(module)
+    scale, scale_inv, offset = fwd_meta.scales_in(region, next(module.parameters()).device)
+    return Plan(
+        fp8=settings.enabled,
+        quantization=settings.quantization,
+        scale=scale,
+        scale_inv=scale_inv,
+        offset=offset,
+        records_into=group.fwd if record else None,
+    )
+
+
+def _recompute_plan(module) -> Optional[Plan]:
+    """The plan of the original forward call, replayed: same scales, no amax, no registration."""
+    record = STATE.recompute.replaying
+    if record is not None:  # fp8train.checkpoint noted this call's plans and restored its settings
+        settings = STATE.regions.settings
+        if settings is None or not settings.active:
+            return None  # the original call ran in high precision
+        plan = record.next(id(module))
+        if plan is None:
+            raise RuntimeError(
+                f"{module.signature} runs more often in the recomputed forward than in the original "
+                "one; a function passed to fp8train.checkpoint must call the same FP8 modules each time"
+            )
+        return plan
+    # torch.utils.checkpoint(use_reentrant=False): the one region whose backward still owes a call
+    candidates = [r for r in STATE.regions.live() if r.owes_backward() and r.calls.get(id(module))]
+    if not candidates:
+        return None  # no FP8 training call pending: the original forward was high precision
+    first = candidates[0].calls[id(module)][0]
+    stateless = not first.quantization.reduces_amax and all(
+        p.quantization.recipe == first.quantization.recipe for r in candidates for p in r.calls[id(module)]
+    )  # a recipe that scales each tensor from itself: any pending call of it replays alike
+    plans = candidates[0].calls[id(module)] if len(candidates) == 1 or stateless else ()
+    # backward recomputes later calls first: taking the oldest plan is right only if all are alike
+    if plans and all(p.fp8 == plans[0].fp8 and p.scale is plans[0].scale for p in plans):
+        return plans.popleft()
+    raise RuntimeError(
+        f"{module.signature} is being recomputed during backward, but fp8train cannot tell which "
+        f"FP8 forward it repeats ({len(candidates)} candidate regions, or calls of it that ran "
+        "differently in one region). Wrap the recomputed code in "
+        "fp8train.checkpoint(fn, *args), or use torch.utils.checkpoint with use_reentrant=False "
+        "and one region per backward pass; a region's backward must run in one backward pass"
+    )
+
+
+def _refuse_reentrant_checkpoint() -> None:
+    """Raise inside torch.utils.checkpoint(use_reentrant=True) in a training region.
+
+    Its forward runs without grad, so the FP8 call records nothing and owes no backward, and its
+    recomputation in backward cannot be told apart from another call of the same module. Called for
+    FP8 calls without grad in a region entered with grad (evaluation inside a training region, or
+    this), so evaluation under no_grad outside the region pays nothing.
+    """
+    if inside_reentrant_checkpoint():
+        raise RuntimeError(
+            "torch.utils.checkpoint(..., use_reentrant=True) over FP8 modules in a training region: "
+            "use_reentrant=True is not supported (its forward runs without autograd, so its FP8 "
+            "calls cannot be matched to their recomputation). Use fp8train.checkpoint(fn, *args) or "
+            "torch.utils.checkpoint(fn, *args, use_reentrant=False)"
+        )
+
+
+def _refuse_ddp_join() -> None:
+    """Raise inside DistributedDataParallel's join() (uneven inputs) unless it throws on early termination.
+
+    A rank that ran out of data shadows DDP's collectives, not the amax all-reduces, so the others'
+    amax collectives would pair with DDP's (gloo kills the process on the size mismatch; NCCL hangs).
+    Called at the first FP8 call of each region: every rank raises in its first step inside join(),
+    before any rank can have joined.
+    """
+    if ddp_join_that_does_not_throw():
+        raise RuntimeError(
+            "DistributedDataParallel.join() (uneven inputs) cannot be used with a multi-rank FP8 "
+            "amax reduction: a rank that ran out of data would shadow DDP's collectives but not "
+            "fp8train's amax all-reduce, and the other ranks would hang or abort. Use "
+            "join(throw_on_early_termination=True) (every rank stops when one runs out of data), "
+            "give every rank the same number of batches (e.g. DistributedSampler(drop_last=True)), "
+            "or DelayedScaling(reduce_amax=False)"
+        )
+
+
+def note_training_output(plan: Optional[Plan], output: torch.Tensor) -> None:
+    """An FP8 training call's output: its region owes a backward while this graph lives. Recipes that
+    record nothing in backward get a hook on the node that marks their region's backward as run (for
+    plain torch.utils.checkpoint's recomputations to find the regions still pending)."""
+    if plan is None or plan.region is None or output.grad_fn is None:
+        return
+    region = plan.region
+    region.note_output(output.grad_fn)
+    if not plan.quantization.reduces_amax:
+        output.grad_fn.register_hook(lambda *_: current_backward_pass().note(None, region))
+
+
+# ---- fp8train.checkpoint ---------------------------------------------------------------------------------
+class CallRecord:
+    """One fp8train.checkpoint call: the regions active at the call and each FP8 module's plans in order.
+
+    The plans are noted during the original forward; every recomputation replays them from the
+    start, so a recomputation (or a second one, with retain_graph) uses exactly the original scales.
+    """
+
+    def __init__(self, stack: tuple[RegionSettings, ...]) -> None:
+        self.stack = stack
+        self.plans: dict[int, list[Plan]] = {}
+        self.cursor: dict[int, int] = {}
+
+    def add(self, module_id: int, plan: Plan) -> None:
+        self.plans.setdefault(module_id, []).append(plan)
+
+    def next(self, module_id: int) -> Optional[Plan]:
+        """The plan of this module's next call in the original forward, or None if it ran no more."""
+        index = self.cursor.get(module_id, 0)
+        plans = self.plans.get(module_id, [])
+        if index >= len(plans):
+            return None
+        self.cursor[module_id] = index + 1
+        return plans[index]
+
+
+class _Replaying:
+    """Context of every recomputation of one checkpoint call (torch enters it again for each one, e.g.
+    with retain_graph): replay under the regions that were active at the original call."""
+
+    def __init__(self, record: CallRecord) -> None:
+        self.record = record
+        self.active: list = []
+
+    def __enter__(self) -> None:
+        replaying = STATE.recompute.replay(self.record, STATE.regions)
+        replaying.__enter__()
+        self.active.append(replaying)
+        self.record.cursor = {}
+
+    def __exit__(self, *exc) -> None:
+        self.active.pop().__exit__(*exc)
+
+
+def recomputation_context_fn() -> Callable:
+    """`torch.utils.checkpoint`'s context_fn for one fp8train.checkpoint call made now: its forward
+    notes the plans of its FP8 calls, each recomputation replays them under the original regions."""
+    record = CallRecord(tuple(STATE.regions.stack))
+
+    def context_fn():
+        return STATE.recompute.noting_into(record), _Replaying(record)
+
+    return context_fn
