@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..torch_internals import managed_by_fsdp2, version_counter
 from .settings import settings
 from .state import REGISTRY
 
@@ -77,7 +78,7 @@ def end_step_on(optimizer: torch.optim.Optimizer):
 
 
 def _versions(module: torch.nn.Module) -> tuple:
-    return tuple(p._version for p in module.parameters(recurse=False) if p.requires_grad)
+    return tuple(version_counter(p) for p in module.parameters(recurse=False) if p.requires_grad)
 
 
 def check_step_open(module: torch.nn.Module) -> None:
@@ -85,7 +86,7 @@ def check_step_open(module: torch.nn.Module) -> None:
     call of the step (the optimizer stepped without `end_step()`: every later step would train with
     the first step's scales). Modules FSDP2 manages refill their gathered parameters between
     microbatches, so for them the boundary is the user's to get right (documented)."""
-    if type(module).__name__.startswith("FSDP"):
+    if managed_by_fsdp2(module):
         return
     versions = _versions(module)
     seen = REGISTRY.step_parameters.setdefault(id(module), versions)
