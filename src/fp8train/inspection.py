@@ -1,5 +1,5 @@
 """Reading fp8train's state: the public readers (`synchronize`, `reduction_stats`) and a small view of
-the registry for tests, telemetry and benchmarks (docs/design.md, section 3).
+the protocol's state for tests, telemetry and benchmarks (docs/design.md, section 3).
 
 The views read the live state through a narrow surface (what a test or a dashboard needs: the
 storage of an amax group's direction, its members, reductions pending and in flight, roles recorded
