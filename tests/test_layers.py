@@ -210,3 +210,84 @@ def test_telemetry_and_inspection_are_attributes_after_import_fp8train() -> None
     code = "import fp8train; fp8train.telemetry.Telemetry; fp8train.inspection.amax_groups(); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+# nn.Module methods a subclass overrides and calls through super(), namedtuple's and the wrapper
+# subclass's documented methods, aten ops named in a dispatch table: underscored, not private API
+_EXTENSION_POINTS = {"_apply", "_save_to_state_dict", "_replace", "_make_wrapper_subclass", "_to_copy"}
+
+
+def _private_reads(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each attribute `x._name` (or `getattr(x, "_name")`) that fp8train does not
+    define itself, and each test of a class name against FSDP's."""
+    found = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+        ):
+            if (
+                len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                name = node.args[1].value
+        if name and name.startswith("_") and not name.startswith("__"):
+            if name not in own and name not in _EXTENSION_POINTS:
+                found.append((node.lineno, f".{name}"))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "startswith"
+        ):
+            if any(isinstance(a, ast.Constant) and a.value == "FSDP" for a in node.args):
+                found.append((node.lineno, 'startswith("FSDP")'))
+    return sorted(found)
+
+
+def _own_names(trees: list[ast.AST]) -> set[str]:
+    """Every underscored name the core defines: functions, classes, attributes it assigns, fields."""
+    own = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+    return {name for name in own if name.startswith("_")}
+
+
+def test_private_torch_apis_go_through_torch_internals() -> None:
+    """design.md, section 12: a private attribute of torch's (or DDP's, FSDP2's) objects is read only in
+    torch_internals.py, where its function says what it relies on."""
+    # torch_internals.py is left out of both: what it writes (FSDPParam._unsharded_inner_tensors) is torch's
+    trees = {
+        path: ast.parse(path.read_text(encoding="utf-8"))
+        for path in _core_files()
+        if path.name != "torch_internals.py"
+    }
+    own = _own_names(list(trees.values()))
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{line}: {what}"
+        for path, tree in trees.items()
+        for line, what in _private_reads(tree, own)
+    ]
+    assert not offenders, "private torch APIs outside torch_internals.py:\n" + "\n".join(offenders)
+
+
+def test_the_private_api_check_finds_reads() -> None:
+    source = (
+        "p._version\ngetattr(t, '_local_tensor', t)\nm._own\nm._own = 1\n"
+        "type(m).__name__.startswith('FSDP')\nsuper()._apply(f)\ntype(m).__name__\n"
+    )
+    tree = ast.parse(source)
+    found = _private_reads(tree, _own_names([tree]))
+    assert found == [(1, "._version"), (2, "._local_tensor"), (5, 'startswith("FSDP")')]

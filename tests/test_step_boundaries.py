@@ -231,3 +231,24 @@ def test_a_mid_step_checkpoint_saved_by_rank_0_is_refused_on_every_rank() -> Non
         outs[0]["warnings"]["after step 1"] == []
         and "middle of an optimizer step" in outs[0]["warnings"][(2, 0)][0]
     )
+
+
+# ---- which modules FSDP2 manages (their boundary is the user's: check_step_open skips them) ----------------
+def _fsdp_managed(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8train.torch_internals import managed_by_fsdp2
+
+    model = _model()
+    fully_shard(model[0])
+
+    class FSDPLookalike(torch.nn.Linear):  # a user's class whose name merely starts with FSDP
+        pass
+
+    return {"managed": [managed_by_fsdp2(m) for m in (model[0], model[2], FSDPLookalike(2, 2))]}
+
+
+@pytest.mark.multirank
+def test_fsdp2_managed_modules_are_told_by_their_class_not_their_name() -> None:
+    for result in run_ranks(_fsdp_managed, 2, timeout_s=240):
+        assert result["managed"] == [True, False, False]

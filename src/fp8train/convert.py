@@ -21,6 +21,7 @@ from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
 from .modules.linear import Linear
 from .recipe import Recipe, check_recipe
+from .torch_internals import children_by_name
 
 __all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible"]
 
@@ -112,7 +113,7 @@ def convert_to_fp8(
     for fqn, parent in list(model.named_modules(remove_duplicate=False)):
         if isinstance(parent, FP8Module):
             continue
-        for name, child in list(parent._modules.items()):  # named_children() hides repeats
+        for name, child in children_by_name(parent):
             if child is None:
                 continue
             if id(child) not in swapped:

@@ -8,9 +8,10 @@ shards is the full weight's amax), so no collective is added.
 `FSDPFP8Weight` wraps a weight's high-precision data and implements FSDP2's extension points
 (`fsdp_pre_all_gather`/`fsdp_post_all_gather`); every other op runs on the wrapped data. The
 gathered weight is a `GatheredWeight`: the FP8 values and their scale_inv inside an FP8 region, the
-weight in its parameter dtype outside one. FSDP2 internals relied on (torch 2.7 to 2.13), all in
-`_fsdp_param_of_caller`: the `FSDPParam` that asks for the all-gather inputs, whose cached gather
-buffers must be dropped when a weight's gather precision changes.
+weight in its parameter dtype outside one. The FSDP2 internals relied on (torch 2.7 to 2.13) are
+functions of torch_internals.py: `fsdp_param_of_caller` (the `FSDPParam` that asks for the
+all-gather inputs, whose cached gather buffers must be dropped when a weight's gather precision
+changes) and `dtensor_local` (the wrapper inside FSDP2's sharded DTensor).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from . import amax as protocol
 from . import tensor_parallel
 from .cast import amax, quantize
 from .torch_internals import (
+    dtensor_local,
     in_backward,
     reset_fsdp_gather_buffers,
     set_fsdp_unsharded_buffer,
@@ -223,11 +225,6 @@ class GatheredWeight(torch.Tensor):
 def wrap_for_fsdp(parameter: torch.nn.Parameter, gemm_index: int) -> None:
     """Make `parameter` hold its data in an `FSDPFP8Weight`, in place: the same Parameter object (an
     optimizer built before keeps it), the same values."""
-    if torch.__version__ < "2.6":
-        raise RuntimeError(
-            "fsdp_fp8_all_gather needs torch >= 2.6 (FSDP2's fsdp_pre_all_gather with the module and mixed "
-            f"precision policy); this is torch {torch.__version__}: upgrade torch or drop the option"
-        )
     if not isinstance(parameter, FSDPFP8Weight):
         wrapped = torch.nn.Parameter(FSDPFP8Weight(parameter.data, gemm_index), parameter.requires_grad)
         torch.utils.swap_tensors(parameter, wrapped)
@@ -237,7 +234,7 @@ def plain_weight(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (a weight, or FSDP2's DTensor of one) with an `FSDPFP8Weight` replaced by the data it
     wraps, sharing storage: what checkpoints save and load into, so that a checkpoint does not depend
     on the option and loading in place still writes the weight."""
-    local = getattr(tensor, "_local_tensor", tensor)
+    local = dtensor_local(tensor)
     if not isinstance(local, FSDPFP8Weight):
         return tensor
     if local is tensor:

@@ -34,6 +34,7 @@ from .modules.base import FP8Module
 from .quantization import RECIPES, quantization_of, recipe_kind
 from .quantization.block import TILE
 from .recipe import Recipe
+from .torch_internals import managed_by_fsdp2
 
 __all__ = [
     "LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER",
@@ -277,7 +278,7 @@ class StepCoverage:
         fp8 = call is not None and call.fp8
         if isinstance(module, FP8Module) and not fp8:
             self.high_precision_layers.add(self._names[id(module)])
-        fsdp = type(module).__name__.startswith("FSDP")
+        fsdp = managed_by_fsdp2(module)
         for _, weight, k, n in weights:
             gemms = 1 + (training and x.requires_grad) + (training and weight.requires_grad)
             self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms

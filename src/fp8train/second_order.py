@@ -6,7 +6,7 @@ values (the first-order numbers do not change), and their derivatives are those 
 with every quantization taken as the identity (the straight-through rule that FP8 training uses for
 the first derivative too): d grad_x = dg @ dq(w) + dq(g) @ dw, d grad_w = dg^T @ dq(x) + dq(g)^T @ dx.
 The products run in fp32 autograd ops on the dequantized operands, so the second derivative is exact
-for those operands. docs/design.md, section 9.
+for those operands. docs/design.md, section 11.
 
 The term dq(g)^T @ dx needs the high-precision input x, which the FP8 forward does not keep (keeping
 it would cost the activation memory FP8 saves). When x requires grad, the weight gradient is

@@ -36,6 +36,11 @@ __all__ = [
     "pipeline_group_of_caller",
     "in_pipeline_shape_inference",
     "ddp_ignore",
+    "version_counter",
+    "dtensor_local",
+    "children_by_name",
+    "managed_by_fsdp2",
+    "foreach_copy",
 ]
 
 
@@ -231,6 +236,44 @@ def tree_leaves(tree) -> list:
 
 def tree_map_only(cls: type, fn: Callable, tree):
     return torch.utils._pytree.tree_map_only(cls, fn, tree)
+
+
+def foreach_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its destination in one multi-tensor kernel per device and dtype
+    (`torch._foreach_copy_`, torch >= 2.2, the op torch.optim's foreach paths use): the FP8 optimizer
+    writes a chunk's states back without one kernel per parameter."""
+    torch._foreach_copy_(destinations, sources)
+
+
+# ---- tensors and modules ---------------------------------------------------------------------------
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place changes `tensor` has seen (`Tensor._version`, the counter autograd keeps to
+    refuse stale saved tensors; every in-place op bumps it, an optimizer step's included): tells a
+    per-step group that the optimizer stepped without `end_step()` (amax/steps.py)."""
+    return tensor._version
+
+
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor object a DTensor holds (`DTensor._local_tensor`), or `tensor` itself when it is
+    not a DTensor. Not `to_local()`: that is an autograd op returning a new alias, and fsdp.plain_weight
+    must find the very `FSDPFP8Weight` inside FSDP2's sharded parameter."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def children_by_name(module: torch.nn.Module) -> list[tuple[str, Optional[torch.nn.Module]]]:
+    """Every child slot of `module` in order, a child held under two names listed under both and empty
+    (None) slots included (`Module._modules`): `named_children()` yields a shared child once, so
+    convert_to_fp8 would leave its second name pointing at the unconverted layer."""
+    return list(module._modules.items())
+
+
+def managed_by_fsdp2(module: torch.nn.Module) -> bool:
+    """Whether FSDP2's `fully_shard` manages `module`: it swaps the module's class for a subclass of
+    `FSDPModule` (named `FSDP<Class>`; public in torch >= 2.6). Such a module refills its gathered
+    parameters between microbatches (so their version counters move without an optimizer step) and
+    gathers its weights itself. Nothing can be FSDP2's before torch.distributed.fsdp is imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 # ---- call stacks: whose code is calling ------------------------------------------------------------------

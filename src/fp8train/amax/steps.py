@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..torch_internals import managed_by_fsdp2, version_counter
 from .settings import settings
 from .state import STATE
 
@@ -75,7 +76,7 @@ def end_step_on(optimizer: torch.optim.Optimizer):
 
 
 def _versions(module: torch.nn.Module) -> tuple:
-    return tuple(p._version for p in module.parameters(recurse=False) if p.requires_grad)
+    return tuple(version_counter(p) for p in module.parameters(recurse=False) if p.requires_grad)
 
 
 def check_step_open(module: torch.nn.Module) -> None:
@@ -83,7 +84,7 @@ def check_step_open(module: torch.nn.Module) -> None:
     call of the step (the optimizer stepped without `end_step()`: every later step would train with
     the first step's scales). Modules FSDP2 manages refill their gathered parameters between
     microbatches, so for them the boundary is the user's to get right (documented)."""
-    if type(module).__name__.startswith("FSDP"):
+    if managed_by_fsdp2(module):
         return
     if not STATE.step.same_parameters(id(module), _versions(module)):
         raise RuntimeError(

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ..torch_internals import foreach_copy
 from . import codecs
 
 __all__ = ["AdamW", "state_bytes"]
@@ -212,9 +213,9 @@ class AdamW(torch.optim.Optimizer):
                 parts = [value[b].reshape(-1)[: t.numel()].view(t.shape) for b, t in zip(row_slices, locals_)]
             else:
                 parts = [value[b] for b in row_slices]
-            torch._foreach_copy_([s[key] for s in states], parts)
+            foreach_copy([s[key] for s in states], parts)
         parts = [weights[b].reshape(-1)[: t.numel()].view(t.shape) for b, t in zip(row_slices, locals_)]
-        torch._foreach_copy_(locals_, parts)
+        foreach_copy(locals_, parts)
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
