@@ -39,7 +39,9 @@ What is measured:
       reentries       calls INTO a room other than the current one that the walk had already left
                       (it was the current room and the current room changed away from it); returns
                       up the stack to a caller are not counted;
-      callbacks       those reentries whose room is still on the stack below (a call back up).
+      callbacks       those reentries whose room is still on the stack below (a call back up);
+      entries         per room, the calls into it from another room (so for amax/ as one room:
+                      how often the walk enters the protocol).
 (e) the files a new recipe touches are not measurable here.
 """
 
@@ -409,13 +411,16 @@ def walk_measures(events: list, room_of) -> dict:
     left: set[str] = set()
     rooms: list[str] = []  # "room: how the walk entered it"
     reentries: list[str] = []
+    entries: dict[str, int] = {}
     callbacks = 0
     for kind, file, function in events:
         if kind == "call":
             room = room_of(file)
-            if room != current and room in left:
-                reentries.append(f"{room}: {function}")
-                callbacks += room in stack
+            if room != current:
+                entries[room] = entries.get(room, 0) + 1
+                if room in left:
+                    reentries.append(f"{room}: {function}")
+                    callbacks += room in stack
             stack.append(room)
             how = function
         elif stack:
@@ -433,6 +438,7 @@ def walk_measures(events: list, room_of) -> dict:
         "room_changes": max(len(rooms) - 1, 0),
         "reentries": len(reentries),
         "callbacks": callbacks,
+        "entries": dict(sorted(entries.items(), key=lambda e: -e[1])),
         "rooms": rooms,
         "reentered": reentries,
     }
@@ -514,7 +520,8 @@ def render(result: dict) -> str:
             lines.append(
                 f"(d) {walk}, {scale}: {m['distinct_rooms']} rooms, {len(m['rooms'])} stays, "
                 f"{m['room_changes']} changes, {m['reentries']} returns to a room already left "
-                f"({m['callbacks']} of them calls back up)"
+                f"({m['callbacks']} of them calls back up); entries: "
+                + ", ".join(f"{room} {n}" for room, n in m["entries"].items())
             )
             lines.append("      " + " > ".join(m["rooms"]))
     return "\n".join(lines)
