@@ -159,29 +159,19 @@ class Tree:
         found: list[Import] = []
 
         def visit(node: ast.AST, type_only: bool, in_function: bool) -> None:
+            def add(written: str, target: str) -> None:
+                found.append(Import(module, rel, node.lineno, written, target, type_only, in_function))
+
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    found.append(
-                        Import(module, rel, node.lineno, alias.name, alias.name, type_only, in_function)
-                    )
+                    add(alias.name, alias.name)
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
                     parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parent + ([base] if base else []))
                 for alias in node.names:
-                    written = base if node.module else f"{base}.{alias.name}"
-                    found.append(
-                        Import(
-                            module,
-                            rel,
-                            node.lineno,
-                            written,
-                            self._target(base, alias.name),
-                            type_only,
-                            in_function,
-                        )
-                    )
+                    add(base if node.module else f"{base}.{alias.name}", self._target(base, alias.name))
             function = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(node, ast.If) and _is_type_checking(node.test):
                 for child in node.body:
@@ -478,15 +468,16 @@ def measure(tree: Tree, python: Optional[str], scratch: pathlib.Path) -> dict:
         "runtime_arrows": len(runtime),
         "upward_arrows": len({(i.source, i.target) for i in upward}),
         "upward_imports": [tree.arrow_text(i) for i in upward],
-        "cycles": [_cycle_text(*c) for c in cycles(graph)],
-        "runtime_cycles": [_cycle_text(*c) for c in cycles(_graph_of(graph, runtime))],
+        "cycles": [cycle_text(*c) for c in cycles(graph)],
+        "runtime_cycles": [cycle_text(*c) for c in cycles(_graph_of(graph, runtime))],
     }
     if python:
         result["walk"] = walks(tree, trace_walk(tree, python, scratch))
     return result
 
 
-def _cycle_text(component: list[str], cycle: list[str]) -> str:
+def cycle_text(component: list[str], cycle: list[str]) -> str:
+    """One of `cycles()`'s results, to print."""
     names = ", ".join(m.removeprefix(PACKAGE + ".") for m in component)
     return f"{len(component)} modules ({names}), e.g. {' -> '.join(cycle)}"
 
