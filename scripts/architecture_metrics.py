@@ -313,7 +313,7 @@ def _shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> list[st
                 path = [v]
                 while path[-1] != start:
                     path.append(parent[path[-1]])
-                return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, v, start]
+                return [*reversed(path), start]
             if w not in parent:
                 parent[w] = v
                 queue.append(w)
