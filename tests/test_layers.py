@@ -6,20 +6,48 @@ integrations (`fp8train/integrations/`) import only the core, the standard libra
 own framework; and a training step in a fresh interpreter where every package that torch itself does
 not require is hidden (as in an environment where `pip install fp8train` pulled only torch), in which
 importing each integration raises an ImportError that names its extra.
+
+The rules of the core's inside (issue 28): nothing outside `amax/` imports past its face; the core's
+import graph has no cycle; no import runs from a lower layer to a higher one (LAYERS, README's layout).
+Imports are parsed, resolved and put in layers by scripts/architecture_metrics.py (which measures the
+same graph for any tree); this file holds the rules.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import pathlib
 import re
 import subprocess
 import sys
 
+import pytest
+
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
+REPO = PACKAGE.parent.parent
+
+
+def _load_metrics():
+    """scripts/architecture_metrics.py, loaded from its file (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(
+        "architecture_metrics", REPO / "scripts" / "architecture_metrics.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+METRICS = _load_metrics()
+# The core's layers, lowest first, as README's layout lists them: (name, files or folders of fp8train).
+# A module may import its own layer and those before it. Declared once, in the script, which measures
+# the same table on trees from before the move.
+LAYERS = METRICS.LAYERS
+TREE = METRICS.Tree(REPO)
+AMAX = PACKAGE / "amax"
 TOOLS = PACKAGE / "tools"
 INTEGRATIONS = PACKAGE / "integrations"
 # each integration module and the distributions it may import besides the core, torch and the stdlib
@@ -44,20 +72,7 @@ def _core_files() -> list[pathlib.Path]:
 
 def _imports(path: pathlib.Path, source: str = "") -> list[str]:
     """Absolute module names imported by `path` (relative imports resolved against its package)."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    names = []
-    for node in ast.walk(ast.parse(source or path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")
-                parent = parent[: len(parent) - node.level + 1]
-                base = ".".join(parent + ([base] if base else []))
-            names += [f"{base}.{alias.name}" for alias in node.names] if not node.module else [base]
-    return names
+    return [imp.written for imp in TREE.imports(path, source)]
 
 
 def test_core_imports_only_torch_and_the_standard_library() -> None:
@@ -183,7 +198,6 @@ def test_a_training_step_needs_only_torch(tmp_path) -> None:
     assert tools == "[]", "the core imported the toolbox"
 
 
-REPO = PACKAGE.parent.parent
 SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", "runs", "build"}
 
 
@@ -291,3 +305,109 @@ def test_the_private_api_check_finds_reads() -> None:
     tree = ast.parse(source)
     found = _private_reads(tree, _own_names([tree]))
     assert found == [(1, "._version"), (2, "._local_tensor"), (5, 'startswith("FSDP")')]
+
+
+def _face_names() -> set[str]:
+    """What amax/__init__.py exports (`__all__`): its names, and the two namespaces it makes part of
+    the face (`roles`, the role layout; `views`, the readers fp8train.inspection names)."""
+    tree = ast.parse((AMAX / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("amax/__init__.py has no __all__")
+
+
+def _past_the_face(path: pathlib.Path, source: str = "") -> list[str]:
+    face = {f"fp8train.amax.{name}" for name in _face_names()}
+    return [
+        f"{imp.path}:{imp.line}: {imp.target}"
+        for imp in TREE.imports(path, source)
+        if imp.target.startswith("fp8train.amax.") and imp.target not in face
+    ]
+
+
+def test_nothing_outside_amax_imports_past_its_face() -> None:
+    """Outside `amax/` (the core, tools, integrations, benchmarks, scripts, examples) code imports
+    `fp8train.amax` only: `from .amax import ...`, `from .. import amax`, never `amax.<module>`. The
+    tests may unit-test the protocol's internals, so tests/ is not checked."""
+    files = [p for p in PACKAGE.rglob("*.py") if AMAX not in p.parents]
+    files += [p for folder in ("benchmarks", "scripts", "examples") for p in (REPO / folder).rglob("*.py")]
+    assert len(files) > 90 and (AMAX / "__init__.py").is_file()
+    offenders = [line for path in files for line in _past_the_face(path)]
+    assert not offenders, "imports past amax's face (export the name from amax/__init__.py):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_face_check_sees_every_form_of_import() -> None:
+    """Relative and absolute, `from P import module`, under TYPE_CHECKING and inside functions; the
+    face's own names (even one spelled like a module of amax/: `settings`) pass."""
+    past = (
+        "from .amax.state import REGISTRY\n"
+        "from .amax import state\n"
+        "import fp8train.amax.channel\n"
+        "if TYPE_CHECKING:\n    from .amax.calls import Call\n"
+        "def f():\n    from fp8train.amax.regions import enter_region\n"
+    )
+    found = [line.split(": ")[1] for line in _past_the_face(PACKAGE / "fsdp.py", past)]
+    assert found == [
+        "fp8train.amax.state",
+        "fp8train.amax.state",
+        "fp8train.amax.channel",
+        "fp8train.amax.calls",
+        "fp8train.amax.regions",
+    ]
+    flags = [(i.type_only, i.in_function) for i in TREE.imports(PACKAGE / "fsdp.py", past)]
+    assert flags[3:] == [(True, False), (False, True)]
+    face = "from .amax import settings, enter_region\nfrom . import amax\nimport fp8train.amax\n"
+    assert not _past_the_face(PACKAGE / "fsdp.py", face)
+    assert not _past_the_face(PACKAGE / "modules" / "base.py", "from .. import amax\n")
+
+
+def test_the_core_has_no_import_cycle() -> None:
+    """Counting imports under TYPE_CHECKING and inside functions: each one is a dependency a reader
+    must follow, and a cycle means two modules that cannot be understood apart."""
+    found = METRICS.cycles(TREE.graph())
+    assert not found, "import cycles in the core:\n" + "\n".join(METRICS.cycle_text(*c) for c in found)
+
+
+def test_the_cycle_check_finds_a_cycle_and_prints_it() -> None:
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set(), "e": {"d"}}
+    assert METRICS.cycles(graph) == [(["a", "b", "c"], ["a", "b", "c", "a"])]
+    assert METRICS.cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_core_module_is_in_exactly_one_layer() -> None:
+    entries = [entry for _, layer in LAYERS for entry in layer]
+    repeated = sorted({e for e in entries if entries.count(e) > 1})
+    assert not repeated, f"in more than one layer: {repeated}"
+    stale = [e for e in entries if not (PACKAGE / f"{e}.py").is_file() and not (PACKAGE / e).is_dir()]
+    assert not stale, f"LAYERS names what src/fp8train/ does not hold: {stale}"
+    modules = TREE.core_modules()
+    assert len(modules) > 50 and "fp8train.amax.calls" in modules
+    unplaced = []
+    for module in modules:
+        try:
+            TREE.layer_of(module)
+        except ValueError as err:
+            unplaced.append(str(err))
+    assert not unplaced, "\n".join(unplaced)
+    placed = [LAYERS[TREE.layer_of(m)][0] for m in ("fp8train.recipe", "fp8train.amax.calls", "fp8train")]
+    assert placed == ["vocabulary", "amax", "doors and readers"]
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
+    """Within a layer any direction is fine; imports under TYPE_CHECKING and inside functions count."""
+    upward = TREE.upward_imports()
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(
+        map(TREE.arrow_text, upward)
+    )
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    source = (
+        "from .amax import enter_region\nif TYPE_CHECKING:\n    from .quantization.base import Quantization\n"
+    )
+    imports = TREE.imports(PACKAGE / "recipe.py", source)
+    upward = [i.target for i in imports if TREE.layer_of(i.target) > TREE.layer_of(i.source)]
+    assert upward == ["fp8train.amax", "fp8train.quantization.base"]
