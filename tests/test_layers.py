@@ -23,8 +23,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
