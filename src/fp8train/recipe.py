@@ -3,8 +3,8 @@
 This is the vocabulary at the bottom of the package (it imports `formats` only): the amax protocol
 (`amax/`) reads `DelayedScaling`'s fields, and each recipe's behaviour lives in one file of
 `quantization/`, which maps every recipe type to its `Quantization` (`quantization.RECIPES`). Adding a
-recipe is its dataclass here, its file there, and one line in `quantization.RECIPES` (docs/design.md,
-section 9). As torchao's `float8/config.py` and TransformerEngine's `common/recipe`, data before code.
+recipe is its dataclass here (and its name in `Recipe`), its file there, and one line in
+`quantization.RECIPES` (docs/design.md, section 9). As torchao's `float8/config.py` and TransformerEngine's `common/recipe`, data before code.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, get_args
 
 import torch
 
@@ -209,13 +209,7 @@ class NVFP4BlockScaling:
 
 
 Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
-RECIPE_TYPES = (
-    DelayedScaling,
-    Float8CurrentScaling,
-    Float8BlockScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-)
+RECIPE_TYPES: tuple[type, ...] = get_args(Recipe)  # each recipe is named once, in `Recipe`
 
 
 def check_recipe(recipe, where: str) -> Recipe:
