@@ -2,9 +2,10 @@
 
 This is the vocabulary at the bottom of the package (it imports `formats` only): the amax protocol
 (`amax/`) reads `DelayedScaling`'s fields, and each recipe's behaviour lives in one file of
-`quantization/`, which maps every recipe type to its `Quantization` (`quantization.RECIPES`). Adding a
-recipe is its dataclass here (and its name in `Recipe`), its file there, and one line in
-`quantization.RECIPES` (docs/design.md, section 9). As torchao's `float8/config.py` and TransformerEngine's `common/recipe`, data before code.
+`quantization/`, which maps every recipe type to its `Quantization` (`quantization.RECIPES`). Adding
+a recipe is its dataclass here (and its name in `Recipe`), its file there, and one line in
+`quantization.RECIPES` (docs/design.md, section 9). Data before code, as torchao's
+`float8/config.py` and TransformerEngine's `common/recipe`.
 """
 
 from __future__ import annotations
