@@ -25,20 +25,4 @@ reset = views.reset
 reset_reduction_stats = views.reset_reduction_stats
 synchronize = views.synchronize
 
-__all__ = [
-    "synchronize",
-    "reduction_stats",
-    "reset_reduction_stats",
-    "reset",
-    "open_regions",
-    "current_region",
-    "RegionView",
-    "amax_groups",
-    "amax_group",
-    "AmaxGroupView",
-    "DirectionView",
-    "live_regions",
-    "regions_owing_backward",
-    "KEPT_REGIONS",
-    "counters",
-]
+__all__ = views.__all__

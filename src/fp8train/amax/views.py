@@ -31,6 +31,7 @@ __all__ = [
     "live_regions",
     "regions_owing_backward",
     "KEPT_REGIONS",
+    "counters",
 ]
 
 
