@@ -1,13 +1,17 @@
-"""Small helpers shared by the tests: a model's FP8 state, content hashes, plain SGD."""
+"""Small helpers shared by the tests: the repository's root, a model's FP8 state, content hashes,
+plain SGD."""
 
 from __future__ import annotations
 
 import hashlib
+import pathlib
 from typing import Any
 
 import torch
 
 from fp8train import FP8Module
+
+REPO = pathlib.Path(__file__).resolve().parents[1]  # the repository (examples/, benchmarks/, docs/)
 
 
 def fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:

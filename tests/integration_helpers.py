@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import fp8train
 from fp8train.tools.data import stdlib_text
-from fp8train.tools.ranks import AllReduceSpy
+from multirank import AllReduceSpy
 
 SEQ = 32
 

@@ -13,7 +13,7 @@ import torch
 
 import fp8train
 from fp8train import LayoutMismatchError, fp8_autocast
-from fp8train.tools.ranks import run_ranks
+from multirank import run_ranks
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 
