@@ -9,14 +9,15 @@ from typing import Any
 
 import torch
 
+import fp8train
 from fp8train import FP8Module
 
 REPO = pathlib.Path(__file__).resolve().parents[1]  # the repository (examples/, benchmarks/, docs/)
 
 
 def fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:
-    """[amax_history, scale, scale_inv] of each direction of each FP8 module (reading them completes
-    pending reductions), as copies."""
+    """[amax_history, scale, scale_inv] of each direction of each FP8 module, in module order: six
+    tensors per module (reading them completes pending reductions), as copies."""
     out = []
     for m in model.modules():
         if isinstance(m, FP8Module):
@@ -55,3 +56,33 @@ def sgd(model: torch.nn.Module, lr: float) -> None:
             if p.grad is not None:
                 p -= lr * p.grad
                 p.grad = None
+
+
+def fp8_mlp(seed: int = 0, widths: tuple[int, ...] = (16, 16, 16)) -> torch.nn.Sequential:
+    """FP8 Linears with a GELU between them, initialised from `seed` (by default two FP8 modules: 6
+    forward and 4 backward roles)."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        if i:
+            layers.append(torch.nn.GELU())
+        layers.append(fp8train.Linear(a, b))
+    return torch.nn.Sequential(*layers)
+
+
+def rank_batch(rank: int, step: int, scale: float = 1.0) -> torch.Tensor:
+    """An (8, 16) batch of `rank` at `step`: its own seed, and amaxes that grow with the rank."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 16, generator=gen) * (1.0 + rank) * scale
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, recipe) -> float:
+    """One training step: the forward in an FP8 region, the mean square as the loss, the optimizer's
+    step; returns the loss."""
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        y = model(x)
+    loss = y.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()

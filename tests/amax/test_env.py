@@ -7,6 +7,7 @@ test_reduction_multirank.py.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional
 
@@ -15,6 +16,7 @@ import torch
 
 import fp8train
 from fp8train import DelayedScaling
+from helpers import fp8_mlp, fp8_state, rank_batch, train_step
 
 ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"  # the documented variable (README)
 
@@ -89,3 +91,17 @@ def test_a_change_inside_a_region_waits_for_the_next_region(monkeypatch):
         assert fp8train.inspection.current_region().async_op is True
     y.float().sum().backward()
     assert _train_step(model, 1) is False
+
+
+@pytest.mark.parametrize("value", ["2", "true", "", "async", "0 1"])
+def test_invalid_async_env_is_a_clear_error_and_leaves_no_region(monkeypatch, value: str) -> None:
+    model = fp8_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monkeypatch.setenv(ENV_ASYNC, value)
+    with pytest.raises(ValueError, match=f"{ENV_ASYNC}={value!r} is not valid: use 1 .* or 0"):
+        train_step(model, opt, rank_batch(0, 0), RECIPE)
+    assert fp8train.inspection.open_regions() == 0 and fp8train.inspection.current_region() is None
+    assert all(bool((t[1] == 1).all()) for t in [fp8_state(model)[i : i + 3] for i in (0, 3, 6, 9)])
+    for ok in ("0", "1", " 1 "):
+        monkeypatch.setenv(ENV_ASYNC, ok)
+        assert math.isfinite(train_step(model, opt, rank_batch(0, 1), RECIPE))

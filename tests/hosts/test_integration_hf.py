@@ -34,14 +34,13 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from helpers import REPO
+from helpers import REPO, fp8_state
 from integration_helpers import (
     AmaxWire,
     ByteText,
     assert_same_state,
     assert_trained,
     check_wire,
-    fp8_state,
     set_launcher_env,
     tiny_llama,
 )
