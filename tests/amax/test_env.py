@@ -2,7 +2,7 @@
 
 Single process: the mode a region runs in is `fp8train.inspection.current_region().async_op` (what
 its launches pass on); that both modes compute the same thing is tested on real ranks in
-test_reduction_multirank.py.
+amax/test_reduction_multirank.py.
 """
 
 from __future__ import annotations

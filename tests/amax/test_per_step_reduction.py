@@ -1,4 +1,4 @@
-"""Per-step amax reduction (`DelayedScaling(amax_reduction="step")`, issue 21).
+"""Per-step amax reduction (`DelayedScaling(amax_reduction="step")`).
 
 The amaxes of all microbatches of an optimizer step are MAX-accumulated locally and reduced once per
 direction at the step boundary (`fp8train.end_step()`); scales are constant within a step and the

@@ -1,4 +1,4 @@
-"""The global amax reduction on real gloo ranks (issue 3): agreement, reference, skew, modes, errors.
+"""The global amax reduction on real gloo ranks: agreement, reference, skew, modes, errors.
 
 Every rank feeds different data (seeded and scaled by rank), so local amaxes differ and only a
 correct MAX reduction makes the ranks agree. Each rank also measures its own local amaxes with

@@ -1,4 +1,4 @@
-"""Per-step amax reduction in real use (issue 27): optimizers that step with a closure, a rank that runs
+"""Per-step amax reduction in real use: optimizers that step with a closure, a rank that runs
 no microbatch in a step, and a mid-step checkpoint saved by rank 0 alone.
 
 - A closure runs the step's last forward and backward inside `optimizer.step` (Lightning's automatic

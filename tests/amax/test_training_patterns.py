@@ -1,4 +1,4 @@
-"""The amax protocol under real training patterns, not only lockstep loops (issue 9).
+"""The amax protocol under real training patterns, not only lockstep loops.
 
 Real gloo ranks. Every scenario ends in correct training (checked bit for bit against the same run
 without the pattern) or in the same clear error on every rank; none may hang or kill a process.

@@ -1,4 +1,4 @@
-"""Every torch._scaled_mm call fp8train makes keeps torch's CUDA contract (issue 26, item 5).
+"""Every torch._scaled_mm call fp8train makes keeps torch's CUDA contract.
 
 The CPU kernels of `aten::_scaled_mm` and `aten::_scaled_mm.out` are replaced by the checker of
 tests/cuda_contract.py (the rules of the CUDA kernel, which the CPU kernel does not check) while the

@@ -1,4 +1,4 @@
-"""Streams and CUDA events on the CPU (issue 26): which stream the FP8 state's device work runs on, on
+"""Streams and CUDA events on the CPU: which stream the FP8 state's device work runs on, on
 which device its timing events are recorded, and that what is kept of them stays bounded.
 
 The CUDA branches are taken with stand-ins: `StandInStreams` plays the streams of a device (which one

@@ -1,4 +1,4 @@
-"""The GEMM kernels fp8train picks on each device (issue 26, item 4), with the CUDA branches forced on
+"""The GEMM kernels fp8train picks on each device, with the CUDA branches forced on
 the CPU: torch._scaled_mm probed once per device and kernel before it is trusted; fast accumulation
 for the forward GEMM only; the block-scaled kernels (1x128/128x128 on SM90, MXFP8 and NVFP4 on
 SM100+) chosen by capability and probe, fed cuBLAS's layouts (checked against naive references and
@@ -61,7 +61,7 @@ def _cuda_failure(kernel, device):
     raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
 
 
-# ---- item 1: probed once per device before it is trusted -------------------------------------------
+# ---- probed once per device before it is trusted -------------------------------------------
 
 
 def test_a_failing_probe_falls_back_to_the_emulation_with_one_warning(monkeypatch, fresh_facts) -> None:
@@ -113,7 +113,7 @@ def test_the_probe_calls_both_dtype_pairs_and_checks_the_product(monkeypatch) ->
         library._destroy()
 
 
-# ---- item 2: fast accumulation for the forward GEMM only -------------------------------------------
+# ---- fast accumulation for the forward GEMM only -------------------------------------------
 
 
 def _fast_accum_flags(monkeypatch, setting) -> list[bool]:
@@ -155,7 +155,7 @@ def test_a_bad_fast_accumulation_setting_is_refused(monkeypatch) -> None:
         gemm.fast_accumulation("forward")
 
 
-# ---- item 3: the block-scaled kernels --------------------------------------------------------------
+# ---- the block-scaled kernels --------------------------------------------------------------
 
 
 def _naive_blocked(scales: torch.Tensor) -> torch.Tensor:
@@ -342,7 +342,7 @@ def test_shapes_the_block_kernel_cannot_take_are_emulated(monkeypatch, fresh_fac
         )
 
 
-# ---- item 4: MXFP8/NVFP4 shapes off the block ----------------------------------------------------
+# ---- MXFP8/NVFP4 shapes off the block ----------------------------------------------------
 
 
 @pytest.mark.parametrize("recipe, block", [(RECIPES["mxfp8"], 32), (RECIPES["nvfp4"], 16)])
@@ -377,7 +377,7 @@ def test_convert_and_prepare_keep_layers_off_the_block_in_high_precision(recipe,
         assert plain == kept, (convert.__name__, recipe)
 
 
-# ---- item 5: the emulation's fp32 matmuls stay fp32 ------------------------------------------------
+# ---- the emulation's fp32 matmuls stay fp32 ------------------------------------------------
 
 
 class _MatmulState(torch.utils._python_dispatch.TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""Zero host synchronisations in a steady training step (issues 10 and 26), counted on the CPU.
+"""Zero host synchronisations in a steady training step, counted on the CPU.
 
 `host_reads.HostReadCounter` counts what fp8train's own code does that would make a GPU host wait:
 every host read of a tensor value (`.item()`, `.tolist()`, `bool`, `float`, `int`, `.cpu()`, ...),

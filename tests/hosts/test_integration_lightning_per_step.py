@@ -1,5 +1,5 @@
 """PyTorch Lightning with per-step amax reduction: `FP8Precision(DelayedScaling(amax_reduction="step"))`
-marks the step boundary itself (issue 27), on 2 real gloo ranks with Lightning's DDP strategy.
+marks the step boundary itself, on 2 real gloo ranks with Lightning's DDP strategy.
 
 Lightning's automatic optimization runs the step's last microbatch inside the closure it passes to
 `optimizer.step`, so a boundary before the step (a step pre-hook) came one microbatch early: with

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) over models of FP8 modules (issue 10).
+"""torch.compile(fullgraph=True) over models of FP8 modules.
 
 The FP8 math traces as ordinary ops; what each call asks of the amax protocol runs in two custom ops
 (fp8train/ops.py) that the compiled graph calls at run time. So:
@@ -13,7 +13,7 @@ The FP8 math traces as ordinary ops; what each call asks of the amax protocol ru
 - evaluation, calibration, gradient accumulation with `is_first_microbatch` and activation
   checkpointing inside the compiled model also equal eager bit for bit;
 - blocks compiled one by one share one graph; graphs built before a registry reset still run; the
-  block-scaled recipes' CUDA warning is given at trace time, outside the graph (issue 26);
+  block-scaled recipes' CUDA warning is given at trace time, outside the graph;
 - what only a GPU would show, decided on the CPU: inductor's partitioning around the protocol's ops
   under mode="reduce-overhead", the refusal of CUDA-graph capture, and scale divisions that round
   as eager ones under inductor's GPU lowering.

@@ -126,7 +126,7 @@ def test_evaluation_under_no_grad_launches_no_reduction() -> None:
     fp8train.synchronize()
     assert group.training_regions == 2  # the evaluation regions did not count as steps
     assert counters() == stats and all(torch.equal(a, b) for a, b in zip(_fp8_state(model), state))
-    # (on several ranks: no collective either, tests/test_integrations_hf.py counts them)
+    # (on several ranks: no collective either, tests/hosts/test_integration_hf.py counts them)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])

@@ -204,7 +204,7 @@ def test_mlp_with_the_activation_input_in_fp8_trains_like_without(activation) ->
     """The gradients with h saved in FP8 differ from those without by the activation's error at h's
     E4M3 values (at most L * 2**-4 relative, L <= 1.1 for GELU and SiLU-gated products of unit-scale
     inputs) on top of both runs' own FP8 gradient error (each within U_E5M2 + U_E4M3 of the exact
-    gradient, normwise, as tests/test_modules.py bounds): within 2 * (U_E5M2 + U_E4M3) + 2**-4."""
+    gradient, normwise, as tests/modules/test_modules.py bounds): within 2 * (U_E5M2 + U_E4M3) + 2**-4."""
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     grads, saved = [], []
     for option in (False, True):

@@ -1,7 +1,7 @@
-"""What real training code does around the loop, in one process (issue 18): double backward, in-place
+"""What real training code does around the loop, in one process: double backward, in-place
 ops on outputs, meta-device construction, copies and EMA of a trained model, an empty GEMM, recipes
 rebuilt every step, frozen layers, and the recipe-kind refusal under torch.compile. Every outcome is
-correct training or a clear error. Multi-rank versions: tests/test_user_patterns_multirank.py.
+correct training or a clear error. Multi-rank versions: tests/parallel/test_user_patterns_multirank.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FP8 gradient communication (issue 30): the wire format, the launch order, and the DDP hook on real
+"""FP8 gradient communication: the wire format, the launch order, and the DDP hook on real
 gloo ranks: every element within a bound derived from the format, the same bits on every rank, the
 bytes on the wire, non-finite values, error feedback, DDP's no_sync / find_unused_parameters / join,
 a tiny GPT trained with it, and bad configurations.

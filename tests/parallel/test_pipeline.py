@@ -1,4 +1,4 @@
-"""Pipeline parallelism with torch.distributed.pipelining (issue 21): FP8 modules in each stage, one
+"""Pipeline parallelism with torch.distributed.pipelining: FP8 modules in each stage, one
 amax group per stage, in both reduction modes, on real gloo ranks.
 
 - per-step mode: the pipeline's FP8 state equals a single process running the same microbatches (bit

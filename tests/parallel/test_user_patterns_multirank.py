@@ -1,4 +1,4 @@
-"""What real multi-rank jobs do around the loop (issue 18), on real gloo ranks: copies and EMA of a
+"""What real multi-rank jobs do around the loop, on real gloo ranks: copies and EMA of a
 model whose reductions are in flight, meta-device construction under FSDP2, in-place ops and
 row-parallel layers under every recipe, a failure flag that reaches one rank's host late, an amax
 group spanning pipeline stages, a tied weight under FSDP2's FP8 gather, and uneven sequence-parallel

@@ -1,4 +1,4 @@
-"""MXFP8BlockScaling and NVFP4BlockScaling through the same modules (issue 22).
+"""MXFP8BlockScaling and NVFP4BlockScaling through the same modules.
 
 The formats' arithmetic is checked bit for bit against torchao and naive references in
 test_microscaling.py; here, that each recipe quantizes each GEMM's operands along that GEMM's
@@ -315,7 +315,8 @@ def test_fsdp2_gathers_in_high_precision_under_these_recipes_and_trains_alike() 
 def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monkeypatch) -> None:
     """MXFP8, NVFP4 and block scaling call the warning with their own name when quantizing an input
     (it fires for CUDA tensors only); the per-tensor recipes, whose GEMM is torch._scaled_mm on GPUs,
-    do not. It is given once per recipe and process (tests/test_compile.py: also under torch.compile)."""
+    do not. It is given once per recipe and process (tests/modules/test_compile.py: also under
+    torch.compile)."""
     import warnings
 
     from fp8train.quantization import base, block, mxfp8, nvfp4

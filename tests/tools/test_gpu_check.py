@@ -130,7 +130,7 @@ def test_fullgraph_compile_is_one_graph_and_close_to_eager(dry_run) -> None:
 
 
 def test_emulation_compares_gradients_and_agrees(dry_run) -> None:
-    """Issue 26 / review #2: the gradients are compared (not zero after the steps), the first layer
+    """The gradients are compared (not zero after the steps), the first layer
     with identical FP8 operands within 1e-4, the rest against FP8's own error."""
     emulation = dry_run[1]["emulation"]
     assert isinstance(emulation["grad_rel_err"], float) and min(emulation["grad_norms"]) > 0, emulation
