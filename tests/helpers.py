@@ -86,3 +86,16 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def sgd_step(model: torch.nn.Module, x: torch.Tensor, recipe, lr: float, between=None) -> float:
+    """One training step with plain SGD: the forward and the mean-square loss in an FP8 region,
+    `between()` (if given) while the region's forward reduction is in flight, the backward, the
+    update; returns the loss."""
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        loss = model(x).square().mean()
+    if between is not None:
+        between()
+    loss.backward()
+    sgd(model, lr)
+    return loss.item()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from helpers import digest, fp8_state, sgd
+from helpers import digest, fp8_mlp, fp8_state, sgd
 from multirank import AllReduceSpy, run_ranks
 from reference import E4M3_MAX, E5M2_MAX, RefScaling
 
@@ -24,15 +24,6 @@ HISTORY = 4
 STEP = fp8train.DelayedScaling(amax_history_len=HISTORY, amax_reduction="step")
 REGION = fp8train.DelayedScaling(amax_history_len=HISTORY)
 M, STEPS = 4, 3
-
-
-def _model(layers: int = 2) -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    widths = [16] + [32] * (layers - 1) + [16]
-    mods: list[torch.nn.Module] = []
-    for i in range(layers):
-        mods += [fp8train.Linear(widths[i], widths[i + 1]), torch.nn.GELU()]
-    return torch.nn.Sequential(*mods[:-1])
 
 
 def _batch(rank: int, step: int, micro: int) -> torch.Tensor:
@@ -123,16 +114,16 @@ def _train(rank: int, model, recipe, steps: int = STEPS, mode: str = "plain", bo
 
 @pytest.mark.parametrize("mode", ["plain", "fp8train-checkpoint", "torch-checkpoint"])
 def test_one_update_per_step_from_the_max_over_microbatches(mode: str) -> None:
-    log = _train(0, _model(), STEP, mode=mode)
+    log = _train(0, fp8_mlp(0, (16, 32, 16)), STEP, mode=mode)
     assert all(log["scales_within_step_constant"]), log
     assert all(log["matches_reference"]), log
     if mode != "plain":
-        assert log == _train(0, _model(), STEP)
+        assert log == _train(0, fp8_mlp(0, (16, 32, 16)), STEP)
 
 
 def test_the_reference_tells_per_step_from_per_region() -> None:
     """The same loop in per-region mode rolls the history M times a step: the check must fail."""
-    log = _train(0, _model(), REGION)
+    log = _train(0, fp8_mlp(0, (16, 32, 16)), REGION)
     assert not all(log["scales_within_step_constant"]) and not any(log["matches_reference"][1:])
 
 
@@ -151,16 +142,16 @@ def test_the_reference_tells_a_step_that_keeps_its_first_microbatch_from_the_max
             self.recorded_columns.clear()
 
     monkeypatch.setattr(Direction, "accumulate", first_only)
-    log = _train(0, _model(), STEP)
+    log = _train(0, fp8_mlp(0, (16, 32, 16)), STEP)
     assert all(log["scales_within_step_constant"]) and not any(log["matches_reference"]), log
 
 
 def test_a_missing_boundary_is_an_error_and_a_second_one_does_nothing() -> None:
-    model = _model()
+    model = fp8_mlp(0, (16, 32, 16))
     with pytest.raises(RuntimeError, match=r"fp8train.end_step\(\) was not called"):
         _train(0, model, STEP, boundary=False)
     fp8train.inspection.reset()
-    model = _model()
+    model = fp8_mlp(0, (16, 32, 16))
     _train(0, model, STEP, steps=1)
     before = digest(fp8_state(model))
     fp8train.end_step()  # doubled: nothing trained since the last boundary
@@ -169,7 +160,7 @@ def test_a_missing_boundary_is_an_error_and_a_second_one_does_nothing() -> None:
 
 
 def test_end_step_on_the_optimizer_marks_the_boundary() -> None:
-    model = _model()
+    model = fp8_mlp(0, (16, 32, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     handle = fp8train.end_step_on(opt)
     for step in range(STEPS):
@@ -190,7 +181,7 @@ def test_a_checkpoint_saved_mid_step_resumes_bitwise() -> None:
     step's scales (checked: dropping them from the checkpoint fails this test)."""
 
     def run(save_at=None, start=None):
-        model = _model()
+        model = fp8_mlp(0, (16, 32, 16))
         if start is not None:
             model.load_state_dict(start[0])
             for p, g in zip(model.parameters(), start[1]):
@@ -227,7 +218,7 @@ def test_a_mid_step_load_into_the_running_model_continues_the_step() -> None:
 
     def run(rollback: bool):
         fp8train.inspection.reset()
-        model = _model()
+        model = fp8_mlp(0, (16, 32, 16))
         for step in range(STEPS):
             for micro in range(M):
                 with fp8train.fp8_autocast(fp8_recipe=STEP):
@@ -252,13 +243,13 @@ def _ranks(rank: int, world: int) -> dict:
 
         os.environ["NVTE_ASYNC_AMAX_REDUCTION"] = mode
         fp8train.inspection.reset()
-        out[f"async={mode}"] = _train(rank, _model(), STEP)
+        out[f"async={mode}"] = _train(rank, fp8_mlp(0, (16, 32, 16)), STEP)
     os.environ.pop("NVTE_ASYNC_AMAX_REDUCTION")
     counts = {}
     for name, recipe in (("step", STEP), ("region", REGION)):
         for layers in (1, 4):
             fp8train.inspection.reset()
-            model = _model(layers)
+            model = fp8_mlp(0, (16,) + (32,) * (layers - 1) + (16,))
             with AllReduceSpy() as spy:
                 for step in range(2):
                     before = spy.calls
@@ -272,7 +263,7 @@ def _ranks(rank: int, world: int) -> dict:
                 counts[(name, layers)] = spy.calls - before  # the second step's collectives
     out["counts"] = counts
     fp8train.inspection.reset()
-    model = _model()
+    model = fp8_mlp(0, (16, 32, 16))
     try:  # rank 1 forgets the boundary once: every rank raises at the next step's first call
         for step in range(3):
             for micro in range(M):

@@ -38,21 +38,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fp8train
 from fp8train import DelayedScaling, LayoutMismatchError, StateMismatchError, fp8_autocast
 from fp8train.amax import settings
-from helpers import digest, fp8_state, sgd
+from helpers import digest, fp8_mlp, fp8_state, rank_batch, sgd
 from multirank import AllReduceSpy, run_ranks, run_scenarios, scenario_outcome
 
 RECIPE = DelayedScaling(amax_history_len=4)
 LR = 0.05
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(fp8train.Linear(16, 32), torch.nn.GELU(), fp8train.Linear(32, 16))
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 16, generator=gen) * (1 + rank)
+WIDTHS = (16, 32, 16)  # Linear(16, 32), GELU, Linear(32, 16)
 
 
 def train_step(model: torch.nn.Module, x: torch.Tensor, group, backward: bool = True) -> float:
@@ -75,31 +66,31 @@ def _rank_local_regions(rank: int, ddp: DDP, local: torch.nn.Module, step: int, 
     if step == 1:  # rank 0 validates alone, saves, then every rank meets at a barrier
         if rank == 0:
             with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group), torch.no_grad():
-                model(batch(99, step))
+                model(rank_batch(99, step))
             torch.save(model.state_dict(), io.BytesIO())
         dist.barrier(group)
     if step == 2:  # every rank enters a region; only rank 0 evaluates in it (inference_mode)
         with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
             if rank == 0:
                 with torch.inference_mode():
-                    model(batch(98, step))
+                    model(rank_batch(98, step))
     if step == 3:  # uneven validation shards: rank 0 has one batch more
         for i in range(3 if rank == 0 else 2):
             with torch.no_grad(), fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
-                model(batch(90 + i, step))
+                model(rank_batch(90 + i, step))
     if step == 4 and rank == 1:  # a high-precision region with grad on, on one rank
         with fp8_autocast(enabled=False, fp8_recipe=RECIPE, fp8_group=group):
-            model(batch(97, step)).sum()
+            model(rank_batch(97, step)).sum()
     if step == 5:  # a second FP8 model that each rank trains, then calibrates, alone
         recipe = DelayedScaling(amax_history_len=4, reduce_amax=False) if rank == 0 else RECIPE
         own = None if rank == 0 else solo[rank]
         for i in range(2):
             with fp8_autocast(fp8_recipe=recipe, fp8_group=own):
-                y = local(batch(80 + i, step))
+                y = local(rank_batch(80 + i, step))
             y.square().mean().backward()
             sgd(local, LR)
         with torch.no_grad(), fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe, fp8_group=own):
-            local(batch(85, step))
+            local(rank_batch(85, step))
 
 
 def _train_step_retrying(ddp: DDP, x: torch.Tensor, group, fail_first: bool) -> float:
@@ -124,14 +115,14 @@ def rank_local(rank: int, world: int) -> dict:
     runs = {}
     for variant in ("lockstep", "with rank-local regions"):
         group = dist.new_group(list(range(world)))
-        ddp = DDP(make_model(), process_group=group)
-        local = make_model(seed=7)
+        ddp = DDP(fp8_mlp(0, WIDTHS), process_group=group)
+        local = fp8_mlp(7, WIDTHS)
         log = []
         with AllReduceSpy() as spy:
             for step in range(6):
                 before = spy.calls
                 retry = variant != "lockstep" and rank == 0 and step == 4
-                loss = _train_step_retrying(ddp, batch(rank, step), group, retry)
+                loss = _train_step_retrying(ddp, rank_batch(rank, step), group, retry)
                 if variant != "lockstep":
                     _rank_local_regions(rank, ddp, local, step, group, solo)
                 collectives = spy.calls - before
@@ -148,10 +139,10 @@ def nested_groups(rank: int, world: int) -> dict:
     runs = {}
     for variant in ("lockstep", "rank 0 evaluates B first"):
         pg_b, pg_c = dist.new_group([0, 1]), dist.new_group([0, 1])
-        a, b, c = make_model(seed=1), make_model(seed=2), make_model(seed=3)
+        a, b, c = fp8_mlp(1, WIDTHS), fp8_mlp(2, WIDTHS), fp8_mlp(3, WIDTHS)
         log = []
         for step in range(4):
-            x = batch(rank, step)
+            x = rank_batch(rank, step)
             with fp8_autocast(fp8_recipe=recipes[0]):
                 if variant != "lockstep" and rank == 0 and step in (0, 2):
                     with torch.no_grad(), fp8_autocast(fp8_recipe=recipes[1], fp8_group=pg_b):
@@ -172,12 +163,12 @@ def nested_groups(rank: int, world: int) -> dict:
 def three_ranks(rank: int, world: int) -> dict:
     """Model A is trained by ranks {0, 1} only; model B by all three ranks, in the same steps."""
     pair, everyone = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
-    a, b = make_model(seed=1), make_model(seed=2)
+    a, b = fp8_mlp(1, WIDTHS), fp8_mlp(2, WIDTHS)
     losses = []
     for step in range(4):
         if rank < 2:
-            train_step(a, batch(rank, step), pair)
-        losses.append(train_step(b, batch(rank, step), everyone))
+            train_step(a, rank_batch(rank, step), pair)
+        losses.append(train_step(b, rank_batch(rank, step), everyone))
     return {"a": fp8_digest(a) if rank < 2 else None, "b": fp8_digest(b), "losses": losses}
 
 
@@ -185,19 +176,19 @@ def three_ranks(rank: int, world: int) -> dict:
 def rank0_load(rank: int, world: int, directory: str) -> dict:
     path, dcp_dir = os.path.join(directory, "model.pt"), os.path.join(directory, "dcp")
     group = dist.new_group([0, 1])
-    model = make_model()
+    model = fp8_mlp(0, WIDTHS)
     ddp = DDP(model, process_group=group)
     for step in range(3):
-        train_step(ddp, batch(rank, step), group)
+        train_step(ddp, rank_batch(rank, step), group)
     if rank == 0:
         torch.save(model.state_dict(), path)  # finishes the step's reductions first
     dcp.save({"model": model.state_dict()}, checkpoint_id=dcp_dir, process_group=group)
     dist.barrier(group)
-    out = {"uninterrupted": [train_step(ddp, batch(rank, step), group) for step in range(3, 6)]}
+    out = {"uninterrupted": [train_step(ddp, rank_batch(rank, step), group) for step in range(3, 6)]}
     out["uninterrupted_fp8"] = fp8_digest(model)
     for how in ("rank 0 loads", "rank 0 loads, then broadcast_fp8_state", "dcp on every rank"):
         group = dist.new_group([0, 1])
-        fresh = make_model(seed=5)
+        fresh = fp8_mlp(5, WIDTHS)
         if how.startswith("rank 0") and rank == 0:
             fresh.load_state_dict(torch.load(path))
         if how.startswith("dcp"):
@@ -210,7 +201,7 @@ def rank0_load(rank: int, world: int, directory: str) -> dict:
         losses = []
         try:
             for step in range(3, 6):
-                losses.append(train_step(ddp, batch(rank, step), group))
+                losses.append(train_step(ddp, rank_batch(rank, step), group))
             out[how] = {"losses": losses, "fp8": fp8_digest(fresh), "error": None}
         except StateMismatchError as exc:
             out[how] = {"losses": losses, "error": str(exc)}
@@ -226,7 +217,7 @@ def history_only_load(rank: int, world: int) -> dict:
     history does not (same data on both ranks, a spike in step 0, frozen weights): the first
     reduction after the load must fail, before any step trains with different scales."""
     group = dist.new_group([0, 1])
-    model = make_model()
+    model = fp8_mlp(0, WIDTHS)
     saved, scales = None, []
     for step in range(7):
         if step == 3 and rank == 0:
@@ -234,7 +225,7 @@ def history_only_load(rank: int, world: int) -> dict:
         try:
             with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
                 scales.append(model[0].fp8_meta["scaling_fwd"].scale.tolist())
-                y = model(batch(0, step) * (100.0 if step == 0 else 1.0))
+                y = model(rank_batch(0, step) * (100.0 if step == 0 else 1.0))
             y.float().pow(2).mean().backward()
             model.zero_grad(set_to_none=True)  # frozen weights: only the FP8 state moves
         except StateMismatchError:
@@ -281,11 +272,11 @@ def growth(rank: int, world: int) -> dict:
 
 def _growth_case(rank: int, case: str, diverge_at: int) -> dict:
     group = dist.new_group([0, 1])
-    model, extra = make_model(), fp8train.Linear(16, 16)  # `extra` joins the model at step 2
+    model, extra = fp8_mlp(0, WIDTHS), fp8train.Linear(16, 16)  # `extra` joins the model at step 2
     for step in range(5):
         diverge = rank == 1 and step == diverge_at
         try:
-            _growth_step(case, model, extra, batch(rank, step), group, step, diverge)
+            _growth_step(case, model, extra, rank_batch(rank, step), group, step, diverge)
         except ValueError as exc:
             assert str(exc) == "bad batch"  # the rank skips the batch and carries on
         except LayoutMismatchError as exc:
@@ -298,12 +289,12 @@ def join(rank: int, world: int) -> dict:
     out = {}
     for throw in (False, True):
         group = dist.new_group([0, 1])
-        ddp = DDP(make_model(), process_group=group)
+        ddp = DDP(fp8_mlp(0, WIDTHS), process_group=group)
         steps = 0
         try:
             with ddp.join(throw_on_early_termination=throw):
                 for step in range(3 if rank == 0 else 2):  # rank 1 runs out of data first
-                    train_step(ddp, batch(rank, step), group)
+                    train_step(ddp, rank_batch(rank, step), group)
                     steps += 1
             error = None
         except RuntimeError as exc:
@@ -318,7 +309,7 @@ def reentrant(rank: int, world: int) -> dict:
     group = dist.new_group([0, 1])
     torch.manual_seed(0)
     shared = fp8train.Linear(16, 16)
-    x = batch(rank, 0).requires_grad_()
+    x = rank_batch(rank, 0).requires_grad_()
     try:
         with fp8_autocast(fp8_recipe=RECIPE, fp8_group=group):
             h = torch.utils.checkpoint.checkpoint(shared, x, use_reentrant=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp8train
-from helpers import digest, fp8_state, sgd
+from helpers import digest, fp8_state, sgd_step
 
 RECIPES = {
     "delayed": fp8train.DelayedScaling(amax_history_len=4),
@@ -125,11 +125,7 @@ def _train(model: torch.nn.Module, recipe, steps: int = 3, start: int = 0) -> li
     losses = []
     for step in range(start, start + steps):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-        with fp8train.fp8_autocast(fp8_recipe=recipe):
-            loss = model(x).square().mean()
-        loss.backward()
-        sgd(model, 0.1)
-        losses.append(loss.item())
+        losses.append(sgd_step(model, x, recipe, 0.1))
     return losses
 
 

@@ -19,12 +19,13 @@ from torch.distributed.fsdp import fully_shard
 import fp8train
 from fp8train import LayoutMismatchError
 from fp8train.amax import channel, settings
-from helpers import digest, fp8_state, sgd
+from helpers import digest, fp8_state, sgd, sgd_step
 from multirank import run_ranks, run_ranks_outcomes, run_scenarios
 
 pytestmark = pytest.mark.multirank
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
+LR = 0.05
 RECIPES = {
     "delayed": RECIPE,
     "current": fp8train.Float8CurrentScaling(),
@@ -47,16 +48,6 @@ def _batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + step)) * (1 + rank)
 
 
-def _step(model, rank: int, step: int, recipe=RECIPE, between=None) -> float:
-    with fp8train.fp8_autocast(fp8_recipe=recipe):
-        loss = model(_batch(rank, step)).square().mean()
-    if between is not None:  # the region's forward reduction is in flight here
-        between()
-    loss.backward()
-    sgd(model, 0.05)
-    return loss.item()
-
-
 # ---- copies and EMA while reductions are in flight --------------------------------------------------------
 def copies(rank: int, world: int) -> dict:
     torch.manual_seed(0)
@@ -76,12 +67,15 @@ def copies(rank: int, world: int) -> dict:
             ema=torch.optim.swa_utils.AveragedModel(model).module,
         )
 
-    losses = [_step(ddp, rank, t, between=copy_everything if t == 2 else None) for t in range(5)]
+    losses = [
+        sgd_step(ddp, _batch(rank, t), RECIPE, LR, between=copy_everything if t == 2 else None)
+        for t in range(5)
+    ]
     if rank == 0:  # the EMA copy, evaluated in FP8 on one rank alone
         with fp8train.fp8_autocast(fp8_recipe=RECIPE), torch.no_grad():
             made["ema"](_batch(0, 9))
     ddp_twin = torch.nn.parallel.DistributedDataParallel(twin)
-    twin_losses = [_step(ddp_twin, rank, t) for t in range(5)]
+    twin_losses = [sgd_step(ddp_twin, _batch(rank, t), RECIPE, LR) for t in range(5)]
     return {
         "losses": losses,
         "twin": twin_losses,
@@ -119,7 +113,7 @@ def meta_fsdp(rank: int, world: int, fsdp_fp8: bool) -> dict:
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
         out[how] = {
-            "losses": [_step(model, rank, t) for t in range(3)],
+            "losses": [sgd_step(model, _batch(rank, t), RECIPE, LR) for t in range(3)],
             "fp8": digest(fp8_state(model)),
             "params": digest(
                 {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
