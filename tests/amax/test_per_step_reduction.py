@@ -23,6 +23,7 @@ from reference import E4M3_MAX, E5M2_MAX, RefScaling
 HISTORY = 4
 STEP = fp8train.DelayedScaling(amax_history_len=HISTORY, amax_reduction="step")
 REGION = fp8train.DelayedScaling(amax_history_len=HISTORY)
+WIDTHS = (16, 32, 16)  # fp8_mlp: Linear(16, 32), GELU, Linear(32, 16); more layers add Linear(32, 32)s
 M, STEPS = 4, 3
 
 
@@ -114,16 +115,16 @@ def _train(rank: int, model, recipe, steps: int = STEPS, mode: str = "plain", bo
 
 @pytest.mark.parametrize("mode", ["plain", "fp8train-checkpoint", "torch-checkpoint"])
 def test_one_update_per_step_from_the_max_over_microbatches(mode: str) -> None:
-    log = _train(0, fp8_mlp(0, (16, 32, 16)), STEP, mode=mode)
+    log = _train(0, fp8_mlp(0, WIDTHS), STEP, mode=mode)
     assert all(log["scales_within_step_constant"]), log
     assert all(log["matches_reference"]), log
     if mode != "plain":
-        assert log == _train(0, fp8_mlp(0, (16, 32, 16)), STEP)
+        assert log == _train(0, fp8_mlp(0, WIDTHS), STEP)
 
 
 def test_the_reference_tells_per_step_from_per_region() -> None:
     """The same loop in per-region mode rolls the history M times a step: the check must fail."""
-    log = _train(0, fp8_mlp(0, (16, 32, 16)), REGION)
+    log = _train(0, fp8_mlp(0, WIDTHS), REGION)
     assert not all(log["scales_within_step_constant"]) and not any(log["matches_reference"][1:])
 
 
@@ -142,16 +143,16 @@ def test_the_reference_tells_a_step_that_keeps_its_first_microbatch_from_the_max
             self.recorded_columns.clear()
 
     monkeypatch.setattr(Direction, "accumulate", first_only)
-    log = _train(0, fp8_mlp(0, (16, 32, 16)), STEP)
+    log = _train(0, fp8_mlp(0, WIDTHS), STEP)
     assert all(log["scales_within_step_constant"]) and not any(log["matches_reference"]), log
 
 
 def test_a_missing_boundary_is_an_error_and_a_second_one_does_nothing() -> None:
-    model = fp8_mlp(0, (16, 32, 16))
+    model = fp8_mlp(0, WIDTHS)
     with pytest.raises(RuntimeError, match=r"fp8train.end_step\(\) was not called"):
         _train(0, model, STEP, boundary=False)
     fp8train.inspection.reset()
-    model = fp8_mlp(0, (16, 32, 16))
+    model = fp8_mlp(0, WIDTHS)
     _train(0, model, STEP, steps=1)
     before = digest(fp8_state(model))
     fp8train.end_step()  # doubled: nothing trained since the last boundary
@@ -160,7 +161,7 @@ def test_a_missing_boundary_is_an_error_and_a_second_one_does_nothing() -> None:
 
 
 def test_end_step_on_the_optimizer_marks_the_boundary() -> None:
-    model = fp8_mlp(0, (16, 32, 16))
+    model = fp8_mlp(0, WIDTHS)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     handle = fp8train.end_step_on(opt)
     for step in range(STEPS):
@@ -181,7 +182,7 @@ def test_a_checkpoint_saved_mid_step_resumes_bitwise() -> None:
     step's scales (checked: dropping them from the checkpoint fails this test)."""
 
     def run(save_at=None, start=None):
-        model = fp8_mlp(0, (16, 32, 16))
+        model = fp8_mlp(0, WIDTHS)
         if start is not None:
             model.load_state_dict(start[0])
             for p, g in zip(model.parameters(), start[1]):
@@ -218,7 +219,7 @@ def test_a_mid_step_load_into_the_running_model_continues_the_step() -> None:
 
     def run(rollback: bool):
         fp8train.inspection.reset()
-        model = fp8_mlp(0, (16, 32, 16))
+        model = fp8_mlp(0, WIDTHS)
         for step in range(STEPS):
             for micro in range(M):
                 with fp8train.fp8_autocast(fp8_recipe=STEP):
@@ -243,7 +244,7 @@ def _ranks(rank: int, world: int) -> dict:
 
         os.environ["NVTE_ASYNC_AMAX_REDUCTION"] = mode
         fp8train.inspection.reset()
-        out[f"async={mode}"] = _train(rank, fp8_mlp(0, (16, 32, 16)), STEP)
+        out[f"async={mode}"] = _train(rank, fp8_mlp(0, WIDTHS), STEP)
     os.environ.pop("NVTE_ASYNC_AMAX_REDUCTION")
     counts = {}
     for name, recipe in (("step", STEP), ("region", REGION)):
@@ -263,7 +264,7 @@ def _ranks(rank: int, world: int) -> dict:
                 counts[(name, layers)] = spy.calls - before  # the second step's collectives
     out["counts"] = counts
     fp8train.inspection.reset()
-    model = fp8_mlp(0, (16, 32, 16))
+    model = fp8_mlp(0, WIDTHS)
     try:  # rank 1 forgets the boundary once: every rank raises at the next step's first call
         for step in range(3):
             for micro in range(M):

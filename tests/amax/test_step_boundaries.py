@@ -21,10 +21,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from test_per_step_reduction import HISTORY, STEP, Capture, _batch, _model, _state
+from test_per_step_reduction import HISTORY, STEP, WIDTHS, Capture, _batch, _state
 
 import fp8train
-from helpers import digest, fp8_state
+from helpers import digest, fp8_mlp, fp8_state
 from multirank import run_ranks, run_scenarios, scenario_outcome
 from reference import E4M3_MAX, E5M2_MAX, RefScaling
 
@@ -53,7 +53,7 @@ def _microbatch(model, rank: int, step: int, micro: int, accum: int) -> float:
 def _closure_run(rank: int, accum: int, closure: bool) -> dict:
     """SGD steps of `accum` microbatches; with `closure` the last one runs inside `opt.step(closure)`."""
     fp8train.inspection.reset()
-    model = _model()
+    model = fp8_mlp(0, WIDTHS)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     fp8train.end_step_on(opt)
     losses, states = [], []
@@ -80,7 +80,7 @@ def _lbfgs_run(rank: int) -> dict:
     """LBFGS evaluates its closure several times per step, at other parameters each time: each call
     ends a step of its own (one reduction per direction and call)."""
     fp8train.inspection.reset()
-    model = _model()
+    model = fp8_mlp(0, WIDTHS)
     opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3, history_size=2)
     fp8train.end_step_on(opt)
     calls = []
@@ -129,7 +129,7 @@ def _uneven(rank: int, world: int, empty: str) -> dict:
     FP8 module (`empty="region"`); both synchronise gradients and step. Every step is checked against
     the reference fed with the amaxes the layers saw, MAX over microbatches and ranks."""
     fp8train.inspection.reset()
-    model = _model()
+    model = fp8_mlp(0, WIDTHS)
     capture = Capture(model)
     ref_fwd, ref_bwd = RefScaling(6, HISTORY), RefScaling(4, HISTORY)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -178,7 +178,7 @@ def _mid_step_save(rank: int, world: int) -> dict:
 
     def run(load_at=None, blobs=None):
         fp8train.inspection.reset()
-        model = _model()
+        model = fp8_mlp(0, WIDTHS)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         fp8train.end_step_on(opt)
         saved, inputs = {}, []
