@@ -1,5 +1,5 @@
 """Small helpers shared by the tests: the repository's root, a model's FP8 state, content hashes,
-plain SGD."""
+plain SGD, and the small FP8 model, batches and training steps that tests of several seams share."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 import fp8train
-from fp8train import FP8Module
 
 REPO = pathlib.Path(__file__).resolve().parents[1]  # the repository (examples/, benchmarks/, docs/)
 
@@ -20,7 +19,7 @@ def fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:
     tensors per module (reading them completes pending reductions), as copies."""
     out = []
     for m in model.modules():
-        if isinstance(m, FP8Module):
+        if isinstance(m, fp8train.FP8Module):
             for key in ("scaling_fwd", "scaling_bwd"):
                 meta = m.fp8_meta[key]
                 out += [meta.amax_history.clone(), meta.scale.clone(), meta.scale_inv.clone()]
