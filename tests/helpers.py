@@ -98,3 +98,15 @@ def sgd_step(model: torch.nn.Module, x: torch.Tensor, recipe, lr: float, between
     loss.backward()
     sgd(model, lr)
     return loss.item()
+
+
+def mse_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x, target, recipe, enabled: bool = True):
+    """One regression step: gradients cleared, the forward in an FP8 region (`enabled=False`: the
+    same step in high precision), the mean squared error, the optimizer's step; returns the loss."""
+    opt.zero_grad()
+    with fp8train.fp8_autocast(enabled=enabled, fp8_recipe=recipe):
+        out = model(x)
+    loss = torch.nn.functional.mse_loss(out, target)
+    loss.backward()
+    opt.step()
+    return loss.detach()

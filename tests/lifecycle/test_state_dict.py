@@ -11,7 +11,7 @@ import torch
 import fp8train
 from fp8train import DelayedScaling
 from fp8train.amax import decode_extra_state
-from helpers import fp8_state
+from helpers import fp8_state, mse_step
 
 RECIPE = DelayedScaling(amax_history_len=4)  # short: the window rolls over within the test
 
@@ -32,16 +32,6 @@ def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _train_step(model, opt, x, target, recipe: DelayedScaling = RECIPE) -> torch.Tensor:
-    opt.zero_grad()
-    with fp8train.fp8_autocast(fp8_recipe=recipe):
-        out = model(x)
-    loss = torch.nn.functional.mse_loss(out, target)
-    loss.backward()
-    opt.step()
-    return loss.detach()
-
-
 def _saved(obj) -> dict:
     """Through bytes, as a checkpoint file would be, and loadable with weights_only=True."""
     buf = io.BytesIO()
@@ -55,7 +45,7 @@ def test_state_dict_round_trip_includesfp8_state(target: str) -> None:
     model = _model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for x, t in _data(3):
-        _train_step(model, opt, x, t)
+        mse_step(model, opt, x, t, RECIPE)
     sd = model.state_dict()
     assert {"0._extra_state", "1._extra_state", "2._extra_state"} <= set(sd)
     assert decode_extra_state(sd["2._extra_state"])["scaling_fwd"]["amax_history"].shape == (4, 3)
@@ -83,7 +73,7 @@ def test_resume_is_bit_identical(fresh_process: bool) -> None:
     for step, (x, t) in enumerate(data):
         if step == k:  # in-flight reductions of step k-1 are completed by state_dict
             checkpoint = _saved({"model": model.state_dict(), "optim": opt.state_dict()})
-        losses.append(_train_step(model, opt, x, t))
+        losses.append(mse_step(model, opt, x, t, RECIPE))
     final_state, final_params = fp8_state(model), [p.detach().clone() for p in model.parameters()]
 
     if fresh_process:
@@ -92,7 +82,7 @@ def test_resume_is_bit_identical(fresh_process: bool) -> None:
     resumed_opt = torch.optim.Adam(resumed.parameters(), lr=3e-3)
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt.load_state_dict(checkpoint["optim"])
-    resumed_losses = [_train_step(resumed, resumed_opt, x, t) for x, t in data[k:]]
+    resumed_losses = [mse_step(resumed, resumed_opt, x, t, RECIPE) for x, t in data[k:]]
 
     for step, (a, b) in enumerate(zip(losses[k:], resumed_losses), start=k):
         assert torch.equal(a, b), f"loss differs at step {step}: {a.item()!r} vs {b.item()!r}"
@@ -105,7 +95,7 @@ def test_resume_is_bit_identical(fresh_process: bool) -> None:
 def _trained(model, recipe: DelayedScaling, steps: int = 2) -> torch.nn.Module:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for x, t in _data(steps):
-        _train_step(model, opt, x, t, recipe)
+        mse_step(model, opt, x, t, recipe)
     return model
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fp8train
+from helpers import mse_step
 
 D, HIDDEN, OUT, BATCH, STEPS = 32, 64, 8, 64, 200
 
@@ -34,13 +35,7 @@ def _train(fp8: bool) -> tuple[list[float], float, torch.nn.Module]:
     losses = []
     for _ in range(STEPS):
         x, y = batch(BATCH)
-        opt.zero_grad()
-        with fp8train.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
-            out = model(x)
-        loss = torch.nn.functional.mse_loss(out, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(mse_step(model, opt, x, y, recipe, enabled=fp8).item())
     x, y = batch(1024)
     with torch.no_grad():
         eval_loss = torch.nn.functional.mse_loss(model(x), y).item()  # high precision, outside FP8
