@@ -26,7 +26,7 @@ from ..block_format import (
     scales_to_format,
 )
 from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
-from ..quantization.block import Float8BlockScaling
+from ..recipe import Float8BlockScaling
 from . import require
 
 _transformers = require("transformers", "hf", "fp8train.integrations.fp8_checkpoint")
