@@ -27,7 +27,7 @@ Sections (scripts/gpu_check.sh runs them in this order, each with its own time l
 - idle: the share of a steady step's wall time in which the GPU ran no kernel (torch.profiler).
 - train: a Linear forward+backward per shape of that table, eager and compiled, with peak memory.
 With `--device cpu` (`--quick`: smaller sizes) each section runs its code on the CPU: what can go wrong
-before a GPU is lent (tests/test_gpu_check.py).
+before a GPU is lent (tests/tools/test_gpu_check.py).
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-import fp8train
 from fp8train.tools.data import stdlib_text
-from fp8train.tools.ranks import AllReduceSpy
+from multirank import AllReduceSpy
 
 SEQ = 32
 
@@ -130,27 +129,15 @@ def check_wire(records_per_rank: list[list]) -> None:
     assert differed > 0, "the ranks sent identical amaxes: the test's data does not differ between ranks"
 
 
-def fp8_state(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
-    """Every FP8 module's amax histories and scales (both directions), by module name."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, fp8train.FP8Module):
-            out[name] = [
-                m.fp8_meta[k].__getattribute__(f).clone()
-                for k in ("scaling_fwd", "scaling_bwd")
-                for f in ("amax_history", "scale", "scale_inv")
-            ]
-    return out
+def assert_same_state(a: list, b: list, what: str) -> None:
+    """Two `helpers.fp8_state` snapshots hold the same tensors."""
+    assert len(a) == len(b) and a, what
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}: FP8 module {i // 6} differs"
 
 
-def assert_same_state(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys() and a, what
-    for name in a:
-        for x, y in zip(a[name], b[name]):
-            assert torch.equal(x, y), f"{what}: {name} differs"
-
-
-def assert_trained(state: dict) -> None:
-    """FP8 casts really happened: every module's input and weight histories recorded amaxes."""
-    for name, (fwd_history, *_rest) in state.items():
-        assert fwd_history[0, :2].gt(0).all(), f"{name} recorded no input/weight amax"
+def assert_trained(state: list) -> None:
+    """FP8 casts really happened: every module's input and weight histories (the first of the six
+    tensors `helpers.fp8_state` holds per module) recorded amaxes."""
+    for i, fwd_history in enumerate(state[::6]):
+        assert fwd_history[0, :2].gt(0).all(), f"FP8 module {i} recorded no input/weight amax"

@@ -116,7 +116,7 @@ def _round_to_fp8_grid(t: torch.Tensor, encoding: str) -> torch.Tensor:
     `add_(binade, alpha)` forms k = alpha * 2**e exactly (1.5 times a power of two), so fused or
     not the addition is one rounding. NaN stays NaN (its k is inf). Checked against the FP8 cast on
     every FP8 value, every tie and its neighbours and a wide sample, of both signs
-    (tests/test_cast_gemm.py); once on every negative float32 pattern up to 2 * fp8_max, E4M3 and
+    (tests/recipes/test_cast_gemm.py); once on every negative float32 pattern up to 2 * fp8_max, E4M3 and
     E5M2 (scripts/check_cast_exhaustively.py; the positive ones compute what the unsigned form of the trick
     did, which was checked on all 2**32 patterns)."""
     mantissa_bits, min_exponent = _FORMATS[encoding]

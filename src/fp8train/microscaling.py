@@ -41,7 +41,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MX_ENCODINGS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 
 # The RHT's fixed random signs: torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(RHT_SEED))
-# * 2 - 1, written out so that no torch version or device can change them (tests/test_microscaling.py
+# * 2 - 1, written out so that no torch version or device can change them (tests/recipes/test_microscaling.py
 # draws them again).
 RHT_SEED = 2024
 RHT_SIGNS = (-1, -1, -1, -1, 1, -1, -1, 1, 1, 1, 1, -1, 1, -1, -1, -1)

@@ -31,10 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = [
-    "free_port", "run_ranks", "run_ranks_outcomes", "assert_ok", "run_scenarios", "scenario_outcome",
-    "AllReduceSpy",
-]  # fmt: skip
+__all__ = ["free_port", "run_ranks", "run_ranks_outcomes", "assert_ok", "AllReduceSpy"]
 
 
 def free_port() -> int:
@@ -138,27 +135,6 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[
     return assert_ok(run_ranks_outcomes(fn, world_size, *args, **kwargs))
 
 
-def run_scenarios(names: list[str], run_one: Callable[[str], Any]) -> dict[str, tuple[str, Any]]:
-    """Inside a rank: run_one(name) for each name in turn, so that one set of ranks serves many
-    scenarios; ("ok", result) or ("error", traceback) per name, a failure not stopping the others."""
-    out = {}
-    for name in names:
-        try:
-            out[name] = ("ok", run_one(name))
-        except Exception:
-            out[name] = ("error", traceback.format_exc())
-    return out
-
-
-def scenario_outcome(runs: list[dict], name: str) -> list:
-    """Each rank's result of scenario `name` (from run_scenarios); raises with a failing rank's traceback."""
-    for rank, run in enumerate(runs):
-        status, value = run[name]
-        if status != "ok":
-            raise AssertionError(f"rank {rank} failed in scenario {name!r}:\n{value}")
-    return [run[name][1] for run in runs]
-
-
 class SpyWork:
     """What the wrapped all_reduce returns: waits (or runs) the real collective, then the latency."""
 
@@ -225,10 +201,6 @@ class AllReduceSpy:
         if self.real is not None:
             dist.all_reduce = self.real
             self.real = None
-
-    def unwaited(self) -> int:
-        """Collectives returned to the caller and not waited on yet (in flight, from its view)."""
-        return sum(not w.done for w in self.works)
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
         self.calls += 1

@@ -1,0 +1,529 @@
+"""Published block-FP8 checkpoints (DeepSeek-V3 / Qwen3-FP8 layout): loaded as frozen FP8 layers,
+LoRA and full fine-tuning on top, export in the same format (docs/guide.md, "Fine-tuning an FP8
+checkpoint"). Checkpoints are made here by an independent quantizer (DeepSeek's rule, block by block
+in plain loops), never by fp8train's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import fp8train
+from multirank import run_ranks
+
+MISSING = [
+    m for m in ("transformers", "accelerate", "safetensors", "peft") if importlib.util.find_spec(m) is None
+]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(bool(MISSING), reason=f'needs {MISSING}: pip install "fp8train[hf,peft]"'),
+]
+
+RECIPE = fp8train.Float8BlockScaling()
+B = 128
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [B, B]}
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
+
+
+# ---- the independent quantizer and reference ------------------------------------------------------
+def deepseek_quantize(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per 128x128 block: s = amax / 448 (ue8m0: rounded up to a power of 2), values w / s in E4M3."""
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    s = torch.empty(math.ceil(rows / B), math.ceil(cols / B))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            block = w[i * B : (i + 1) * B, j * B : (j + 1) * B].float()
+            scale = block.abs().max() / 448
+            if ue8m0:
+                scale = torch.exp2(torch.ceil(torch.log2(scale)))
+            s[i, j] = scale
+            q[i * B : (i + 1) * B, j * B : (j + 1) * B] = (
+                (block / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            )
+    return q, s
+
+
+def dequantize_ref(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(q.shape)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            out[i * B : (i + 1) * B, j * B : (j + 1) * B] = (
+                q[i * B : (i + 1) * B, j * B : (j + 1) * B].float() * s[i, j]
+            )
+    return out
+
+
+def tile_quantize_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [R, C] in 1x128 tiles along C, dequantized: scale 448 / amax rounded down to a power of 2
+    (Float8BlockScaling's rule, power_2_scale=True), values cast by torch to E4M3."""
+    out = torch.empty(x.shape)
+    for j in range(0, x.shape[1], B):
+        tile = x[:, j : j + B].float()
+        amax = tile.abs().amax(dim=1, keepdim=True)
+        scale = torch.exp2(torch.floor(torch.log2(448 / amax)))
+        out[:, j : j + B] = (tile * scale).to(torch.float8_e4m3fn).float() / scale
+    return out
+
+
+def fp32_gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|fl(a @ b) - a @ b| <= k * u * |a| @ |b| for fp32 accumulation over k terms, any order."""
+    return a.shape[1] * 2.0**-24 * (a.abs() @ b.abs()) + 1e-30
+
+
+def write_checkpoint(directory: str, hidden: int, intermediate: int, ue8m0: bool = False, seed: int = 0):
+    """A tiny Llama (transformers' config classes, nothing downloaded) quantized by `deepseek_quantize`:
+    every linear but lm_head. Returns the dequantized reference model (transformers, float32)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64,
+        tie_word_embeddings=False, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            q, s = deepseek_quantize(module.weight.detach(), ue8m0)
+            tensors[f"{name}.weight"] = q
+            tensors[f"{name}.weight_scale_inv"] = s.to(torch.float8_e8m0fnu) if ue8m0 else s
+            with torch.no_grad():
+                module.weight.copy_(dequantize_ref(q, s))
+    for key, value in model.state_dict().items():
+        tensors.setdefault(key, value.contiguous())
+    os.makedirs(directory, exist_ok=True)
+    quantization = dict(
+        QUANT, modules_to_not_convert=["lm_head"], **({"scale_fmt": "ue8m0"} if ue8m0 else {})
+    )
+    config.quantization_config = quantization
+    config.save_pretrained(directory)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    return model
+
+
+def read(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    """Off the block: hidden 192 (1.5 blocks), intermediate 320 (2.5 blocks), kv 128."""
+    directory = str(tmp_path_factory.mktemp("ckpt") / "src")
+    return directory, write_checkpoint(directory, 192, 320)
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    """Whole blocks only: transformers' dequantizing load (5.x, on CPUs) refuses partial blocks
+    ("not divisible by scale grid"), or, where out/ceil(out/128) divides, assumes smaller blocks."""
+    directory = str(tmp_path_factory.mktemp("ckpt") / "aligned")
+    return directory, write_checkpoint(directory, 256, 384)
+
+
+def tokens(seed: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_of(model, ids) -> torch.Tensor:
+    with fp8train.autocast(recipe=RECIPE):
+        return model(ids, labels=ids).loss
+
+
+# ---- load -----------------------------------------------------------------------------------------
+def test_forward_and_input_gradient_use_the_stored_operand() -> None:
+    """A layer off the block (200 x 300): y and dx equal the dequantize-then-multiply reference
+    under block scaling's GEMM numerics (1x128 tiles of x and of dy, fp32 GEMM), within the fp32
+    accumulation bound; no weight gradient."""
+    torch.manual_seed(0)
+    q, s = deepseek_quantize(torch.randn(200, 300) * 0.05)
+    bias = torch.randn(200)
+    layer = fp8train.StoredFP8Linear(q, s, bias)
+    layer.bias.requires_grad_(True)  # a trainable bias: its gradient in its own dtype
+    x = torch.randn(6, 300, requires_grad=True)
+    with fp8train.autocast(recipe=RECIPE):
+        y = layer(x)
+    dy = torch.randn(6, 200)
+    y.backward(dy)
+    w = dequantize_ref(q, s)
+    xq = tile_quantize_ref(x.detach())
+    assert torch.all(
+        (y.detach() - (xq @ w.t() + bias)).abs() <= fp32_gemm_bound(xq, w.t()) + 1e-6 * bias.abs()
+    )
+    gq = tile_quantize_ref(dy)
+    assert torch.all((x.grad - gq @ w).abs() <= fp32_gemm_bound(gq, w))
+    assert not layer.weight.requires_grad and layer.weight.grad is None
+    assert layer.bias.grad.dtype == torch.float32 and torch.allclose(layer.bias.grad, dy.sum(0))
+    assert layer.weight.data_ptr() == q.data_ptr()  # the stored tensor itself, not a copy
+
+
+def test_loaded_model_holds_the_stored_bytes_and_computes_the_reference(checkpoint) -> None:
+    from fp8train.integrations.fp8_checkpoint import load_fp8_checkpoint
+
+    directory, reference = checkpoint
+    model = load_fp8_checkpoint(directory)
+    stored = read(directory)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, fp8train.StoredFP8Linear)}
+    assert len(layers) == 14 and "lm_head" not in layers
+    assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
+    params = base_bytes = scale_bytes = 0
+    for name, layer in layers.items():
+        assert same_bytes(layer.weight, stored[f"{name}.weight"])
+        assert torch.equal(layer.weight_scale_inv, stored[f"{name}.weight_scale_inv"])
+        tensors = list(layer.parameters()) + list(layer.buffers())
+        assert {t.dtype for t in tensors} == {torch.float8_e4m3fn, torch.float32} and len(tensors) == 2
+        params += layer.weight.numel()
+        base_bytes += layer.weight.untyped_storage().nbytes()
+        scale_bytes += layer.weight_scale_inv.untyped_storage().nbytes()
+    assert base_bytes / params <= 1.01 and scale_bytes / params <= 4 * 4 / (B * B)  # partial blocks
+    ids = tokens(0)
+    with torch.no_grad():
+        ours = model(ids).logits
+        theirs = reference(ids).logits  # dequantized weights, outside an FP8 region: the same weights
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+        fp8 = model(ids).logits
+    assert 0 < (fp8 - theirs).abs().max() < 0.1 * theirs.abs().max()  # FP8 activations: close, not equal
+
+
+def test_meta_device_build_then_load(checkpoint) -> None:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from fp8train.integrations.fp8_checkpoint import load_fp8_checkpoint
+
+    directory, _ = checkpoint
+    config = AutoConfig.from_pretrained(directory)
+    del config.quantization_config
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = load_fp8_checkpoint(directory, model=model)
+    assert not [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    built = load_fp8_checkpoint(directory)
+    assert torch.equal(model.model.rotary_emb.inv_freq, built.model.rotary_emb.inv_freq)
+    ids = tokens(1)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, built(ids).logits)
+
+
+def test_convert_a_built_transformers_fp8_model_shares_its_tensors(checkpoint) -> None:
+    """transformers' own FP8Linear modules (what it builds on a GPU) become StoredFP8Linear layers
+    holding the very same tensors."""
+    from transformers import AutoConfig, FineGrainedFP8Config, LlamaForCausalLM
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    from fp8train.integrations.fp8_checkpoint import convert_fp8_model
+
+    directory, _ = checkpoint
+    config = AutoConfig.from_pretrained(directory)
+    del config.quantization_config
+    model = LlamaForCausalLM(config)
+    replace_with_fp8_linear(
+        model, ["lm_head"], FineGrainedFP8Config(weight_block_size=(B, B)), pre_quantized=True
+    )
+    stored = read(directory)
+    for name, module in model.named_modules():
+        if hasattr(module, "weight_scale_inv"):
+            for key in ("weight", "weight_scale_inv"):
+                setattr(module, key, torch.nn.Parameter(stored[f"{name}.{key}"], requires_grad=False))
+    convert_fp8_model(model)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, fp8train.StoredFP8Linear)
+    assert q_proj.weight.data_ptr() == stored["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+
+
+class TinyMoE(torch.nn.Module):
+    """Top-1 routing over experts stored as separate linears (experts.N.up / experts.N.down)."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(128, experts, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {"up": torch.nn.Linear(128, 256, bias=False), "down": torch.nn.Linear(256, 128, bias=False)}
+            )
+            for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = choice == i
+            out[rows] = expert["down"](torch.relu(expert["up"](x[rows])))
+        return out
+
+
+def test_moe_experts_stored_as_separate_linears() -> None:
+    """Each expert's FP8 linears (an nn.Linear holding float8 weight + weight_scale_inv, as
+    transformers' FP8Linear does) become StoredFP8Linear layers; routing is untouched."""
+    from fp8train.integrations.fp8_checkpoint import convert_fp8_model
+
+    torch.manual_seed(0)
+    model = TinyMoE()
+    reference = TinyMoE()
+    reference.load_state_dict(model.state_dict())
+    for source, target in zip(model.experts, reference.experts):
+        for key in ("up", "down"):
+            q, s = deepseek_quantize(source[key].weight.detach())
+            source[key].weight = torch.nn.Parameter(q, requires_grad=False)
+            source[key].weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+            target[key].weight.data = dequantize_ref(q, s)
+    convert_fp8_model(model)
+    assert all(isinstance(e[k], fp8train.StoredFP8Linear) for e in model.experts for k in ("up", "down"))
+    assert type(model.router) is torch.nn.Linear
+    x = torch.randn(32, 128)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+        fp8 = model(x)
+    assert 0 < (fp8 - reference(x)).abs().max() < 0.1 * reference(x).abs().max()
+
+
+def _corrupt(src: str, dst: str, edit) -> None:
+    from safetensors.torch import save_file
+
+    tensors = read(src)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    edit(tensors, config)
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+
+
+KEY = "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t, c: t.update({KEY + "_scale_inv": torch.ones(2, 2)}), KEY + "_scale_inv has shape (2, 2)"),
+        (lambda t, c: t.pop(KEY + "_scale_inv"), f"{KEY} is FP8 but the checkpoint has no {KEY}_scale_inv"),
+        (
+            lambda t, c: c["quantization_config"].update(weight_block_size=[1, 128]),
+            "weight_block_size=[1, 128]",
+        ),
+        (lambda t, c: t.update({KEY: t[KEY][None]}), "fused or grouped expert tensors are not supported"),
+        (lambda t, c: t.pop("model.norm.weight"), "has no tensor for model.norm.weight"),
+    ],
+    ids=["scale-shape", "missing-scale", "block-size", "3d-experts", "missing-tensor"],
+)
+def test_bad_checkpoint_is_a_clear_error_and_nothing_is_loaded(checkpoint, tmp_path, edit, message) -> None:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from fp8train.integrations.fp8_checkpoint import BlockFormatError, load_fp8_checkpoint
+
+    directory, _ = checkpoint
+    bad = str(tmp_path / "bad")
+    _corrupt(directory, bad, edit)
+    with pytest.raises(BlockFormatError, match=__import__("re").escape(message)):
+        load_fp8_checkpoint(bad)
+    config = AutoConfig.from_pretrained(directory)
+    del config.quantization_config
+    model = LlamaForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BlockFormatError):
+        load_fp8_checkpoint(bad, model=model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(isinstance(m, fp8train.StoredFP8Linear) for m in model.modules())
+
+
+# ---- adapters, export -----------------------------------------------------------------------------
+def test_lora_trains_base_bytes_unchanged_export_read_by_transformers(aligned, tmp_path) -> None:
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from fp8train.block_format import quantize_block_weight
+    from fp8train.integrations.fp8_checkpoint import (
+        export_fp8_checkpoint,
+        iter_fp8_weights,
+        load_fp8_checkpoint,
+    )
+    from fp8train.integrations.peft_fp8 import FP8LoraLinear, load_adapter, lora_config
+
+    directory, _ = aligned
+    model = peft.get_peft_model(load_fp8_checkpoint(directory), lora_config(**LORA))
+    lora = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(lora, FP8LoraLinear) and lora.lora_A["default"].weight.dtype == torch.float32
+    base = {n: p.clone() for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    ids, losses = tokens(2), []
+    for _ in range(6):
+        loss = loss_of(model, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3
+    assert all(same_bytes(p, base[n]) for n, p in model.named_parameters() if n in base)
+
+    out = str(tmp_path / "export")
+    export_fp8_checkpoint(model, out)
+    exported = read(out)
+    name = "model.layers.0.self_attn.q_proj"
+    merged = lora.get_base_layer().dequantized() + lora.get_delta_weight("default")
+    expected = quantize_block_weight(merged, RECIPE)
+    assert same_bytes(exported[f"{name}.weight"], expected[0]) and torch.equal(
+        exported[f"{name}.weight_scale_inv"], expected[1]
+    )
+    untouched = "model.layers.0.self_attn.k_proj"
+    stored = read(directory)
+    for suffix in (".weight", ".weight_scale_inv"):
+        assert same_bytes(exported[untouched + suffix], stored[untouched + suffix])
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["weight_block_size"] == [B, B]
+
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # CPU: transformers dequantizes
+    ours = dict((n, (t, s)) for n, t, s in iter_fp8_weights(model))
+    for key, param in hf.state_dict().items():
+        tensor, scale = ours[key]
+        assert torch.equal(param, dequantize_ref(tensor, scale) if scale is not None else tensor), key
+
+    with torch.no_grad():  # PEFT's save/load of the adapters, and merge_and_unload, agree
+        trained = model(ids).logits
+        model.save_pretrained(str(tmp_path / "adapter"))
+        again = load_adapter(load_fp8_checkpoint(directory), str(tmp_path / "adapter"))
+        assert torch.equal(again(ids).logits, trained)
+        unloaded = again.merge_and_unload()
+        assert isinstance(unloaded.model.layers[0].self_attn.q_proj, fp8train.StoredFP8Linear)
+        assert same_bytes(unloaded.model.layers[0].self_attn.q_proj.weight, expected[0])
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["float-scales", "ue8m0-scales"])
+def test_untouched_model_round_trips_bit_for_bit(tmp_path, ue8m0: bool) -> None:
+    import peft
+
+    from fp8train.integrations.fp8_checkpoint import export_fp8_checkpoint, load_fp8_checkpoint
+    from fp8train.integrations.peft_fp8 import lora_config
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_checkpoint(src, 128, 256, ue8m0=ue8m0)
+    export_fp8_checkpoint(load_fp8_checkpoint(src), out)
+    a, b = read(src), read(out)
+    assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
+    # fresh adapters (B = 0) add nothing: their layers are untouched too
+    export_fp8_checkpoint(peft.get_peft_model(load_fp8_checkpoint(src), lora_config(**LORA)), out)
+    b = read(out)
+    assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["quantization_config"].get("scale_fmt", "float") == (
+            "ue8m0" if ue8m0 else "float"
+        )
+
+
+# ---- full fine-tuning -----------------------------------------------------------------------------
+def _first_weight_operand(model, ids, recipe):
+    """The weight operand of model.layers[0].mlp.up_proj in a training forward under `recipe`."""
+    from fp8train.quantization.block import BlockQuantization
+
+    seen = []
+    original = BlockQuantization.quantize_weight
+
+    def spy(self, weight, call):
+        operands = original(self, weight, call)
+        seen.append(operands.forward)
+        return operands
+
+    BlockQuantization.quantize_weight = spy
+    try:
+        with fp8train.autocast(recipe=recipe):
+            loss = model(ids, labels=ids).loss
+    finally:
+        BlockQuantization.quantize_weight = original
+    index = [n for n, m in model.named_modules() if isinstance(m, fp8train.Linear)].index(
+        "model.layers.0.mlp.up_proj"
+    )
+    return loss, seen[index]
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["float-scales", "ue8m0-scales"])
+def test_full_finetuning_first_operand_and_export(tmp_path, ue8m0: bool) -> None:
+    """Master weights = the dequantized stored ones. Power-of-2 stored scales (ue8m0) under the
+    default recipe: the first operand multiplies exactly the stored weight. Scales amax/448 under
+    power_2_scale=False: the same FP8 values, scale_inv within 1 ulp (1/(448/amax) vs amax/448).
+    After training, the export is the operand the training forward uses."""
+    from fp8train.integrations.fp8_checkpoint import (
+        export_fp8_checkpoint,
+        full_finetuning,
+        load_fp8_checkpoint,
+    )
+
+    src = str(tmp_path / "src")
+    write_checkpoint(src, 128, 256, ue8m0=ue8m0)
+    recipe = RECIPE if ue8m0 else fp8train.Float8BlockScaling(power_2_scale=False)
+    model = full_finetuning(load_fp8_checkpoint(src))
+    stored = read(src)
+    key = "model.layers.0.mlp.up_proj.weight"
+    q, s = stored[key], stored[key + "_scale_inv"].float()
+    ids = tokens(3)
+    loss, operand = _first_weight_operand(model, ids, recipe)
+    if ue8m0:
+        assert torch.equal(operand.dequantize(), dequantize_ref(q, s))
+    else:
+        assert same_bytes(operand.values, q)
+        ulps = (operand.scale_inv.view(torch.int32) - s.view(torch.int32)).abs()
+        assert ulps.max() <= 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    out = str(tmp_path / "out")
+    export_fp8_checkpoint(model, out, recipe)
+    _, trained = _first_weight_operand(model, ids, recipe)
+    exported = read(out)
+    assert same_bytes(exported[key], trained.values) and torch.equal(
+        exported[key + "_scale_inv"].float(), trained.scale_inv
+    )
+    assert not same_bytes(exported[key], q)  # it trained
+
+
+# ---- DDP ------------------------------------------------------------------------------------------
+def _ddp_lora(rank: int, world_size: int, directory: str) -> dict:
+    import peft
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fp8train.integrations.fp8_checkpoint import exclude_stored_from_ddp, load_fp8_checkpoint
+    from fp8train.integrations.peft_fp8 import lora_config
+
+    torch.manual_seed(0)  # the same adapter initialisation on every rank (DDP broadcasts it anyway)
+    model = peft.get_peft_model(load_fp8_checkpoint(directory), lora_config(**LORA))
+    base = {n: p.clone() for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    ddp = DDP(exclude_stored_from_ddp(model))  # gloo cannot broadcast FP8 tensors
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(4):
+        loss = loss_of(ddp, tokens(100 * step + rank))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    unchanged = all(same_bytes(p, base[n]) for n, p in model.named_parameters() if n in base)
+    return {"adapters": adapters, "losses": losses, "base_unchanged": unchanged}
+
+
+@pytest.mark.multirank
+def test_ddp_lora_on_two_ranks(checkpoint) -> None:
+    directory, _ = checkpoint
+    r0, r1 = run_ranks(_ddp_lora, 2, directory, timeout_s=240)
+    assert r0["base_unchanged"] and r1["base_unchanged"]
+    assert r0["adapters"].keys() == r1["adapters"].keys() and r0["adapters"]
+    assert all(torch.equal(r0["adapters"][k], r1["adapters"][k]) for k in r0["adapters"])
+    assert r0["losses"] != r1["losses"]  # different data per rank, the same adapters
