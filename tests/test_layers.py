@@ -7,7 +7,7 @@ own framework; and a training step in a fresh interpreter where every package th
 not require is hidden (as in an environment where `pip install fp8train` pulled only torch), in which
 importing each integration raises an ImportError that names its extra.
 
-The rules of the core's inside (issue 28): nothing outside `amax/` imports past its face; the core's
+The rules of the core's inside: nothing outside `amax/` imports past its face; the core's
 import graph has no cycle; no import runs from a lower layer to a higher one (LAYERS, README's layout).
 Imports are parsed, resolved and put in layers by scripts/architecture_metrics.py (which measures the
 same graph for any tree); this file holds the rules.
