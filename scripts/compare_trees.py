@@ -4,15 +4,15 @@
                                     [--out compare.json] [-- BENCH_ARGS...]
 
 BEFORE and AFTER are checkouts (their src/ is put first on PYTHONPATH). One run alternates them,
-BEFORE AFTER BEFORE AFTER ..., each repetition a fresh process of `python -m fp8train.tools.bench
-SUITES --out DIR BENCH_ARGS` with one thread (OMP_NUM_THREADS=MKL_NUM_THREADS=1; a suite that sets
-its own thread count, `step` without --quick, still does), so that load on a shared machine falls
-on both trees alike. BENCH_ARGS go to every run (e.g. `-- --quick`, `-- --no-compile`).
+BEFORE AFTER, AFTER BEFORE, ... (a drift in the machine's load falls on both), each repetition a
+fresh process of `python -m fp8train.tools.bench SUITES --out DIR BENCH_ARGS` with one thread
+(OMP_NUM_THREADS=MKL_NUM_THREADS=1; a suite that sets its own thread count, `step` without --quick,
+still does). BENCH_ARGS go to every run (e.g. `-- --quick`, `-- --no-compile`).
 
 Each numeric figure of each row of each suite's JSON is paired by repetition: the ratio after/before
 of repetition i uses the i-th run of each tree. Printed per figure: the median of each tree, the
-median ratio, and the lowest and highest ratio over the repetitions. A row is named by its first
-column (and `threads` where a suite has it); the rows of the two trees must match.
+median ratio, and the lowest and highest ratio over the repetitions. A row is named by its text
+fields (its configuration) and `threads` where a suite has it; the rows of the two trees must match.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def figures(results: dict) -> dict[str, float]:
     found = {}
     for suite, result in results.items():
         for row in result.get("rows", []):
-            keys = list(row)
-            names = [keys[0]] + (["threads"] if "threads" in row and keys[0] != "threads" else [])
+            # a row is named by its text fields (a suite's configuration) and its thread count
+            names = [k for k, v in row.items() if isinstance(v, str) or k == "threads"] or [next(iter(row))]
             label = ", ".join(f"{k}={row[k]}" for k in names)
             for column, value in row.items():
                 if column not in names and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -119,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in TREES}
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(args.repeats):
-            for name in TREES:
+            for name in TREES if i % 2 == 0 else TREES[::-1]:  # ABBA: drift in the load falls on both
                 out = pathlib.Path(scratch) / f"{name}{i}"
                 out.mkdir()
                 runs[name].append(figures(run_once(args.python, trees[name], args.suites, bench_args, out)))
