@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from gpu_check_probes import (
     DelayedCollective,
-    HostDataSites,
     OpCount,
     StandInEvents,
     SyncDebugSites,
@@ -64,6 +63,7 @@ from fp8train import gemm as ft_gemm
 from fp8train.gemm import Operand, choose_path, has_scaled_mm
 from fp8train.telemetry import Telemetry
 from fp8train.tools.bench import gpu as gpu_bench
+from fp8train.tools.host_syncs import HostSyncCounter
 
 DELAYED = ft.DelayedScaling(amax_history_len=16)
 RECIPES = {
@@ -539,7 +539,7 @@ def _state_dict_reads(ctx: Context) -> int:
     ft.inspection.reset()
     model = _mlp(64, 128, ctx.device)
     _step(model, torch.randn(64, 64, device=ctx.device, dtype=torch.bfloat16))
-    with HostDataSites(ctx.device) as found:
+    with HostSyncCounter(ctx.device) as found:
         model.state_dict()
     return sum(site["count"] for site in found.report().values())
 
@@ -559,7 +559,7 @@ def _steady_sites(ctx: Context, hidden: int, recipe, telemetry: bool, steady: in
     for i in range(3):
         step(i)
     _sync(ctx.device)
-    with SyncDebugSites(ctx.cuda) as warned, HostDataSites(ctx.device) as found:
+    with SyncDebugSites(ctx.cuda) as warned, HostSyncCounter(ctx.device) as found:
         for i in range(3, 3 + steady):
             step(i)
     ft.reduction_stats()  # a host point after the watched steps
