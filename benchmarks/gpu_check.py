@@ -63,6 +63,7 @@ from fp8train import gemm as ft_gemm
 from fp8train.gemm import Operand, choose_path, has_scaled_mm
 from fp8train.telemetry import Telemetry
 from fp8train.tools.bench import gpu as gpu_bench
+from fp8train.tools.bench.common import GraphCounter
 from fp8train.tools.host_syncs import HostSyncCounter
 
 DELAYED = ft.DelayedScaling(amax_history_len=16)
@@ -751,18 +752,6 @@ def train(ctx: Context) -> dict:
     }
 
 
-class _GraphCount:
-    """A torch.compile backend that counts the graphs dynamo gives it."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = torch._dynamo.lookup_backend(backend)
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.backend(gm, example_inputs)
-
-
 def compiled(ctx: Context) -> dict:
     backend = "inductor" if ctx.cuda else "aot_eager"
     hidden = 64 if ctx.quick else 1024
@@ -785,7 +774,7 @@ def _fullgraph(ctx: Context, backend: str, hidden: int) -> dict:
     """2 delayed-scaling layers, fullgraph=True: one graph over 4 steps, close to an eager twin."""
     ft.inspection.reset()
     torch._dynamo.reset()
-    counter = _GraphCount(backend)
+    counter = GraphCounter(backend)
     twins = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -827,7 +816,7 @@ def _blocks(ctx: Context, backend: str, hidden: int) -> dict:
     for n in (4, 12):
         ft.inspection.reset()
         torch._dynamo.reset()
-        counter = _GraphCount("eager")  # a dynamo matter: no code generation needed
+        counter = GraphCounter("eager")  # a dynamo matter: no code generation needed
         torch.manual_seed(0)
         blocks = [
             torch.compile(ft.LayerNormLinear(hidden, hidden, device=ctx.device), backend=counter)

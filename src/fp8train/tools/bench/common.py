@@ -1,4 +1,4 @@
-"""Small helpers shared by the benchmarks: timing side by side, op counting, saving figures."""
+"""Small helpers shared by the benchmarks: timing side by side, op and graph counting, saving figures."""
 
 from __future__ import annotations
 
@@ -49,6 +49,19 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class GraphCounter:
+    """A torch.compile backend that counts the graphs dynamo gives it and runs them with `backend`
+    (the tests' and the GPU check's recompile counter)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = torch._dynamo.lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.backend(gm, example_inputs)
 
 
 _ALLOCATIONS = ("empty", "empty_like", "empty_strided")
