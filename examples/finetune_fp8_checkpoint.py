@@ -6,10 +6,10 @@
 Nothing is downloaded. It writes a small FP8 checkpoint first: a tiny Llama built from transformers'
 LlamaConfig (fp8train.tools.bench.fp8_checkpoint.write_checkpoint), every linear but lm_head quantized
 by the format's rule (per 128x128 block s = amax / 448, values w / s in E4M3, `weight_scale_inv` = s).
-Then each rank loads it with its linears as frozen FP8
-layers (fp8train.StoredFP8Linear: the stored bytes, no high-precision copy), adds PEFT LoRA adapters,
-trains them under DDP and Float8BlockScaling on the bytes of the Python standard library's source,
-and rank 0 exports the merged model in the same format and loads the export with transformers.
+Then each rank loads it with its linears as frozen FP8 layers (fp8train.StoredFP8Linear: the stored
+bytes, no high-precision copy), adds PEFT LoRA adapters, trains them under DDP and Float8BlockScaling
+on the bytes of the Python standard library's source, and rank 0 exports the merged model in the same
+format and loads the export with transformers.
 Needs `pip install "fp8train[hf,peft]"`. docs/guide.md, "Fine-tuning an FP8 checkpoint".
 """
 
@@ -17,25 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sysconfig
 import tempfile
 
 import torch
 
 import fp8train
 from fp8train.tools.bench.fp8_checkpoint import write_checkpoint
+from fp8train.tools.data import stdlib_text
 from fp8train.tools.ranks import run_ranks
 
 SEQ, BATCH = 64, 4
 
 
 def batches(rank: int, steps: int) -> torch.Tensor:
-    root, data = sysconfig.get_paths()["stdlib"], bytearray()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py") and len(data) < 500_000:
-            with open(os.path.join(root, name), "rb") as f:
-                data += f.read()
-    text = torch.frombuffer(data, dtype=torch.uint8).long()
+    text = stdlib_text(500_000)
     g = torch.Generator().manual_seed(rank)
     starts = torch.randint(0, len(text) - SEQ, (steps, BATCH), generator=g)
     return text[starts[..., None] + torch.arange(SEQ)]
