@@ -168,11 +168,11 @@ def test_header_is_written_on_the_device() -> None:
     assert header[12].item() == 3 and header[13].item() == -3  # the values sent after the header
 
 
-def _run_as_package_code(source: str, **names) -> list[str]:
+def _run_as_package_code(source: str, device: str = "cpu", **names) -> list[str]:
     """Run `source` as if it were a line of fp8train (its frames name a file in the package) under the
-    counter; the sites it counted."""
+    counter watching `device`; the sites it counted."""
     code = compile(source, os.path.join(PACKAGE_DIR, "probe.py"), "exec")
-    with HostSyncCounter() as counted:
+    with HostSyncCounter(device) as counted:
         exec(code, {"torch": torch, **names})
     return counted.sites
 
@@ -207,3 +207,32 @@ def test_the_counter_sees_tensors_made_from_host_data() -> None:
     for source in unseen:
         assert _run_as_package_code(source, d=device.clone()) == [], source
     assert HostSyncCounter().sites == [] and _run_as_package_code("pass") == []
+
+
+def test_watching_another_device_the_counter_sees_real_copies_onto_it_and_reads_of_its_tensors() -> None:
+    """The GPU check's view (the counter watching a GPU; the meta device stands in for it): a real copy
+    from the CPU onto the device is seen once, as what it is; a read of a CPU tensor is not (it waits
+    for no device), a read of a device tensor is."""
+    site = " at probe.py:1 (<module>)"
+    copy = "host-to-device copy" + site
+    assert _run_as_package_code("torch.zeros(4).to('meta')", "meta") == [copy]
+    assert _run_as_package_code("d.copy_(torch.ones(4))", "meta", d=torch.empty(4, device="meta")) == [copy]
+    assert _run_as_package_code("torch.ones(2).tolist()", "meta") == []
+    assert _run_as_package_code("torch.ones(2).tolist()") == ["tolist" + site]
+    read = "try:\n    d.cpu()\nexcept NotImplementedError:\n    pass"  # a meta tensor has no data to read
+    assert _run_as_package_code(read, "meta", d=torch.empty(2, device="meta")) == [
+        "cpu at probe.py:2 (<module>)"
+    ]
+
+
+def test_the_report_names_each_site_once_with_its_count_and_call_stack() -> None:
+    """What the GPU check prints: each site once, how often, and the fp8train frames that led there
+    (innermost first, up to the first caller outside the package)."""
+    code = compile("for _ in range(3):\n    d.tolist()", os.path.join(PACKAGE_DIR, "probe.py"), "exec")
+    with HostSyncCounter() as counted:
+        exec(code, {"d": torch.zeros(2)})
+    report = counted.report()
+    assert list(report) == ["tolist at probe.py:2 (<module>)"] and len(counted.sites) == 3
+    entry = report["tolist at probe.py:2 (<module>)"]
+    assert entry["count"] == 3 and entry["traceback"][0] == "probe.py:2 in <module>"
+    assert entry["traceback"][-1].startswith("test_host_syncs.py:"), entry["traceback"]

@@ -17,8 +17,8 @@ What the counter sees:
 - host tensors moved onto the device (`.to(device)`, `.cuda()`, `copy_`). On the CPU the host and
   the device are one, so the counter tracks which tensors would be on the host on a GPU: those made
   from host data, by a factory without `device=` in the package, the package's module-level tensor
-  constants, and whatever is computed from host tensors only. On a GPU it sees the real CPU-to-device
-  copies (`aten.copy_`, `aten._to_copy`).
+  constants, and whatever is computed from host tensors only. Watching a GPU (the GPU check), it sees
+  the real copies from the CPU onto it (`aten.copy_`, `aten._to_copy`), and reads only of its tensors.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class _HostTensors(TorchDispatchMode):
             return out
         if func in COPIES:
             src, dst = (args[1], args[0]) if func is torch.ops.aten.copy_.default else (args[0], out)
-            if src.device.type == "cpu" and dst.device.type == "cuda":
+            onto_the_device = dst.device.type == counter.device.type and counter.device.type != "cpu"
+            if src.device.type == "cpu" and onto_the_device:
                 counter.flag("host-to-device copy")
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if inputs and all(counter.is_host(t) for t in inputs):
