@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from gpu_check_probes import (
     DelayedCollective,
-    OpCount,
     StandInEvents,
     SyncDebugSites,
     format_exception,
@@ -63,7 +62,7 @@ from fp8train import gemm as ft_gemm
 from fp8train.gemm import Operand, choose_path, has_scaled_mm
 from fp8train.telemetry import Telemetry
 from fp8train.tools.bench import gpu as gpu_bench
-from fp8train.tools.bench.common import GraphCounter
+from fp8train.tools.bench.common import GraphCounter, OpCounter
 from fp8train.tools.host_syncs import HostSyncCounter
 
 DELAYED = ft.DelayedScaling(amax_history_len=16)
@@ -476,18 +475,21 @@ def _scaled_mm_calls(device: torch.device, recipe) -> dict:
     ft.inspection.reset()
     layer = ft.Linear(256, 256, device=device, params_dtype=torch.bfloat16)
     x = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    with OpCount("_scaled_mm") as count:
+    with OpCounter() as count:
         with ft.fp8_autocast(fp8_recipe=recipe):
             y = layer(x)
         y.float().square().mean().backward()
-    return {"calls": count.count, "expected": 3 if choose_path(device, 256, 256, 256) == "scaled_mm" else 0}
+    return {
+        "calls": count.ops["aten._scaled_mm"],
+        "expected": 3 if choose_path(device, 256, 256, 256) == "scaled_mm" else 0,
+    }
 
 
 def syncs(ctx: Context) -> dict:
     hidden = 64 if ctx.quick else 1024
     out: dict = {
-        "allowed_by_design": "tensors marked _fp8train_host_mirror (the failure flag's pinned host copy, "
-        "region tokens)"
+        "allowed_by_design": "reads of tensors marked _fp8train_host_mirror (the failure flag's pinned "
+        "host copy, region tokens); the region token made from host data (host_syncs.HOST_RESIDENT)"
     }
     # the GEMM path the GPU takes; on the CPU its _scaled_mm kernel where torch has one, else the emulation
     paths = ("auto",) if ctx.cuda else ("scaled_mm" if has_scaled_mm("cpu") else "bf16",)

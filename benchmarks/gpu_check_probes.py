@@ -3,7 +3,6 @@ counter is the toolbox's: fp8train.tools.host_syncs).
 
 - `SyncDebugSites`: on CUDA, every warning of `torch.cuda.set_sync_debug_mode("warn")` with the call
   stack that raised it.
-- `OpCount`: how often given aten ops ran (`torch._scaled_mm` per layer).
 - `StandInEvents`: CUDA events for the CPU, which complete only after later events were recorded (a
   GPU running behind the host): the CUDA branch of the reduction's timing, forced on the CPU.
 - `DelayedCollective`: `torch.distributed.all_reduce` as a collective of a chosen latency on its own
@@ -24,33 +23,17 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8train.tools.host_syncs import PACKAGE_DIR
 
 __all__ = [
     "SyncDebugSites",
-    "OpCount",
     "StandInEvents",
     "live_cuda_events",
     "DelayedCollective",
     "sleep_cycles_per_ms",
     "format_exception",
 ]
-
-
-class OpCount(TorchDispatchMode):
-    """How many times the aten ops named in `names` (overload packets, e.g. "_scaled_mm") ran."""
-
-    def __init__(self, *names: str) -> None:
-        super().__init__()
-        self.names = set(names)
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.names:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _StandInEvent:

@@ -174,9 +174,10 @@ class _Calls(TorchFunctionMode):
             source = args[1] if func is torch.Tensor.copy_ else args[0]
             target = _target_device(func, args, kwargs)
             into_host = func is torch.Tensor.copy_ and counter.is_host(args[0])
-            # a real copy from the CPU onto another device is _HostTensors' (aten.copy_, _to_copy)
             if target is not None and isinstance(source, torch.Tensor) and not into_host:
-                if counter.is_host(source) and source.device.type == target.type:
+                # on the CPU, a would-be host tensor onto the device (a real copy: _HostTensors')
+                simulated = source.device.type == target.type == counter.device.type
+                if simulated and counter.is_host(source):
                     counter.flag(f"{func.__name__} of a host tensor onto the device")
         out = func(*args, **kwargs)
         if func in HOST_FACTORIES and kwargs.get("device") is None and _package_frames() is not None:
