@@ -17,20 +17,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import sysconfig
 import tempfile
 
 import torch
 
 import fp8train
 from fp8train.tools.bench.fp8_checkpoint import write_checkpoint
-from fp8train.tools.data import stdlib_text
 from fp8train.tools.ranks import run_ranks
 
 SEQ, BATCH = 64, 4
 
 
 def batches(rank: int, steps: int) -> torch.Tensor:
-    text = stdlib_text(500_000)
+    root, data = sysconfig.get_paths()["stdlib"], bytearray()
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py") and len(data) < 500_000:
+            with open(os.path.join(root, name), "rb") as f:
+                data += f.read()
+    text = torch.frombuffer(data, dtype=torch.uint8).long()
     g = torch.Generator().manual_seed(rank)
     starts = torch.randint(0, len(text) - SEQ, (steps, BATCH), generator=g)
     return text[starts[..., None] + torch.arange(SEQ)]

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sysconfig
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import fp8train
-from fp8train.tools.data import stdlib_text
 
 SEQ = 64
 
@@ -26,7 +26,12 @@ class StdlibBytes(torch.utils.data.Dataset):
     """Fixed windows of the standard library's .py files, byte-level (tokens 0..255)."""
 
     def __init__(self, n: int, seed: int) -> None:
-        text = stdlib_text(1_000_000)
+        root, data = sysconfig.get_paths()["stdlib"], bytearray()
+        for name in sorted(os.listdir(root)):
+            if name.endswith(".py") and len(data) < 1_000_000:
+                with open(os.path.join(root, name), "rb") as f:
+                    data += f.read()
+        text = torch.frombuffer(data, dtype=torch.uint8).long()
         starts = torch.randint(0, len(text) - SEQ, (n,), generator=torch.Generator().manual_seed(seed))
         self.windows = text[starts[:, None] + torch.arange(SEQ)]
 
