@@ -50,8 +50,6 @@ import torch
 import torch.distributed as dist
 from gpu_check_probes import (
     DelayedCollective,
-    HostDataSites,
-    OpCount,
     StandInEvents,
     SyncDebugSites,
     format_exception,
@@ -64,6 +62,8 @@ from fp8train import gemm as ft_gemm
 from fp8train.gemm import Operand, choose_path, has_scaled_mm
 from fp8train.telemetry import Telemetry
 from fp8train.tools.bench import gpu as gpu_bench
+from fp8train.tools.bench.common import GraphCounter, OpCounter
+from fp8train.tools.host_syncs import HostSyncCounter
 
 DELAYED = ft.DelayedScaling(amax_history_len=16)
 RECIPES = {
@@ -475,18 +475,21 @@ def _scaled_mm_calls(device: torch.device, recipe) -> dict:
     ft.inspection.reset()
     layer = ft.Linear(256, 256, device=device, params_dtype=torch.bfloat16)
     x = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-    with OpCount("_scaled_mm") as count:
+    with OpCounter() as count:
         with ft.fp8_autocast(fp8_recipe=recipe):
             y = layer(x)
         y.float().square().mean().backward()
-    return {"calls": count.count, "expected": 3 if choose_path(device, 256, 256, 256) == "scaled_mm" else 0}
+    return {
+        "calls": count.ops["aten._scaled_mm"],
+        "expected": 3 if choose_path(device, 256, 256, 256) == "scaled_mm" else 0,
+    }
 
 
 def syncs(ctx: Context) -> dict:
     hidden = 64 if ctx.quick else 1024
     out: dict = {
-        "allowed_by_design": "tensors marked _fp8train_host_mirror (the failure flag's pinned host copy, "
-        "region tokens)"
+        "allowed_by_design": "reads of tensors marked _fp8train_host_mirror (the failure flag's pinned "
+        "host copy, region tokens); the region token made from host data (host_syncs.HOST_RESIDENT)"
     }
     # the GEMM path the GPU takes; on the CPU its _scaled_mm kernel where torch has one, else the emulation
     paths = ("auto",) if ctx.cuda else ("scaled_mm" if has_scaled_mm("cpu") else "bf16",)
@@ -539,7 +542,7 @@ def _state_dict_reads(ctx: Context) -> int:
     ft.inspection.reset()
     model = _mlp(64, 128, ctx.device)
     _step(model, torch.randn(64, 64, device=ctx.device, dtype=torch.bfloat16))
-    with HostDataSites(ctx.device) as found:
+    with HostSyncCounter(ctx.device) as found:
         model.state_dict()
     return sum(site["count"] for site in found.report().values())
 
@@ -559,7 +562,7 @@ def _steady_sites(ctx: Context, hidden: int, recipe, telemetry: bool, steady: in
     for i in range(3):
         step(i)
     _sync(ctx.device)
-    with SyncDebugSites(ctx.cuda) as warned, HostDataSites(ctx.device) as found:
+    with SyncDebugSites(ctx.cuda) as warned, HostSyncCounter(ctx.device) as found:
         for i in range(3, 3 + steady):
             step(i)
     ft.reduction_stats()  # a host point after the watched steps
@@ -751,18 +754,6 @@ def train(ctx: Context) -> dict:
     }
 
 
-class _GraphCount:
-    """A torch.compile backend that counts the graphs dynamo gives it."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = torch._dynamo.lookup_backend(backend)
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.backend(gm, example_inputs)
-
-
 def compiled(ctx: Context) -> dict:
     backend = "inductor" if ctx.cuda else "aot_eager"
     hidden = 64 if ctx.quick else 1024
@@ -785,7 +776,7 @@ def _fullgraph(ctx: Context, backend: str, hidden: int) -> dict:
     """2 delayed-scaling layers, fullgraph=True: one graph over 4 steps, close to an eager twin."""
     ft.inspection.reset()
     torch._dynamo.reset()
-    counter = _GraphCount(backend)
+    counter = GraphCounter(backend)
     twins = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -827,7 +818,7 @@ def _blocks(ctx: Context, backend: str, hidden: int) -> dict:
     for n in (4, 12):
         ft.inspection.reset()
         torch._dynamo.reset()
-        counter = _GraphCount("eager")  # a dynamo matter: no code generation needed
+        counter = GraphCounter("eager")  # a dynamo matter: no code generation needed
         torch.manual_seed(0)
         blocks = [
             torch.compile(ft.LayerNormLinear(hidden, hidden, device=ctx.device), backend=counter)

@@ -1,14 +1,8 @@
-"""Instruments of the GPU check (benchmarks/gpu_check.py) that also work on the CPU.
+"""Instruments of the GPU check (benchmarks/gpu_check.py) that also work on the CPU (its host-sync
+counter is the toolbox's: fp8train.tools.host_syncs).
 
-- `HostDataSites`: every place where fp8train's own code reads a device value on the host, makes a
-  tensor from host data (`aten.lift_fresh`: `torch.tensor(...)`, a Python number written into a
-  tensor element) or copies host memory to the GPU. On a GPU each of them stalls the host or the
-  stream; on the CPU nothing stalls, but the same code makes the same calls, so counting them is the
-  CPU's view of "no host synchronisation in a steady step". Allowed by design: tensors fp8train marks
-  as host memory (`_fp8train_host_mirror`: the failure flag's host copy, the region tokens).
 - `SyncDebugSites`: on CUDA, every warning of `torch.cuda.set_sync_debug_mode("warn")` with the call
   stack that raised it.
-- `OpCount`: how often given aten ops ran (`torch._scaled_mm` per layer).
 - `StandInEvents`: CUDA events for the CPU, which complete only after later events were recorded (a
   GPU running behind the host): the CUDA branch of the reduction's timing, forced on the CPU.
 - `DelayedCollective`: `torch.distributed.all_reduce` as a collective of a chosen latency on its own
@@ -21,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import sys
 import time
 import traceback
 import warnings
@@ -30,141 +23,17 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import fp8train
+from fp8train.tools.host_syncs import PACKAGE_DIR
 
 __all__ = [
-    "HostDataSites",
     "SyncDebugSites",
-    "OpCount",
     "StandInEvents",
     "live_cuda_events",
     "DelayedCollective",
     "sleep_cycles_per_ms",
     "format_exception",
 ]
-
-PACKAGE_DIR = os.path.dirname(os.path.abspath(fp8train.__file__))
-TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-HOST_READS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.__bool__,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__index__,
-    torch.Tensor.cpu,
-    torch.Tensor.numpy,
-}
-
-
-def _package_frames() -> Optional[list[str]]:
-    """The call stack's frames from the first caller outside torch and this file, if that caller is
-    fp8train's code ('file:line in function', innermost first, up to the first frame outside it)."""
-    frame = sys._getframe(2)
-    here = os.path.abspath(__file__)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(TORCH_DIR) and path != here:
-            break
-        frame = frame.f_back
-    if frame is None or not os.path.abspath(frame.f_code.co_filename).startswith(PACKAGE_DIR):
-        return None
-    frames = []
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        where = os.path.relpath(path, PACKAGE_DIR) if path.startswith(PACKAGE_DIR) else os.path.basename(path)
-        frames.append(f"{where}:{frame.f_lineno} in {frame.f_code.co_name}")
-        if not path.startswith(PACKAGE_DIR) and not path.startswith(TORCH_DIR):
-            break
-        frame = frame.f_back
-    return frames
-
-
-class _Reads(TorchFunctionMode):
-    def __init__(self, sites: HostDataSites) -> None:
-        super().__init__()
-        self.sites = sites
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in HOST_READS and isinstance(args[0], torch.Tensor) and self.sites.on_device(args[0]):
-            if not getattr(args[0], "_fp8train_host_mirror", False):
-                self.sites.note(f"host read ({func.__name__})")
-        return func(*args, **kwargs)
-
-
-class _Creations(TorchDispatchMode):
-    def __init__(self, sites: HostDataSites) -> None:
-        super().__init__()
-        self.sites = sites
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is torch.ops.aten.lift_fresh.default:
-            frames = _package_frames()
-            if frames is not None:  # judged at the end: fp8train may mark it as host memory by design
-                self.sites.fresh.append((frames, out))
-        elif func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
-            src, dst = (args[1], args[0]) if func is torch.ops.aten.copy_.default else (args[0], out)
-            if src.device.type == "cpu" and dst.device.type == "cuda":
-                self.sites.note("host-to-device copy")
-        return out
-
-
-class HostDataSites:
-    """`with HostDataSites(device) as sites:` ... `sites.report()`: each site that would make the host
-    or the stream wait on `device`, with how often and the fp8train call stack that led there."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.sites: dict[str, dict] = {}
-        self.fresh: list[tuple[list[str], torch.Tensor]] = []
-        self._modes = (_Reads(self), _Creations(self))
-
-    def on_device(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == self.device.type
-
-    def note(self, what: str, frames: Optional[list[str]] = None) -> None:
-        frames = frames or _package_frames()
-        if frames is None:
-            return
-        key = f"{what} at {frames[0]}"
-        entry = self.sites.setdefault(key, {"count": 0, "traceback": frames})
-        entry["count"] += 1
-
-    def __enter__(self) -> HostDataSites:
-        for mode in self._modes:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
-        for frames, tensor in self.fresh:
-            if not getattr(tensor, "_fp8train_host_mirror", False):
-                self.note("tensor made from host data (aten.lift_fresh)", frames)
-        self.fresh.clear()
-
-    def report(self) -> dict:
-        return dict(self.sites)
-
-
-class OpCount(TorchDispatchMode):
-    """How many times the aten ops named in `names` (overload packets, e.g. "_scaled_mm") ran."""
-
-    def __init__(self, *names: str) -> None:
-        super().__init__()
-        self.names = set(names)
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.names:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _StandInEvent:

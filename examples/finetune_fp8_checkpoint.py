@@ -4,11 +4,12 @@
     python examples/finetune_fp8_checkpoint.py --steps 20 --ranks 1
 
 Nothing is downloaded. It writes a small FP8 checkpoint first: a tiny Llama built from transformers'
-LlamaConfig, every linear but lm_head quantized by the format's rule (per 128x128 block s = amax / 448,
-values w / s in E4M3, `weight_scale_inv` = s). Then each rank loads it with its linears as frozen FP8
-layers (fp8train.StoredFP8Linear: the stored bytes, no high-precision copy), adds PEFT LoRA adapters,
-trains them under DDP and Float8BlockScaling on the bytes of the Python standard library's source,
-and rank 0 exports the merged model in the same format and loads the export with transformers.
+LlamaConfig (fp8train.tools.bench.fp8_checkpoint.write_checkpoint), every linear but lm_head quantized
+by the format's rule (per 128x128 block s = amax / 448, values w / s in E4M3, `weight_scale_inv` = s).
+Then each rank loads it with its linears as frozen FP8 layers (fp8train.StoredFP8Linear: the stored
+bytes, no high-precision copy), adds PEFT LoRA adapters, trains them under DDP and Float8BlockScaling
+on the bytes of the Python standard library's source, and rank 0 exports the merged model in the same
+format and loads the export with transformers.
 Needs `pip install "fp8train[hf,peft]"`. docs/guide.md, "Fine-tuning an FP8 checkpoint".
 """
 
@@ -20,46 +21,12 @@ import sysconfig
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 import fp8train
+from fp8train.tools.bench.fp8_checkpoint import write_checkpoint
 from fp8train.tools.ranks import run_ranks
 
-SEQ, BATCH, BLOCK = 64, 4, 128
-
-
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The format's rule, per 128x128 block (the last ones partial): s = amax / 448, w / s in E4M3."""
-    rows, cols = w.shape
-    padded = F.pad(w.float(), (0, -cols % BLOCK, 0, -rows % BLOCK))
-    blocks = padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // BLOCK, BLOCK)
-    s = blocks.abs().amax(dim=(1, 3)) / 448
-    q = (blocks / s[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:rows, :cols]
-    return q.contiguous(), s
-
-
-def write_checkpoint(directory: str) -> None:
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    tensors = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantize(module.weight.detach())
-    for key, value in model.state_dict().items():
-        tensors.setdefault(key, value.contiguous())
-    config.quantization_config = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": ["lm_head"],
-    }  # fmt: skip
-    config.save_pretrained(directory)
-    save_file(tensors, os.path.join(directory, "model.safetensors"))
+SEQ, BATCH = 64, 4
 
 
 def batches(rank: int, steps: int) -> torch.Tensor:
@@ -127,7 +94,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        write_checkpoint(directory)
+        write_checkpoint(directory, hidden=256, intermediate=512, layers=2, positions=SEQ)
         results = run_ranks(train, args.ranks, directory, args.steps, timeout_s=600)
         for step, losses in enumerate(zip(*(r["losses"] for r in results))):
             print(f"step {step:3d}  loss per rank " + "  ".join(f"{x:.4f}" for x in losses))

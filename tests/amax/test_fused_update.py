@@ -6,10 +6,10 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train
 from fp8train import DelayedScaling
+from fp8train.tools.bench.common import OpCounter
 from reference import amax_of
 
 
@@ -60,16 +60,6 @@ def test_modules_of_a_region_share_one_contiguous_storage() -> None:
     assert offsets == [0, 3, 9]
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _finish_ops(num_modules: int, recipe: DelayedScaling) -> tuple[collections.Counter, collections.Counter]:
     """aten ops executed by completing the pending reductions (fwd, bwd) after one training step of N
     Linears: the fused update."""
@@ -87,7 +77,7 @@ def _finish_ops(num_modules: int, recipe: DelayedScaling) -> tuple[collections.C
     counts = []
     for group in (fwd, bwd):
         before = group.storage.history.clone()
-        with _OpCounter() as counter:
+        with OpCounter() as counter:
             group.complete()
         assert not torch.equal(before, group.storage.history)  # the update did run
         counts.append(counter.ops)

@@ -1,13 +1,14 @@
 """Zero host synchronisations in a steady training step, counted on the CPU.
 
-`host_reads.HostReadCounter` counts what fp8train's own code does that would make a GPU host wait:
-every host read of a tensor value (`.item()`, `.tolist()`, `bool`, `float`, `int`, `.cpu()`, ...),
-every tensor made from host data (`aten.lift_fresh`, `torch.tensor(device=...)`), every Python number
-written into one element of a tensor, and every host tensor moved onto the device. On a GPU each of
-them would stall the host until the stream drains, and an asynchronous amax reduction followed by one
-would be a blocking one. The one site allowed is `host_reads.HOST_RESIDENT`: the region token, a
-host tensor by design (counted apart, and seen: the counter watched the steps). The GPU check
-(scripts/gpu_check.sh) runs the same steps under `torch.cuda.set_sync_debug_mode("error")`.
+`HostSyncCounter` (fp8train.tools.host_syncs) counts what fp8train's own code does that would make a
+GPU host wait: every host read of a tensor value (`.item()`, `.tolist()`, `bool`, `float`, `int`,
+`.cpu()`, ...), every tensor made from host data (`aten.lift_fresh`, `torch.tensor(device=...)`),
+every Python number written into one element of a tensor, and every host tensor moved onto the
+device. On a GPU each of them would stall the host until the stream drains, and an asynchronous
+amax reduction followed by one would be a blocking one. The one site allowed is
+`host_syncs.HOST_RESIDENT`: the region token, a host tensor by design (counted apart, and seen: the
+counter watched the steps). The GPU check (scripts/gpu_check.sh) counts with the same counter and
+runs the same steps under `torch.cuda.set_sync_debug_mode("error")`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fp8train.amax.header import HEADER_LEN, Header
 from fp8train.amax.storage import ScalingStorage
 from fp8train.telemetry import Telemetry
 from fp8train.tensor_stats import GemmStatistics
-from host_reads import HostReadCounter
+from fp8train.tools.host_syncs import PACKAGE_DIR, HostSyncCounter
 from multirank import run_ranks
 
 ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"  # the documented variable (README)
@@ -84,13 +85,13 @@ def _steady_steps(
     for i in range(WARMUP):
         step(i)
     before = storage_pointers()
-    with HostReadCounter() as counted:
+    with HostSyncCounter() as counted:
         for i in range(WARMUP, WARMUP + STEADY):
             step(i)
     stats = fp8train.reduction_stats()  # a host point, after the counted steps
     return {
         "sites": counted.sites,
-        "host_resident": len(counted.host_resident),  # host_reads.HOST_RESIDENT: the region token
+        "host_resident": len(counted.host_resident),  # host_syncs.HOST_RESIDENT: the region token
         "moved": storage_pointers() != before,
         "launched": stats["launched"],
     }
@@ -144,11 +145,11 @@ def test_the_counter_sees_reads_in_the_package() -> None:
     model = _model()
     with fp8train.fp8_autocast(fp8_recipe=RECIPE):
         model(torch.randn(16, 32)).sum().backward()
-    with HostReadCounter() as reads:
+    with HostSyncCounter() as reads:
         model.state_dict()
     assert len(reads.sites) == 3 * 2 * 3  # amax_history, scale, scale_inv x 2 directions x 3 modules
     assert all(site.startswith("cpu at amax/meta.py") for site in reads.sites)
-    with HostReadCounter() as reads:
+    with HostSyncCounter() as reads:
         torch.zeros(3).tolist()  # a read outside the package is not fp8train's
     assert reads.sites == []
 
@@ -160,20 +161,18 @@ def test_header_is_written_on_the_device() -> None:
     writer = Header("fwd", RECIPE.key())
     writer.add_member("Linear(16x16)")
     writer.write(storage, 1, (0, 1), 5, 3)  # the first call with these recorded roles caches the static part
-    with HostReadCounter() as reads:
+    with HostSyncCounter() as reads:
         header = writer.write(storage, 1, (0, 1), 6, 3)
     assert reads.sites == [] and header.shape == (HEADER_LEN,)
     assert header[10].item() == 6 and header[11].item() == -6  # the training-region index, (q, -q)
     assert header[12].item() == 3 and header[13].item() == -3  # the values sent after the header
 
 
-def _run_as_package_code(source: str, **names) -> list[str]:
+def _run_as_package_code(source: str, device: str = "cpu", **names) -> list[str]:
     """Run `source` as if it were a line of fp8train (its frames name a file in the package) under the
-    counter; the sites it counted."""
-    import host_reads
-
-    code = compile(source, os.path.join(host_reads.PACKAGE_DIR, "probe.py"), "exec")
-    with HostReadCounter() as counted:
+    counter watching `device`; the sites it counted."""
+    code = compile(source, os.path.join(PACKAGE_DIR, "probe.py"), "exec")
+    with HostSyncCounter(device) as counted:
         exec(code, {"torch": torch, **names})
     return counted.sites
 
@@ -207,4 +206,33 @@ def test_the_counter_sees_tensors_made_from_host_data() -> None:
     ]
     for source in unseen:
         assert _run_as_package_code(source, d=device.clone()) == [], source
-    assert HostReadCounter().sites == [] and _run_as_package_code("pass") == []
+    assert HostSyncCounter().sites == [] and _run_as_package_code("pass") == []
+
+
+def test_watching_another_device_the_counter_sees_real_copies_onto_it_and_reads_of_its_tensors() -> None:
+    """The GPU check's view (the counter watching a GPU; the meta device stands in for it): a real copy
+    from the CPU onto the device is seen once, as what it is; a read of a CPU tensor is not (it waits
+    for no device), a read of a device tensor is."""
+    site = " at probe.py:1 (<module>)"
+    copy = "host-to-device copy" + site
+    assert _run_as_package_code("torch.zeros(4).to('meta')", "meta") == [copy]
+    assert _run_as_package_code("d.copy_(torch.ones(4))", "meta", d=torch.empty(4, device="meta")) == [copy]
+    assert _run_as_package_code("torch.ones(2).tolist()", "meta") == []
+    assert _run_as_package_code("torch.ones(2).tolist()") == ["tolist" + site]
+    read = "try:\n    d.cpu()\nexcept NotImplementedError:\n    pass"  # a meta tensor has no data to read
+    assert _run_as_package_code(read, "meta", d=torch.empty(2, device="meta")) == [
+        "cpu at probe.py:2 (<module>)"
+    ]
+
+
+def test_the_report_names_each_site_once_with_its_count_and_call_stack() -> None:
+    """What the GPU check prints: each site once, how often, and the fp8train frames that led there
+    (innermost first, up to the first caller outside the package)."""
+    code = compile("for _ in range(3):\n    d.tolist()", os.path.join(PACKAGE_DIR, "probe.py"), "exec")
+    with HostSyncCounter() as counted:
+        exec(code, {"d": torch.zeros(2)})
+    report = counted.report()
+    assert list(report) == ["tolist at probe.py:2 (<module>)"] and len(counted.sites) == 3
+    entry = report["tolist at probe.py:2 (<module>)"]
+    assert entry["count"] == 3 and entry["traceback"][0] == "probe.py:2 in <module>"
+    assert entry["traceback"][-1].startswith("test_host_syncs.py:"), entry["traceback"]

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import fp8train
+from fp8train.tools.bench.common import GraphCounter
 from helpers import fp8_state, sgd
 from multirank import AllReduceSpy, run_ranks
 
@@ -56,18 +57,6 @@ class Net(torch.nn.Module):
         else:
             h = self.mlp(h, is_first_microbatch=first)
         return self.head(h, is_first_microbatch=first)
-
-
-class GraphCounter:
-    """A torch.compile backend that counts the graphs it is given and runs them with `backend`."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = torch._dynamo.lookup_backend(backend)
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.backend(gm, example_inputs)
 
 
 def _train(backend, steps: int = 4, rank: int = 0, group=None, mode: str = "train", checkpoint: str = ""):

@@ -135,7 +135,7 @@ def test_values_match_fp8_meta(tmp_path):
 
 
 def test_log_step_reads_nothing_from_the_device_in_steady_steps():
-    from host_reads import HostReadCounter
+    from fp8train.tools.host_syncs import HostSyncCounter
 
     torch.manual_seed(4)
     model = GPT(CFG)
@@ -144,7 +144,7 @@ def test_log_step_reads_nothing_from_the_device_in_steady_steps():
     for step in range(2):
         _train_step(model, tokens)
         tel.log_step(step)
-    with HostReadCounter() as reads:
+    with HostSyncCounter() as reads:
         for step in range(2, 5):
             with fp8train.fp8_autocast(fp8_recipe=RECIPE):
                 loss = model.loss(tokens)

@@ -1,7 +1,8 @@
-"""Small helpers shared by the benchmarks: timing side by side, op counting, saving figures."""
+"""Small helpers shared by the benchmarks: timing side by side, op and graph counting, saving figures."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -40,15 +41,31 @@ def train_step(
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops dispatched inside the `with` block."""
+    """Counts aten ops dispatched inside the `with` block: `count` in all, `ops` per overload packet
+    ('aten._scaled_mm')."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.ops: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
+
+
+class GraphCounter:
+    """A torch.compile backend that counts the graphs dynamo gives it and runs them with `backend`
+    (the tests' and the GPU check's recompile counter)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = torch._dynamo.lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.backend(gm, example_inputs)
 
 
 _ALLOCATIONS = ("empty", "empty_like", "empty_strided")

@@ -26,15 +26,18 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), s
 
 
-def write_checkpoint(directory: str, hidden: int, intermediate: int, layers: int) -> list[str]:
-    """A tiny Llama quantized by the format's rule (all linears but lm_head); returns their names."""
+def write_checkpoint(
+    directory: str, hidden: int, intermediate: int, layers: int, positions: int = 256
+) -> list[str]:
+    """A tiny Llama quantized by the format's rule (all linears but lm_head); returns their names.
+    Also the FP8 checkpoint of examples/finetune_fp8_checkpoint.py."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=256, tie_word_embeddings=False,
+        max_position_embeddings=positions, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

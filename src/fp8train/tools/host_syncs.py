@@ -1,5 +1,6 @@
 """Count what fp8train's own code does that would make a GPU host wait: a CPU proxy for synchronisations.
 
+One detector for the tests (tests/device/test_host_syncs.py) and the GPU check (benchmarks/gpu_check.py).
 On a GPU the host waits for the stream to drain at every host read of a device value (`.item()`,
 `.tolist()`, `bool(t)`, `float(t)`, `.cpu()`, ...) and at every blocking host-to-device copy: a
 tensor made from host data on the device, a Python number written into one element of a device
@@ -8,16 +9,16 @@ On the CPU nothing waits, but the same calls happen in the same code, so countin
 tests check "zero host synchronisations" without a GPU.
 
 What the counter sees:
-- reads: the Tensor methods in READS, on tensors that are not host-resident by design
-  (`_fp8train_host_mirror`: the failure flag's host copy, the region tokens);
+- reads: the Tensor methods in READS, on tensors on the watched device that are not host-resident by
+  design (`_fp8train_host_mirror`: the failure flag's host copy, the region tokens);
 - tensors made from host data: every `aten.lift_fresh` (what `torch.tensor`, `torch.as_tensor` of
   Python data and `t[i] = number` dispatch), and `torch.tensor`/`torch.as_tensor` with `device=`;
 - a Python number written into an element (`Tensor.__setitem__` with a number and integer indices);
 - host tensors moved onto the device (`.to(device)`, `.cuda()`, `copy_`). On the CPU the host and
   the device are one, so the counter tracks which tensors would be on the host on a GPU: those made
   from host data, by a factory without `device=` in the package, the package's module-level tensor
-  constants, and whatever is computed from host tensors only. On a GPU it also sees real CPU-to-device
-  copies.
+  constants, and whatever is computed from host tensors only. Watching a GPU (the GPU check), it sees
+  the real copies from the CPU onto it (`aten.copy_`, `aten._to_copy`), and reads only of its tensors.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 import fp8train
 
-__all__ = ["HostReadCounter"]
+__all__ = ["HostSyncCounter", "HOST_RESIDENT", "PACKAGE_DIR"]
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(fp8train.__file__))
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -61,6 +62,7 @@ HOST_FACTORIES = {  # without `device=`, these make a tensor in host memory
     torch.randint,
 }
 MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
+COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
 
 # The sites that make a tensor from host data on purpose, host-resident by design: (what, file,
 # function). Counted apart (`host_resident`), not as synchronisations.
@@ -71,18 +73,31 @@ HOST_RESIDENT = {
     ("lift_fresh", "amax/calls.py", "_forward_scales"),
 }
 
+Frame = tuple[str, int, str]  # (file relative to the package or its base name, line, function)
 
-def _caller_in_package() -> Optional[tuple[str, int, str]]:
-    """(file, line, function) of the first caller outside torch and this file, if it is fp8train's."""
-    frame = sys._getframe(2)
+
+def _package_frames() -> Optional[list[Frame]]:
+    """The call stack from the first caller outside torch and this file, if that caller is fp8train's
+    code: innermost first, up to and with the first frame outside fp8train and torch."""
+    here = os.path.abspath(__file__)
+    frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(TORCH_DIR) and path != os.path.abspath(__file__):
-            if path.startswith(PACKAGE_DIR):
-                return os.path.relpath(path, PACKAGE_DIR), frame.f_lineno, frame.f_code.co_name
-            return None
+        if not path.startswith(TORCH_DIR) and path != here:
+            break
         frame = frame.f_back
-    return None
+    if frame is None or not os.path.abspath(frame.f_code.co_filename).startswith(PACKAGE_DIR):
+        return None
+    frames = []
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        ours = path.startswith(PACKAGE_DIR)
+        where = os.path.relpath(path, PACKAGE_DIR) if ours else os.path.basename(path)
+        frames.append((where, frame.f_lineno, frame.f_code.co_name))
+        if not ours and not path.startswith(TORCH_DIR):
+            break
+        frame = frame.f_back
+    return frames
 
 
 def _is_element_index(index) -> bool:
@@ -105,9 +120,9 @@ def _target_device(func, args, kwargs) -> Optional[torch.device]:
 
 
 class _HostTensors(TorchDispatchMode):
-    """Sees every op: notes tensors made from host data and propagates host residency."""
+    """Sees every op: tensors made from host data, real host-to-device copies, host residency."""
 
-    def __init__(self, counter: HostReadCounter) -> None:
+    def __init__(self, counter: HostSyncCounter) -> None:
         super().__init__()
         self.counter = counter
 
@@ -119,6 +134,11 @@ class _HostTensors(TorchDispatchMode):
             counter.note_host(out)
             counter.flag("lift_fresh (a tensor from host data)")
             return out
+        if func in COPIES:
+            src, dst = (args[1], args[0]) if func is torch.ops.aten.copy_.default else (args[0], out)
+            onto_the_device = dst.device.type == counter.device.type and counter.device.type != "cpu"
+            if src.device.type == "cpu" and onto_the_device:
+                counter.flag("host-to-device copy")
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if inputs and all(counter.is_host(t) for t in inputs):
             for t in tree_leaves(out):
@@ -130,15 +150,18 @@ class _HostTensors(TorchDispatchMode):
 class _Calls(TorchFunctionMode):
     """Sees the Python-level calls: reads, device factories, element writes and moves."""
 
-    def __init__(self, counter: HostReadCounter) -> None:
+    def __init__(self, counter: HostSyncCounter) -> None:
         super().__init__()
         self.counter = counter
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         counter = self.counter
-        if func in READS and not getattr(args[0], "_fp8train_host_mirror", False):
-            counter.flag(func.__name__)
+        if func in READS:
+            tensor = args[0]
+            on_device = isinstance(tensor, torch.Tensor) and tensor.device.type == counter.device.type
+            if on_device and not getattr(tensor, "_fp8train_host_mirror", False):
+                counter.flag(func.__name__)
         elif func in FACTORIES and kwargs.get("device") is not None:
             counter.flag(f"{func.__name__}(device=...)")
         elif (
@@ -152,22 +175,27 @@ class _Calls(TorchFunctionMode):
             target = _target_device(func, args, kwargs)
             into_host = func is torch.Tensor.copy_ and counter.is_host(args[0])
             if target is not None and isinstance(source, torch.Tensor) and not into_host:
-                if counter.is_host(source) or (source.device.type == "cpu" and target.type != "cpu"):
+                # on the CPU, a would-be host tensor onto the device (a real copy: _HostTensors')
+                simulated = source.device.type == target.type == counter.device.type
+                if simulated and counter.is_host(source):
                     counter.flag(f"{func.__name__} of a host tensor onto the device")
         out = func(*args, **kwargs)
-        if func in HOST_FACTORIES and kwargs.get("device") is None and _caller_in_package() is not None:
+        if func in HOST_FACTORIES and kwargs.get("device") is None and _package_frames() is not None:
             counter.note_host(out)
         return out
 
 
-class HostReadCounter:
-    """`with HostReadCounter() as reads:` ... `reads.sites` lists 'what at file:line (function)' for each
-    read or host-to-device copy made by the package's code; `reads.host_resident` the HOST_RESIDENT
-    sites it saw."""
+class HostSyncCounter:
+    """`with HostSyncCounter(device) as counted:` ... `counted.sites` lists 'what at file:line
+    (function)' for each read or host-to-device copy made by the package's code (reads of tensors on
+    `device`, the CPU by default); `counted.host_resident` the HOST_RESIDENT sites it saw;
+    `counted.report()` each site once, with its count and call stack."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.sites: list[str] = []
         self.host_resident: list[str] = []
+        self._stacks: dict[str, list[str]] = {}  # site -> the call stack that first led there
         self._host: dict[int, weakref.ref] = {}  # id -> tensor that lives on the host on a GPU
         for name, module in list(sys.modules.items()):
             if name == "fp8train" or name.startswith("fp8train."):
@@ -184,13 +212,25 @@ class HostReadCounter:
         return (ref is not None and ref() is tensor) or getattr(tensor, "_fp8train_host_mirror", False)
 
     def flag(self, what: str) -> None:
-        site = _caller_in_package()
-        if site is not None:
-            path, line, function = site
-            allowed = any(what.startswith(w) and (path, function) == (p, f) for w, p, f in HOST_RESIDENT)
-            (self.host_resident if allowed else self.sites).append(f"{what} at {path}:{line} ({function})")
+        frames = _package_frames()
+        if frames is None:
+            return
+        path, line, function = frames[0]
+        site = f"{what} at {path}:{line} ({function})"
+        if any(what.startswith(w) and (path, function) == (p, f) for w, p, f in HOST_RESIDENT):
+            self.host_resident.append(site)
+            return
+        self.sites.append(site)
+        self._stacks.setdefault(site, [f"{p}:{n} in {f}" for p, n, f in frames])
 
-    def __enter__(self) -> HostReadCounter:
+    def report(self) -> dict[str, dict]:
+        """Each site once: {'count': how often, 'traceback': the fp8train call stack, innermost first}."""
+        return {
+            site: {"count": self.sites.count(site), "traceback": stack}
+            for site, stack in self._stacks.items()
+        }
+
+    def __enter__(self) -> HostSyncCounter:
         for mode in self._modes:
             mode.__enter__()
         return self
