@@ -82,7 +82,10 @@ class Switches:
         returns the names matched."""
         matched = []
         for fqn, module in model.named_modules():
-            if getattr(module, "fp8_handle", None) is None:  # not an FP8Module (modules/base.py, above)
+            # an FP8Module (modules/base.py, a layer above: not imported) has its handle in its own
+            # __dict__; a wrapper that forwards attributes (checkpoint_wrapper, torch.compile's
+            # OptimizedModule, FSDP1) does not, and its inner FP8 module is matched by its own name
+            if "fp8_handle" not in vars(module):
                 continue
             mine = tuple(r for r in rules if fnmatch.fnmatchcase(fqn, r.pattern))
             if mine:

@@ -287,7 +287,7 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
     settings = protocol.current_settings()
     casts_first = settings is not None and settings.enabled and settings.quantization.casts_before_gather
     # other recipes cast the whole weight: gathered as is
-    region = protocol.current_region() if casts_first else None
+    region = protocol.outermost_region() if casts_first else None
     if any(gather.region is not region for gather in pending):
         raise RuntimeError(
             f"{module.signature} (fsdp_fp8_all_gather) ran forward in another FP8 region or precision "
@@ -332,7 +332,7 @@ def _tied_weight_gather(module) -> WeightGather:
 def is_current_gather(gather: WeightGather) -> bool:
     """Whether a weight gathered in FP8 for `gather` may serve this call: gathered for this region,
     or a recomputation in backward (whose re-gather reproduced the original forward's)."""
-    return gather.region is protocol.current_region() or in_backward() or protocol.replaying()
+    return gather.region is protocol.outermost_region() or in_backward() or protocol.replaying()
 
 
 def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output: torch.Tensor) -> None:

@@ -271,9 +271,14 @@ def managed_by_fsdp2(module: torch.nn.Module) -> bool:
     """Whether FSDP2's `fully_shard` manages `module`: it swaps the module's class for a subclass of
     `FSDPModule` (named `FSDP<Class>`; public in torch >= 2.6). Such a module refills its gathered
     parameters between microbatches (so their version counters move without an optimizer step) and
-    gathers its weights itself. Nothing can be FSDP2's before torch.distributed.fsdp is imported."""
+    gathers its weights itself. `replicate()`'s modules (torch's private `replicate_with_fsdp`, whose
+    `ReplicateModule` subclasses `FSDPModule`) gather nothing: not FSDP2's in this sense. Nothing can be
+    FSDP2's before torch.distributed.fsdp is imported."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+    if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+        return False
+    replicate = sys.modules.get("torch.distributed._composable.replicate_with_fsdp")
+    return not isinstance(module, getattr(replicate, "ReplicateModule", ()))
 
 
 # ---- call stacks: whose code is calling ------------------------------------------------------------------

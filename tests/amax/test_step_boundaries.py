@@ -245,10 +245,14 @@ def _fsdp_managed(rank: int, world: int) -> dict:
     class FSDPLookalike(torch.nn.Linear):  # a user's class whose name merely starts with FSDP
         pass
 
-    return {"managed": [managed_by_fsdp2(m) for m in (model[0], model[2], FSDPLookalike(2, 2))]}
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicated = replicate(fp8_mlp(1, WIDTHS))  # built on FSDP2's classes, but it gathers nothing
+    modules = (model[0], model[2], FSDPLookalike(2, 2), replicated)
+    return {"managed": [managed_by_fsdp2(m) for m in modules]}
 
 
 @pytest.mark.multirank
 def test_fsdp2_managed_modules_are_told_by_their_class_not_their_name() -> None:
     for result in run_ranks(_fsdp_managed, 2, timeout_s=240):
-        assert result["managed"] == [True, False, False]
+        assert result["managed"] == [True, False, False, False]

@@ -179,6 +179,19 @@ def test_high_precision_rules_from_a_config_must_match_a_layer() -> None:
         fp8train.debug_switches.high_precision(model, "blocks.*")
 
 
+def test_a_rule_names_the_fp8_layer_not_a_wrapper_that_forwards_its_attributes() -> None:
+    """checkpoint_wrapper forwards unknown attributes to the layer it wraps: the rule must name the
+    inner FP8 layer (which the switch then really holds), never match the wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = fp8train.prepare(_switch_model())
+    model[0] = checkpoint_wrapper(model[0])
+    assert model[0].fp8_handle is model[0]._checkpoint_wrapped_module.fp8_handle  # forwarded
+    with pytest.raises(ValueError, match="match no FP8 layer"):
+        fp8train.debug_switches.high_precision(model, "0")
+    assert fp8train.debug_switches.high_precision(model, "0*") == ["0._checkpoint_wrapped_module"]
+
+
 def test_a_switched_layer_is_recomputed_in_high_precision_too() -> None:
     """Under activation recomputation (fp8train.checkpoint and torch's non-reentrant checkpoint) the
     switched layer runs in high precision in the forward and in its recomputation, the others in FP8:

@@ -10,7 +10,7 @@ asks of the protocol:
 - modules: `register_module` / `module_of` (handles), `ScalingMeta` (fp8_meta) and its checkpoint
   form, the role layout (`roles`);
 - the step boundary: `end_step`, `end_step_on`, `ending_step`, `parameters_loaded`;
-- FSDP2's FP8 gathers: `current_settings`, `current_region`, `amax_group_of`, `replaying`;
+- FSDP2's FP8 gathers: `current_settings`, `outermost_region`, `amax_group_of`, `replaying`;
 - readers: `views` (fp8train.inspection), `HostMirror` (telemetry), `check_stage_group` (pipeline);
 - `settings`: the knobs (async switch, initial wire size, verdict lag); `update_scaling`: the fused
   update (its benchmark).
@@ -38,7 +38,7 @@ __all__ = [
     "Call", "begin_call", "current_call", "recomputation_context_fn",
     "register_module", "module_of", "ScalingMeta", "decode_extra_state", "roles",
     "end_step", "end_step_on", "ending_step", "parameters_loaded",
-    "current_settings", "current_region", "amax_group_of", "replaying",
+    "current_settings", "outermost_region", "amax_group_of", "replaying",
     "views", "HostMirror", "check_stage_group", "settings", "ENV_ASYNC", "update_scaling",
 ]  # fmt: skip
 
@@ -57,7 +57,7 @@ def current_settings() -> Optional[RegionSettings]:
     return STATE.regions.settings
 
 
-def current_region() -> Optional[Region]:
+def outermost_region() -> Optional[Region]:
     """The outermost region being run (None outside every region)."""
     return STATE.regions.region
 

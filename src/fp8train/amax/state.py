@@ -315,7 +315,7 @@ class Recomputation:
     the one being recomputed (its plans are replayed)."""
 
     def __init__(self) -> None:
-        self.replaying: Any = None  # the call being recomputed (calls.CallRecord)
+        self.replaying: Any = None  # the call being recomputed (plans.CallRecord)
         self.noting: list = []  # calls whose forward is running
 
     @contextlib.contextmanager

@@ -58,7 +58,8 @@ class ReductionStats:
             setattr(self, name, getattr(self, name) + end.host - start.host)
         else:
             # Fold the intervals the device has completed (without waiting), so that only those of the
-            # last few launches are held: the host runs at most VERDICT_LAG launches ahead (channel.py).
+            # last few launches are held: the host runs at most `settings.verdict_lag` launches ahead
+            # (channel.py).
             self._read_intervals(block=False)
             self._intervals.append((name, start.event, end.event))
 
