@@ -307,8 +307,7 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
                 "all ranks, does) with reduce_amax=True, or build the module without fsdp_fp8_all_gather"
             )
         # the scales the forward will cast with (its call's plan takes the same: ScalingMeta.scales_in)
-        device = next(module.parameters()).device
-        scale, scale_inv, offset = module.fp8_meta["scaling_fwd"].scales_in(region, device)
+        scale, scale_inv, offset = module.fp8_meta["scaling_fwd"].scales_in(region, module)
         column = protocol.roles.forward_column(offset, gemm_index, protocol.roles.WEIGHT)
         scales = (scale[column], scale_inv[column])
     book.latest = WeightGather(scales, region)

@@ -64,12 +64,13 @@ class ScalingMeta:
             self._own_on_device[device] = (self.own_scale.to(device), self.own_scale_inv.to(device))
         return self._own_on_device[device]
 
-    def scales_in(self, region: Region, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(scale, scale_inv, offset): the scales this direction's module casts with in `region`, and
-        its first column in them. A module that has not trained yet uses its own (on `device`; joining
-        its group keeps them); a member uses its group's, frozen for the region."""
+    def scales_in(self, region: Region, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(scale, scale_inv, offset): the scales `module` (this direction's) casts with in `region`,
+        and its first column in them. A module that has not trained yet uses its own (on its
+        parameters' device; joining its group keeps them); a member uses its group's, frozen for the
+        region."""
         if self.direction is None:
-            return *self.own_scales(device), 0
+            return *self.own_scales(next(module.parameters()).device), 0
         return *region.scales_for(self.direction), self.offset
 
     def _as_own(self) -> dict:

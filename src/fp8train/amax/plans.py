@@ -90,7 +90,7 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
         region.note_trained(group)  # only once the module is a member: it can launch
         if group.recipe.per_step and training:
             check_step_open(module)
-    scale, scale_inv, offset = fwd_meta.scales_in(region, next(module.parameters()).device)
+    scale, scale_inv, offset = fwd_meta.scales_in(region, module)
     return Plan(
         fp8=settings.enabled,
         quantization=settings.quantization,
