@@ -10,7 +10,10 @@ FP8-valued operands:
   fp32 accumulation, and never the slowdown (two orders of magnitude) of bf16 GEMMs on CPUs without them.
 - "fp32": exact products, fp32 accumulation, fp32 output.
 `FP8TRAIN_GEMM` = auto (default) | scaled_mm | bf16 | fp32 overrides the choice (bf16: the bf16
-kernel itself, whatever the CPU); a shape the forced path cannot take falls back to emulation. The
+kernel itself, whatever the CPU); a shape the forced path cannot take falls back to emulation.
+`FP8TRAIN_CPU_BF16` = auto (default) | yes | no forces the answer of the CPU probe that picks the bf16
+path's kernel, so that either kernel, and its numerics, can be run on any CPU (the test suite runs
+both). The
 scales stay tensors on the device throughout: no host read (a Python float alpha would wait for the
 GPU).
 
@@ -57,6 +60,7 @@ __all__ = [
 PATHS = ("scaled_mm", "bf16", "fp32")
 ENV_PATH = "FP8TRAIN_GEMM"
 ENV_FAST_ACCUM = "FP8TRAIN_FAST_ACCUM"
+ENV_CPU_BF16 = "FP8TRAIN_CPU_BF16"
 FAST_ACCUM = {"forward": ("forward",), "all": ("forward", "dgrad", "wgrad"), "none": ()}
 ROLES = ("forward", "dgrad", "wgrad")  # y = x @ w.T, dx = g @ w, dw = g.T @ x
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -173,13 +177,24 @@ def cpu_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> tuple[bool, str]:
 _CPU_BF16 = cpu_bf16_instructions()  # read at import: traced code (torch.compile) only looks it up
 
 
+def _cpu_bf16_probe() -> tuple[bool, str]:
+    """The CPU's bf16 instructions as probed at import, unless `FP8TRAIN_CPU_BF16` forces the answer."""
+    forced = os.environ.get(ENV_CPU_BF16, "auto").strip().lower() or "auto"
+    if forced == "auto":
+        return _CPU_BF16
+    if forced not in ("yes", "no"):
+        raise ValueError(f"{ENV_CPU_BF16}={forced!r} is not valid: use auto, yes or no")
+    machine = "has" if _CPU_BF16[0] else "has no"
+    return forced == "yes", f"{ENV_CPU_BF16}={forced} forces the probe (this CPU {machine} bf16 instructions)"
+
+
 def bf16_kernel(device: torch.device) -> tuple[str, str]:
     """The kernel that computes the "bf16" path on `device` ("bf16" or "fp32"), and why."""
     if device.type != "cpu":
         return "bf16", f"{device.type} GEMMs multiply bf16 natively"
     if _forced() == "bf16":
         return "bf16", f"{ENV_PATH}=bf16 asks for the bf16 kernel"
-    native, why = _CPU_BF16
+    native, why = _cpu_bf16_probe()
     return ("bf16" if native else "fp32"), why
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "register_ordered_effects",
     "keep_out_of_cuda_graphs",
     "round_divisions_as_eager",
+    "round_precision_casts_as_eager",
     "scaled_mm",
     "has_scaled_mm",
     "scaled_mm_problem",
@@ -106,6 +107,24 @@ def round_divisions_as_eager() -> bool:
     if "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING" not in os.environ:
         numerics.division_rounding = True
     return bool(numerics.division_rounding)
+
+
+def round_precision_casts_as_eager() -> bool:
+    """Have inductor keep the roundings to bf16/fp16 that eager code makes between fused ops
+    (`config.emulate_precision_casts`). By default inductor elides a downcast followed by an upcast
+    inside one kernel: the emulated bf16 GEMM on a CPU without bf16 instructions (an fp32 GEMM whose
+    output is rounded to bf16, gemm.py) would then hand its unrounded fp32 output to the next ops, and
+    half a bf16 step moves a few percent of the next cast's elements across an FP8 rounding boundary.
+    Process-wide, like `round_divisions_as_eager`; left as it is where
+    TORCHINDUCTOR_EMULATE_PRECISION_CASTS is set (the user's choice). Whether casts are kept; False
+    where torch lacks the option."""
+    from torch._inductor import config
+
+    if not hasattr(config, "emulate_precision_casts"):
+        return False
+    if "TORCHINDUCTOR_EMULATE_PRECISION_CASTS" not in os.environ:
+        config.emulate_precision_casts = True
+    return bool(config.emulate_precision_casts)
 
 
 # ---- ops --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 import fp8train
 from fp8train import cast
 from fp8train.cast import amax, cast_operand, quantize
-from fp8train.gemm import choose_path, cpu_bf16_instructions, gemm, has_scaled_mm
+from fp8train.gemm import bf16_kernel, choose_path, cpu_bf16_instructions, gemm, has_scaled_mm
 from fp8train.tools.bench.common import PassCounter
 from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
 
@@ -272,6 +272,27 @@ def test_bf16_kernel_follows_the_cpus_instructions(tmp_path, monkeypatch, flags,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("forced,kernel", [("yes", "bf16"), ("no", "fp32"), ("auto", None)])
+def test_the_cpu_probe_can_be_forced_either_way(monkeypatch, forced, kernel) -> None:
+    """FP8TRAIN_CPU_BF16 forces the probe's answer, so that either kernel runs on any CPU; auto is the
+    CPU's own answer, and a bad value is refused by name."""
+    monkeypatch.delenv("FP8TRAIN_GEMM", raising=False)
+    monkeypatch.setenv("FP8TRAIN_CPU_BF16", forced)
+    got, why = bf16_kernel(torch.device("cpu"))
+    if kernel is None:
+        assert got == ("bf16" if cpu_bf16_instructions()[0] else "fp32")
+    else:
+        assert got == kernel and f"FP8TRAIN_CPU_BF16={forced} forces the probe" in why
+        a, a_sinv, b, b_sinv = _operands(64, 256, 96, path="bf16")
+        y = gemm(a, a_sinv, b, b_sinv, torch.float32)
+        # either kernel rounds the product once to bf16 before scaling it
+        rounded = (y / (a_sinv * b_sinv)).to(torch.bfloat16).float() * (a_sinv * b_sinv)
+        assert torch.equal(y, rounded)
+    monkeypatch.setenv("FP8TRAIN_CPU_BF16", "maybe")
+    with pytest.raises(ValueError, match="FP8TRAIN_CPU_BF16='maybe' is not valid: use auto, yes or no"):
+        bf16_kernel(torch.device("cpu"))
+
+
 _EITHER_KERNEL = """
 import os, sys, torch
 from fp8train.gemm import bf16_kernel, gemm
@@ -303,7 +324,11 @@ def test_bf16_path_has_the_same_numerics_on_either_kernel(tmp_path) -> None:
         timeout=120,
     )
     out = torch.load(path)
-    assert out["kernel"][0] == "fp32" and "ONEDNN_MAX_CPU_ISA=AVX2" in out["kernel"][1]
+    # the reason names what keeps bf16 away: oneDNN's limit where the CPU has bf16 instructions, the
+    # CPU itself where it has none (the expectation follows the machine the suite runs on)
+    has_bf16 = cpu_bf16_instructions()[0]
+    why = "ONEDNN_MAX_CPU_ISA=AVX2" if has_bf16 else "this CPU has no bf16 instructions"
+    assert out["kernel"][0] == "fp32" and why in out["kernel"][1], out["kernel"]
     (forced_kernel, _), native = out["forced"]
     assert forced_kernel == "bf16"
     step = 2.0**-7 * native.abs()  # one bf16 step (8 significant bits), at most

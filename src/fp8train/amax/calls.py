@@ -20,7 +20,12 @@ from typing import Any, Optional
 import torch
 
 from ..debug_switches import SWITCHES
-from ..torch_internals import keep_out_of_cuda_graphs, register_ordered_effects, round_divisions_as_eager
+from ..torch_internals import (
+    keep_out_of_cuda_graphs,
+    register_ordered_effects,
+    round_divisions_as_eager,
+    round_precision_casts_as_eager,
+)
 from .plans import note_training_output, plan_forward
 from .regions import current_backward_pass
 from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
@@ -259,3 +264,5 @@ ORDERED_EFFECTS = register_ordered_effects(op.default for op in PROTOCOL_OPS)
 KEPT_OUT_OF_CUDA_GRAPHS = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
 # compiled scales are eager's: fp8_max / amax and 1 / scale correctly rounded on GPUs too
 DIVISIONS_ROUNDED_AS_EAGER = round_divisions_as_eager()
+# and the emulated bf16 GEMM's output is rounded to bf16 where eager rounds it, fused or not
+PRECISION_CASTS_KEPT_AS_EAGER = round_precision_casts_as_eager()
