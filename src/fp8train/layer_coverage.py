@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -34,7 +33,9 @@ from .modules.base import FP8Module
 from .quantization import RECIPES, quantization_of, recipe_kind
 from .quantization.block import TILE
 from .recipe import Recipe
+from .shape_rule import GEMM_MULTIPLE, why_off
 from .torch_internals import managed_by_fsdp2
+from .user_warnings import warn_user
 
 __all__ = [
     "LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER",
@@ -48,8 +49,8 @@ BLOCK_PATH = "block_dequantized"  # gemm.matmul: block-scaled operands dequantiz
 
 
 # ---- which layers convert_to_fp8 converts (convert.py applies these rules, coverage explains them) ----
-# FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16.
-GEMM_MULTIPLE = 16
+# FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16, on
+# every device (shape_rule.py: the FP8 modules follow the same rule at run time)
 # layers a filter_fn kept in high precision (reported as "filter"); written by convert.py only
 KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
@@ -80,6 +81,7 @@ class LayerCoverage:
     frozen: bool  # its weight trains not: no weight-gradient GEMM
     path: Optional[str]  # the GEMM path an FP8 call takes (a token count that is a multiple of 16)
     padded: bool = False  # off the recipe's block: its operands are padded to whole blocks
+    asked: bool = False  # in high precision at the user's request: a module_filter_fn kept it, a switch
 
     @property
     def flops_per_token(self) -> int:
@@ -216,22 +218,61 @@ def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
             fp8 = reason == "fp8"
             padded = fp8 and block is not None and bool(k % block or n % block)
             path = gemm_path(kind, weight.device, 16, k, n) if fp8 else None
-            layers.append(LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded))
+            asked = reason in ("filter", "switched") or module in KEPT_BY_FILTER
+            layers.append(
+                LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded, asked)
+            )
     return ModelCoverage(tuple(layers), kind)
 
 
 def log_summary(model: torch.nn.Module, recipe=None) -> ModelCoverage:
-    """Log `coverage(model).summary()` (logger "fp8train", level INFO); warn if the model has linear
-    layers and none of them runs in FP8."""
+    """Log `coverage(model).summary()` (logger "fp8train", level INFO), and warn once (one UserWarning
+    naming each layer and why) about the linear layers in high precision that the user did not ask for
+    (not kept by a module_filter_fn or a switch); say so when nothing runs in FP8. Returns the coverage."""
     report = coverage(model, recipe)
     LOGGER.info(report.summary())
-    if report.layers and not any(layer.fp8 for layer in report.layers):
-        warnings.warn(
-            f"{report.summary()}: nothing trains in FP8. Check the shapes (multiples of 16), the filter_fn "
-            "and FP8TRAIN_HIGH_PRECISION; fp8train.coverage(model).table() lists every layer",
-            stacklevel=3,
-        )
+    unasked = [layer for layer in report.layers if not layer.fp8 and not layer.asked]
+    nothing = bool(report.layers) and not any(layer.fp8 for layer in report.layers)
+    if unasked or nothing:
+        shown = "; ".join(f"{layer.name} ({_why_not(layer, report.recipe_kind)})" for layer in unasked[:8])
+        more = f"; and {len(unasked) - 8} more" if len(unasked) > 8 else ""
+        parts = [f"{report.summary()}: nothing trains in FP8"] if nothing else []
+        if unasked:
+            parts.append(
+                f"fp8train: linear layers in high precision that no module_filter_fn asked for: {shown}"
+                f"{more}. A module_filter_fn that returns False for a layer keeps it in high precision "
+                "without this warning"
+            )
+        parts.append("fp8train.coverage(model).table() lists every layer")
+        warn_user(". ".join(parts))
+        _warned_already(model, unasked)
     return report
+
+
+def _why_not(layer: LayerCoverage, kind: Optional[str]) -> str:
+    """Why a layer runs in high precision, in words."""
+    if layer.reason == "shape":
+        return why_off(layer.out_features, layer.in_features)
+    if layer.reason == "off block":
+        whole = whole_blocks(kind or "delayed")
+        return (
+            f"{layer.in_features}x{layer.out_features} (in x out) is not whole {whole}-element blocks of "
+            f"the {kind} recipe"
+        )
+    if layer.reason == "not converted":
+        return (
+            f"a {layer.layer}, which convert_to_fp8 does not convert (it converts torch.nn.Linear itself "
+            "and transformers' Conv1D)"
+        )
+    return layer.reason
+
+
+def _warned_already(model: torch.nn.Module, layers: list[LayerCoverage]) -> None:
+    """FP8 modules named in the warning do not warn again at their first FP8 call (fp8_linear)."""
+    names = {layer.name.split("/")[0] for layer in layers if layer.reason == "shape"}
+    for fqn, module in model.named_modules():
+        if isinstance(module, FP8Module) and (fqn or type(module).__name__) in names:
+            module.shape_warned = True
 
 
 class StepCoverage:

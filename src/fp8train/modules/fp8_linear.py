@@ -10,11 +10,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import fsdp, saved, second_order
-from ..amax import Call, begin_call
+from ..amax import Call, begin_call, current_settings
 from ..cast import amax
 from ..fsdp import GatheredWeight
 from ..gemm import Operand, choose_path, matmul
 from ..quantization.base import WeightOperands
+from ..shape_rule import weight_fits, why_off
 from ..tensor_parallel import (
     TensorParallel,
     TokenCollective,
@@ -23,6 +24,7 @@ from ..tensor_parallel import (
     reduce_scatter_tokens,
 )
 from ..torch_internals import unsafe_view
+from ..user_warnings import warn_user
 
 __all__ = ["fp8_linear", "parallel_linear"]
 
@@ -125,6 +127,26 @@ def _operand_dtype(tokens: int, weight: torch.Tensor) -> torch.dtype:
     return _OPERAND_DTYPES[choose_path(weight.device, tokens, in_features, out_features)]
 
 
+def _off_shape_call(module, weight: torch.Tensor, gemm_index: int) -> Call:
+    """The call of a GEMM whose weight FP8 GEMMs cannot take (shape_rule.py): high precision, recording
+    nothing, on every device; the module warns once, at its first such call inside an FP8 region."""
+    settings = current_settings()
+    if (
+        settings is not None
+        and settings.active
+        and not torch.compiler.is_compiling()
+        and not getattr(module, "shape_warned", False)
+    ):
+        module.shape_warned = True
+        gemm = module.gemm_names[gemm_index] if gemm_index < len(module.gemm_names) else str(gemm_index)
+        warn_user(
+            f"fp8train: {module.signature}{f' (GEMM {gemm})' if gemm else ''} runs in high precision inside "
+            f"fp8_autocast: {why_off(*weight.shape)}. Pad it, or build it as a torch.nn.Linear "
+            "(fp8train.convert_to_fp8 keeps such layers in high precision); fp8train.coverage reports it"
+        )
+    return Call(False, False, None, module.fp8_handle, gemm_index)
+
+
 def fp8_linear(
     module,
     x: torch.Tensor,
@@ -144,7 +166,10 @@ def fp8_linear(
             "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
             "FP8 weight's bookkeeping runs outside the graph. Compile without the option, or run eagerly"
         )
-    call = begin_call(module, gemm_index)
+    if weight_fits(*weight.shape):
+        call = begin_call(module, gemm_index)
+    else:  # one rule on every device: such a GEMM runs in high precision (shape_rule.py)
+        call = _off_shape_call(module, weight, gemm_index)
     quantization = call.quantization
     gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
     if gathered and not (
