@@ -177,7 +177,8 @@ def gemm_path(kind: str, device: torch.device, tokens: int, in_features: int, ou
     kernel = gemm.RECIPE_KERNELS[kind]
     if kernel == "tensorwise":
         return gemm.choose_path(device, tokens, in_features, out_features)
-    return f"scaled_mm:{kernel}" if gemm.kernel_choice(kernel, device)[0] else BLOCK_PATH
+    fits = in_features % GEMM_MULTIPLE == 0 and out_features % GEMM_MULTIPLE == 0
+    return f"scaled_mm:{kernel}" if fits and gemm.kernel_choice(kernel, device)[0] else BLOCK_PATH
 
 
 def whole_blocks(kind: str) -> int:
@@ -207,8 +208,8 @@ def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
             name = f"{fqn}/{gemm_name}" if gemm_name else (fqn or type(module).__name__)
             frozen = not weight.requires_grad
             off_block = bool(k % whole or n % whole)
-            if not fp8_compatible(k, n):
-                reason = "shape"
+            if not isinstance(module, FP8Module) and not fp8_compatible(k, n):
+                reason = "shape"  # convert_to_fp8 left it high precision (an FP8 module emulates it)
             elif off_block:  # an FP8 module of this shape is refused by the recipe at its first call
                 reason = "off block"
             elif not isinstance(module, FP8Module):
@@ -245,7 +246,6 @@ def log_summary(model: torch.nn.Module, recipe=None) -> ModelCoverage:
             )
         parts.append("fp8train.coverage(model).table() lists every layer")
         warn_user(". ".join(parts))
-        _warned_already(model, unasked)
     return report
 
 
@@ -265,14 +265,6 @@ def _why_not(layer: LayerCoverage, kind: Optional[str]) -> str:
             "and transformers' Conv1D)"
         )
     return layer.reason
-
-
-def _warned_already(model: torch.nn.Module, layers: list[LayerCoverage]) -> None:
-    """FP8 modules named in the warning do not warn again at their first FP8 call (fp8_linear)."""
-    names = {layer.name.split("/")[0] for layer in layers if layer.reason == "shape"}
-    for fqn, module in model.named_modules():
-        if isinstance(module, FP8Module) and (fqn or type(module).__name__) in names:
-            module.shape_warned = True
 
 
 class StepCoverage:

@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import fsdp, saved, second_order
-from ..amax import Call, begin_call, current_settings
+from ..amax import Call, begin_call
 from ..cast import amax
 from ..fsdp import GatheredWeight
-from ..gemm import Operand, choose_path, matmul
+from ..gemm import RECIPE_KERNELS, Operand, choose_path, kernel_choice, matmul
 from ..quantization.base import WeightOperands
 from ..shape_rule import weight_fits, why_off
 from ..tensor_parallel import (
@@ -127,24 +127,22 @@ def _operand_dtype(tokens: int, weight: torch.Tensor) -> torch.dtype:
     return _OPERAND_DTYPES[choose_path(weight.device, tokens, in_features, out_features)]
 
 
-def _off_shape_call(module, weight: torch.Tensor, gemm_index: int) -> Call:
-    """The call of a GEMM whose weight FP8 GEMMs cannot take (shape_rule.py): high precision, recording
-    nothing, on every device; the module warns once, at its first such call inside an FP8 region."""
-    settings = current_settings()
-    if (
-        settings is not None
-        and settings.active
-        and not torch.compiler.is_compiling()
-        and not getattr(module, "shape_warned", False)
-    ):
-        module.shape_warned = True
-        gemm = module.gemm_names[gemm_index] if gemm_index < len(module.gemm_names) else str(gemm_index)
-        warn_user(
-            f"fp8train: {module.signature}{f' (GEMM {gemm})' if gemm else ''} runs in high precision inside "
-            f"fp8_autocast: {why_off(*weight.shape)}. Pad it, or build it as a torch.nn.Linear "
-            "(fp8train.convert_to_fp8 keeps such layers in high precision); fp8train.coverage reports it"
-        )
-    return Call(False, False, None, module.fp8_handle, gemm_index)
+def _warn_if_emulated_for_shape(module, weight: torch.Tensor, call: Call) -> None:
+    """One rule for a weight off 16, on every device (shape_rule.py): an FP8 module computes it in FP8
+    through the exact emulation. Where the device would otherwise run the recipe's kernel (a GPU, or
+    FP8TRAIN_GEMM=scaled_mm) that is a fallback, and the module says so once."""
+    if getattr(module, "shape_warned", False) or torch.compiler.is_compiling():
+        return
+    kernel = RECIPE_KERNELS[call.quantization.kind]
+    if not kernel_choice(kernel, weight.device)[0]:
+        return  # the emulation is this device's path for every shape: nothing falls back
+    module.shape_warned = True
+    warn_user(
+        f"fp8train: {module.signature} computes FP8 through the exact emulation on {weight.device}, not "
+        f"torch._scaled_mm's {kernel} kernel: {why_off(*weight.shape)}. Pad it, or build it as a "
+        "torch.nn.Linear to keep it in high precision (fp8train.convert_to_fp8 does); "
+        "fp8train.coverage(model) shows each layer's path"
+    )
 
 
 def fp8_linear(
@@ -166,10 +164,7 @@ def fp8_linear(
             "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
             "FP8 weight's bookkeeping runs outside the graph. Compile without the option, or run eagerly"
         )
-    if weight_fits(*weight.shape):
-        call = begin_call(module, gemm_index)
-    else:  # one rule on every device: such a GEMM runs in high precision (shape_rule.py)
-        call = _off_shape_call(module, weight, gemm_index)
+    call = begin_call(module, gemm_index)
     quantization = call.quantization
     gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
     if gathered and not (
@@ -185,6 +180,8 @@ def fp8_linear(
         if sp_group is not None:
             x = TokenCollective.apply(x, sp_group, True)
         return F.linear(x, weight, bias)
+    if not weight_fits(*weight.shape):  # the same FP8 numerics on every device (shape_rule.py)
+        _warn_if_emulated_for_shape(module, weight, call)
     if sp_group is not None and not quantization.casts_before_gather:
         x, sp_group = TokenCollective.apply(x, sp_group, True), None  # cast where the tensor is whole
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
