@@ -101,7 +101,7 @@ def _exit(region: Optional[Region], failed: bool) -> None:
 
 
 def is_prepared(model: torch.nn.Module) -> bool:
-    """Whether `fp8train.prepare` has been applied to this very module (not to a submodule)."""
+    """Whether `fp8train.prepare` has been applied to this very `model` (not to a submodule of it)."""
     return isinstance(getattr(model, "__dict__", {}).get("forward"), FP8Forward)
 
 

@@ -149,8 +149,10 @@ class FP8Precision(_precision.Precision):
         return autocast(recipe=self.recipe, amax_reduction_group=self.amax_reduction_group)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Per-step amax reduction: the step boundary after the closure (the step's last forward and
-        backward, also in manual optimization), so no `end_step` is needed in the LightningModule."""
+        """Lightning's optimizer step of `optimizer` for `model` (Lightning passes both, and `closure`:
+        the step's forward and backward), with per-step amax reduction's boundary after the closure
+        (also in manual optimization), so no `end_step` is needed in the LightningModule. Returns
+        the closure's result, as Lightning's."""
         if getattr(self.recipe, "per_step", False):
             closure = ending_step(closure)
         return super().optimizer_step(optimizer, model, closure, **kwargs)

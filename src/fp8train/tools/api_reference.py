@@ -16,6 +16,7 @@ named in its docstring.
 from __future__ import annotations
 
 import argparse
+import html
 import importlib
 import inspect
 import re
@@ -91,10 +92,16 @@ def _parameters(obj) -> list[str]:
 
 
 def _docstring(obj) -> str:
-    """What the reference shows for `obj`: its docstring, and for a class its constructor's too."""
+    """What the reference shows for `obj`: its docstring, and for a class its constructor's too, and
+    where fp8train's class inherits its constructor from another of fp8train's, that class's (which
+    describes the parameters)."""
     parts = [inspect.getdoc(obj) or ""]
-    if inspect.isclass(obj) and "__init__" in vars(obj) and vars(obj)["__init__"].__doc__:
-        parts.append(inspect.getdoc(vars(obj)["__init__"]) or "")
+    if inspect.isclass(obj):
+        owner = next((c for c in obj.__mro__ if "__init__" in vars(c)), object)
+        if vars(owner)["__init__"].__doc__:
+            parts.append(inspect.getdoc(vars(owner)["__init__"]) or "")
+        if owner is not obj and owner.__module__.startswith("fp8train."):
+            parts.append(inspect.getdoc(owner) or "")
     return "\n".join(parts)
 
 
@@ -161,7 +168,7 @@ def build(out: Path, modules: Optional[Iterable[str]] = None) -> list[Path]:
         ) from exc
     names = list(modules) if modules is not None else [*PUBLIC_MODULES, *PAGE_ONLY, *available_integrations()]
     docs = {name: pdoc.doc.Module(importlib.import_module(name)) for name in names}
-    pdoc.render.configure(docformat="markdown", search=False, show_source=False)
+    pdoc.render.configure(docformat="google", search=False, show_source=False)
     out = Path(out)
     pages = []
     for name, doc in docs.items():
@@ -170,8 +177,21 @@ def build(out: Path, modules: Optional[Iterable[str]] = None) -> list[Path]:
         page.write_text(pdoc.render.html_module(doc, all_modules=docs), encoding="utf-8")
         pages.append(page)
     index = out / "index.html"
-    index.write_text(pdoc.render.html_index(docs), encoding="utf-8")
+    index.write_text(_index_page(docs), encoding="utf-8")
     return [index, *pages]
+
+
+def _index_page(docs: dict) -> str:
+    """index.html: every module's page, with the first line of its docstring."""
+    rows = "\n".join(
+        f'<li><a href="{name.replace(".", "/")}.html">{name}</a>: '
+        f"{html.escape((doc.docstring.strip().splitlines() or [''])[0])}</li>"
+        for name, doc in docs.items()
+    )
+    return (
+        '<!doctype html>\n<html lang="en">\n<head><meta charset="utf-8"><title>fp8train API reference</title>'
+        f"</head>\n<body>\n<h1>fp8train API reference</h1>\n<ul>\n{rows}\n</ul>\n</body>\n</html>\n"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
