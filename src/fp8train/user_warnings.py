@@ -15,8 +15,8 @@ DeprecationWarning.
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -32,7 +32,7 @@ _SKIPPED = tuple(
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """`warnings.warn(message, category)` attributed to the first frame outside fp8train and torch."""
-    level, frame = 1, sys._getframe(1)
+    level, frame = 1, inspect.currentframe().f_back
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIPPED):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)
