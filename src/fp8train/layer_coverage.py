@@ -3,7 +3,7 @@
 `coverage(model)` looks at the model as it stands: every linear layer (`torch.nn.Linear`,
 transformers' `Conv1D`, fp8train's FP8 modules, one entry per GEMM) with whether it runs in FP8 and
 why not (its shape is off the multiple of 16 FP8 GEMMs need or off the whole blocks its recipe
-needs, `filter_fn` kept it, a high-precision switch holds it: debug_switches.py), whether it is
+needs, `module_filter_fn` kept it, a high-precision switch holds it: debug_switches.py), whether it is
 frozen (no weight-gradient GEMM), whether its operands are padded to the recipe's blocks (block
 scaling's 128) and the GEMM path it takes on its device (`gemm_path`: as gemm.py chooses it).
 
@@ -51,7 +51,7 @@ BLOCK_PATH = "block_dequantized"  # gemm.matmul: block-scaled operands dequantiz
 # ---- which layers convert_to_fp8 converts (convert.py applies these rules, coverage explains them) ----
 # FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16, on
 # every device (shape_rule.py: the FP8 modules follow the same rule at run time)
-# layers a filter_fn kept in high precision (reported as "filter"); written by convert.py only
+# layers a module_filter_fn kept in high precision (reported as "filter"); written by convert.py only
 KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 

@@ -96,7 +96,7 @@ class DirectionView:
 
     @property
     def name(self) -> str:
-        """"fwd" or "bwd"."""
+        """The direction: "fwd" or "bwd"."""
         return self.direction.name
 
     @property
