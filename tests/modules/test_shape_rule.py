@@ -142,6 +142,7 @@ def test_convert_warns_once_naming_unasked_high_precision_layers() -> None:
         lambda: fp8train.convert_to_fp8(_model(), module_filter_fn=lambda m, fqn: fqn == "0")
     )
     assert asked == []
+    assert _warnings_of(lambda: fp8train.convert_to_fp8(_model(), log=False)) == []  # asked for quiet
 
     # a subclass of torch.nn.Linear is not converted: said too
     class MyLinear(torch.nn.Linear):
