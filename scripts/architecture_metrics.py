@@ -63,7 +63,10 @@ from typing import NamedTuple, Optional
 # layer and the layers before it. An entry is a file directly in src/fp8train/ (its stem) or a
 # subpackage (every module in it). tests/test_layers.py enforces this table on the code.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("vocabulary", ("formats", "recipe", "errors", "torch_internals", "debug_switches")),
+    (
+        "vocabulary",
+        ("formats", "recipe", "errors", "torch_internals", "debug_switches", "shape_rule", "user_warnings"),
+    ),
     (
         "numerics",
         ("cast", "microscaling", "operand", "block_gemm", "gemm", "saved", "second_order", "tensor_parallel"),

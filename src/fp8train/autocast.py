@@ -23,10 +23,31 @@ def fp8_autocast(
     fp8_recipe: Optional[Recipe] = None,
     fp8_group=None,
 ) -> Iterator[None]:
-    """Run FP8 modules inside in FP8 (or record amaxes only, with `calibrating`).
+    """Run the FP8 modules called inside in FP8 (TransformerEngine's `fp8_autocast`, its names).
 
-    `fp8_recipe`: `DelayedScaling` (the default), `Float8CurrentScaling` or `Float8BlockScaling`.
-    `fp8_group` is the amax group of delayed scaling: the ranks that share scales (default: the world)."""
+    Every FP8 module (`Linear`, `LayerNormLinear`, `LayerNormMLP`, the layers `convert_to_fp8` made)
+    called inside computes its GEMMs in FP8 under `fp8_recipe`; outside every region they compute in
+    high precision. Regions nest (the outermost one launches delayed scaling's amax reduction when
+    it exits; the backward pass launches its own when it ends: docs/design.md, section 3).
+
+    Args:
+        enabled: False runs the modules inside in high precision (no FP8, no amax recorded).
+        calibrating: record amaxes (delayed scaling) while computing in high precision: with
+            `enabled=False`, a calibration pass that sets the scales before FP8 training starts.
+        fp8_recipe: the recipe, one of the five: `DelayedScaling` (the default, `DelayedScaling()`),
+            `Float8CurrentScaling`, `Float8BlockScaling`, `MXFP8BlockScaling` or `NVFP4BlockScaling`.
+        fp8_group: delayed scaling's amax group: the process group whose ranks share scales (default
+            None: the world). The same group for every training region of a module.
+
+    Yields:
+        None; the region lasts for the `with` block.
+
+    Raises:
+        ValueError: `fp8_recipe` is not one of the recipes.
+        ValueError (on entry): this rank is not in `fp8_group`.
+        fp8train.LayoutMismatchError, StateMismatchError, AmaxReductionError: an amax reduction found
+            the ranks disagreeing, or failed (docs/design.md, section 4); every rank raises alike.
+    """
     recipe = DelayedScaling() if fp8_recipe is None else check_recipe(fp8_recipe, "fp8_recipe")
     settings = RegionSettings(bool(enabled), bool(calibrating), recipe, quantization_of(recipe), fp8_group)
     region = enter_region(settings)
@@ -46,5 +67,17 @@ def autocast(
     recipe: Optional[Recipe] = None,
     amax_reduction_group=None,
 ):
-    """`fp8_autocast` under TransformerEngine's newer argument names."""
+    """`fp8_autocast` under TransformerEngine's newer names (`transformer_engine.pytorch.autocast`).
+
+    Args:
+        enabled: False runs the modules inside in high precision.
+        calibrating: record amaxes while computing in high precision (see `fp8_autocast`).
+        recipe: the recipe: `DelayedScaling` (default), `Float8CurrentScaling`, `Float8BlockScaling`,
+            `MXFP8BlockScaling` or `NVFP4BlockScaling`.
+        amax_reduction_group: the process group whose ranks share delayed scaling's scales (default
+            None: the world).
+
+    Returns:
+        The `fp8_autocast` context manager. Raises as `fp8_autocast` does.
+    """
     return fp8_autocast(enabled, calibrating, recipe, amax_reduction_group)

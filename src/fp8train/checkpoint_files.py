@@ -65,7 +65,16 @@ def _diagnose(path: str) -> str:
 
 def load_checkpoint(path: PathLike, map_location: Any = None, weights_only: bool = True) -> Any:
     """torch.load `path` (`weights_only=True` by default, as torch.load: tensors and plain containers
-    only); a damaged or foreign file raises CheckpointError naming the problem."""
+    only), with `map_location` as torch.load's (where tensors go: a device, a dict or a callable).
+
+    Returns:
+        The loaded object.
+
+    Raises:
+        CheckpointError: a damaged, truncated or foreign file, or Python objects under
+            `weights_only=True` (the message names the problem and the fix).
+        FileNotFoundError, IsADirectoryError, PermissionError: as torch.load.
+    """
     path = os.fspath(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)

@@ -81,19 +81,36 @@ def convert_to_fp8(
     fsdp_fp8_all_gather: bool = False,
     log: bool = True,
 ) -> torch.nn.Module:
-    """Replace `torch.nn.Linear` (and transformers' `Conv1D`) layers of `model` by FP8 modules, in place.
+    """Replace the `torch.nn.Linear` (and transformers' `Conv1D`) layers of `model` by FP8 modules, in place.
 
-    A layer is converted when both weight dimensions are multiples of 16 (what FP8 GEMMs take), and of
-    `recipe`'s block where it has one that every GEMM dimension must fill (MXFP8: 32), and
-    `module_filter_fn(module, fully_qualified_name)` returns True (it is not called for layers that
-    are skipped anyway); return False to keep a layer in high precision, e.g. the output head.
-    `recipe` is only checked here: FP8 state is created under the recipe of the first training
-    `fp8_autocast` region, so pass that same recipe there. Returns `model` (converted in place;
-    a `model` that is itself a Linear cannot be replaced in place and is returned converted).
-    `fsdp_fp8_all_gather=True` makes FSDP2 (`fully_shard`) gather the converted weights in FP8
-    (docs/guide.md, "FSDP2 with FP8 all-gather"); the Parameter objects stay the same.
-    `log`: log `fp8train.coverage(model).summary()` (logger "fp8train", INFO) and warn if no layer
-    was converted; `FP8TRAIN_HIGH_PRECISION` switches are applied (debug_switches.py).
+    Args:
+        model: the model (any `torch.nn.Module`; a bare `torch.nn.Linear` too).
+        module_filter_fn: `module_filter_fn(module, fqn) -> bool`, called once for every linear layer
+            (`fqn`: its fully qualified name in `model`, "" for `model` itself); False keeps the layer
+            in high precision at your request (the output head, say: `first_and_last_linear_filter`).
+            torchao's name for the same argument of `convert_to_float8_training`.
+        recipe: the recipe the model trains with (default: none checked). It is only checked here and
+            decides which shapes convert (whole blocks of MXFP8's 32); FP8 state is created under the
+            recipe of the first training `fp8_autocast` region, so pass that same recipe there.
+        fsdp_fp8_all_gather: FSDP2 (`fully_shard`) gathers the converted weights in FP8 (docs/guide.md,
+            "FSDP2 with FP8 all-gather"); the Parameter objects stay the same.
+        log: log `fp8train.coverage(model).summary()` (logger "fp8train", level INFO) and warn once
+            (a UserWarning naming the layers and why) about linear layers left in high precision that
+            you did not ask for: a weight dimension off 16 (FP8 GEMMs need multiples of 16 on every
+            device: shape_rule.py), off the recipe's whole blocks, or a subclass of `torch.nn.Linear`
+            (not converted). Layers your `module_filter_fn` keeps are not warned about.
+
+    A layer is converted when `module_filter_fn` returns True (or there is none), both weight
+    dimensions are multiples of 16, and of `recipe`'s block where it has one that every GEMM
+    dimension must fill (MXFP8: 32). The converted modules hold the very same Parameter objects.
+    `FP8TRAIN_HIGH_PRECISION` switches are applied (debug_switches.py).
+
+    Returns:
+        `model`, converted in place; a `model` that is itself a Linear cannot be replaced in place and
+        is returned converted.
+
+    Raises:
+        ValueError: `module_filter_fn` is not callable, or `recipe` is not a recipe.
     """
     if recipe is not None:
         check_recipe(recipe, "recipe")
@@ -106,9 +123,17 @@ def convert_to_fp8(
             KEPT_BY_FILTER.add(module)
         return kept
 
-    root = _swap(model, fsdp_fp8_all_gather, recipe)
-    if root is not None:
-        return _converted(root if keep(model, "") else model, recipe, log)
+    def converted(module: torch.nn.Module, fqn: str) -> torch.nn.Module:
+        """The module's FP8 replacement, or the module itself (not a linear layer, kept by the filter
+        (asked first: a layer it keeps is kept at the user's request, whatever its shape), or of a shape
+        FP8 GEMMs cannot take)."""
+        if not (type(module) is torch.nn.Linear or is_hf_conv1d(module)) or not keep(module, fqn):
+            return module
+        new = _swap(module, fsdp_fp8_all_gather, recipe)
+        return module if new is None else new
+
+    if type(model) is torch.nn.Linear or is_hf_conv1d(model):
+        return _converted(converted(model, ""), recipe, log)
     swapped: dict[int, torch.nn.Module] = {}  # a layer shared by several parents stays one module
     for fqn, parent in list(model.named_modules(remove_duplicate=False)):
         if isinstance(parent, FP8Module):
@@ -117,9 +142,7 @@ def convert_to_fp8(
             if child is None:
                 continue
             if id(child) not in swapped:
-                new = _swap(child, fsdp_fp8_all_gather, recipe)
-                keep_it = new is not None and keep(child, f"{fqn}.{name}" if fqn else name)
-                swapped[id(child)] = new if keep_it else child
+                swapped[id(child)] = converted(child, f"{fqn}.{name}" if fqn else name)
             setattr(parent, name, swapped[id(child)])
     return _converted(model, recipe, log)
 

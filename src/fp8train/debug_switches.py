@@ -34,11 +34,13 @@ class Rule:
     stop: Optional[int] = None  # exclusive; None: no end
 
     def covers(self, step: int) -> bool:
+        """Whether optimizer step `step` is in [start, stop)."""
         return self.start <= step and (self.stop is None or step < self.stop)
 
 
 def parse_rules(spec: str, where: str = "high_precision rules") -> tuple[Rule, ...]:
-    """Rules from "PATTERN[:START-STOP],...", e.g. "blocks.3.*:100-200,head"."""
+    """Rules from `spec`, "PATTERN[:START-STOP],...", e.g. "blocks.3.*:100-200,head"; `where` names the
+    source in error messages (a ValueError that says what to write)."""
     rules = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -113,6 +115,7 @@ class Switches:
         return bool(rules) and any(rule.covers(self.step) for rule in rules)
 
     def rules_of(self, module: torch.nn.Module) -> tuple[Rule, ...]:
+        """The rules that hold `module` (none: ())."""
         return self._rules.get(module, ())
 
 

@@ -21,10 +21,12 @@ class Format(enum.Enum):
 
     @property
     def fwd(self) -> str:
+        """The encoding of forward tensors (inputs, weights): "e4m3" or "e5m2"."""
         return self.value[0]
 
     @property
     def bwd(self) -> str:
+        """The encoding of gradients: "e4m3" or "e5m2"."""
         return self.value[1]
 
 

@@ -3,7 +3,7 @@
 `coverage(model)` looks at the model as it stands: every linear layer (`torch.nn.Linear`,
 transformers' `Conv1D`, fp8train's FP8 modules, one entry per GEMM) with whether it runs in FP8 and
 why not (its shape is off the multiple of 16 FP8 GEMMs need or off the whole blocks its recipe
-needs, `filter_fn` kept it, a high-precision switch holds it: debug_switches.py), whether it is
+needs, `module_filter_fn` kept it, a high-precision switch holds it: debug_switches.py), whether it is
 frozen (no weight-gradient GEMM), whether its operands are padded to the recipe's blocks (block
 scaling's 128) and the GEMM path it takes on its device (`gemm_path`: as gemm.py chooses it).
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -34,7 +33,9 @@ from .modules.base import FP8Module
 from .quantization import RECIPES, quantization_of, recipe_kind
 from .quantization.block import TILE
 from .recipe import Recipe
+from .shape_rule import GEMM_MULTIPLE, why_off
 from .torch_internals import managed_by_fsdp2
+from .user_warnings import warn_user
 
 __all__ = [
     "LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER",
@@ -48,9 +49,9 @@ BLOCK_PATH = "block_dequantized"  # gemm.matmul: block-scaled operands dequantiz
 
 
 # ---- which layers convert_to_fp8 converts (convert.py applies these rules, coverage explains them) ----
-# FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16.
-GEMM_MULTIPLE = 16
-# layers a filter_fn kept in high precision (reported as "filter"); written by convert.py only
+# FP8 GEMMs (torch._scaled_mm, cuBLASLt) need both dimensions of the weight to be multiples of 16, on
+# every device (shape_rule.py: the FP8 modules follow the same rule at run time)
+# layers a module_filter_fn kept in high precision (reported as "filter"); written by convert.py only
 KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
@@ -80,6 +81,7 @@ class LayerCoverage:
     frozen: bool  # its weight trains not: no weight-gradient GEMM
     path: Optional[str]  # the GEMM path an FP8 call takes (a token count that is a multiple of 16)
     padded: bool = False  # off the recipe's block: its operands are padded to whole blocks
+    asked: bool = False  # in high precision at the user's request: a module_filter_fn kept it, a switch
 
     @property
     def flops_per_token(self) -> int:
@@ -175,7 +177,8 @@ def gemm_path(kind: str, device: torch.device, tokens: int, in_features: int, ou
     kernel = gemm.RECIPE_KERNELS[kind]
     if kernel == "tensorwise":
         return gemm.choose_path(device, tokens, in_features, out_features)
-    return f"scaled_mm:{kernel}" if gemm.kernel_choice(kernel, device)[0] else BLOCK_PATH
+    fits = in_features % GEMM_MULTIPLE == 0 and out_features % GEMM_MULTIPLE == 0
+    return f"scaled_mm:{kernel}" if fits and gemm.kernel_choice(kernel, device)[0] else BLOCK_PATH
 
 
 def whole_blocks(kind: str) -> int:
@@ -205,8 +208,8 @@ def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
             name = f"{fqn}/{gemm_name}" if gemm_name else (fqn or type(module).__name__)
             frozen = not weight.requires_grad
             off_block = bool(k % whole or n % whole)
-            if not fp8_compatible(k, n):
-                reason = "shape"
+            if not isinstance(module, FP8Module) and not fp8_compatible(k, n):
+                reason = "shape"  # convert_to_fp8 left it high precision (an FP8 module emulates it)
             elif off_block:  # an FP8 module of this shape is refused by the recipe at its first call
                 reason = "off block"
             elif not isinstance(module, FP8Module):
@@ -216,22 +219,52 @@ def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
             fp8 = reason == "fp8"
             padded = fp8 and block is not None and bool(k % block or n % block)
             path = gemm_path(kind, weight.device, 16, k, n) if fp8 else None
-            layers.append(LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded))
+            asked = reason in ("filter", "switched") or module in KEPT_BY_FILTER
+            layers.append(
+                LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded, asked)
+            )
     return ModelCoverage(tuple(layers), kind)
 
 
 def log_summary(model: torch.nn.Module, recipe=None) -> ModelCoverage:
-    """Log `coverage(model).summary()` (logger "fp8train", level INFO); warn if the model has linear
-    layers and none of them runs in FP8."""
+    """Log `coverage(model).summary()` (logger "fp8train", level INFO), and warn once (one UserWarning
+    naming each layer and why) about the linear layers in high precision that the user did not ask for
+    (not kept by a module_filter_fn or a switch); say so when nothing runs in FP8. Returns the coverage."""
     report = coverage(model, recipe)
     LOGGER.info(report.summary())
-    if report.layers and not any(layer.fp8 for layer in report.layers):
-        warnings.warn(
-            f"{report.summary()}: nothing trains in FP8. Check the shapes (multiples of 16), the filter_fn "
-            "and FP8TRAIN_HIGH_PRECISION; fp8train.coverage(model).table() lists every layer",
-            stacklevel=3,
-        )
+    unasked = [layer for layer in report.layers if not layer.fp8 and not layer.asked]
+    nothing = bool(report.layers) and not any(layer.fp8 for layer in report.layers)
+    if unasked or nothing:
+        shown = "; ".join(f"{layer.name} ({_why_not(layer, report.recipe_kind)})" for layer in unasked[:8])
+        more = f"; and {len(unasked) - 8} more" if len(unasked) > 8 else ""
+        parts = [f"{report.summary()}: nothing trains in FP8"] if nothing else []
+        if unasked:
+            parts.append(
+                f"fp8train: linear layers in high precision that no module_filter_fn asked for: {shown}"
+                f"{more}. A module_filter_fn that returns False for a layer keeps it in high precision "
+                "without this warning"
+            )
+        parts.append("fp8train.coverage(model).table() lists every layer")
+        warn_user(". ".join(parts))
     return report
+
+
+def _why_not(layer: LayerCoverage, kind: Optional[str]) -> str:
+    """Why a layer runs in high precision, in words."""
+    if layer.reason == "shape":
+        return why_off(layer.out_features, layer.in_features)
+    if layer.reason == "off block":
+        whole = whole_blocks(kind or "delayed")
+        return (
+            f"{layer.in_features}x{layer.out_features} (in x out) is not whole {whole}-element blocks of "
+            f"the {kind} recipe"
+        )
+    if layer.reason == "not converted":
+        return (
+            f"a {layer.layer}, which convert_to_fp8 does not convert (it converts torch.nn.Linear itself "
+            "and transformers' Conv1D)"
+        )
+    return layer.reason
 
 
 class StepCoverage:

@@ -20,15 +20,20 @@ the model's parameters (Hugging Face's Trainer drops dataset columns the forward
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from .amax import Region, RegionSettings, enter_region, exit_region
 from .convert import FilterFn, convert_to_fp8
+from .layer_coverage import coverage
 from .modules.base import FP8Module
 from .quantization import quantization_of
 from .recipe import DelayedScaling, Recipe, check_recipe
+from .user_warnings import UNSET, renamed_argument
 
 __all__ = ["prepare", "is_prepared", "FP8Forward", "first_and_last_linear_filter"]
 
@@ -96,7 +101,7 @@ def _exit(region: Optional[Region], failed: bool) -> None:
 
 
 def is_prepared(model: torch.nn.Module) -> bool:
-    """Whether `fp8train.prepare` has been applied to this very module (not to a submodule)."""
+    """Whether `fp8train.prepare` has been applied to this very `model` (not to a submodule of it)."""
     return isinstance(getattr(model, "__dict__", {}).get("forward"), FP8Forward)
 
 
@@ -104,22 +109,50 @@ def prepare(
     model: torch.nn.Module,
     recipe: Optional[Recipe] = None,
     amax_reduction_group: Any = None,
-    filter_fn: Optional[FilterFn] = None,
+    module_filter_fn: Optional[FilterFn] = None,
     fsdp_fp8_all_gather: bool = False,
+    verbose: bool = True,
+    *,
+    filter_fn: Any = UNSET,
 ) -> torch.nn.Module:
     """Convert `model`'s linear layers to FP8 modules and make every call of `model` one FP8 region.
 
     After `model = fp8train.prepare(model)`, any loop, trainer or wrapper (DDP, FSDP2, torch.compile,
-    Hugging Face's Trainer, accelerate) that calls the model trains in FP8 under `recipe` (default
-    `DelayedScaling()`), reducing amaxes over `amax_reduction_group` (default: the world). Layers
-    whose shape FP8 GEMMs cannot take are kept in high precision (`convert.fp8_compatible`), and so
-    are those for which `filter_fn(module, fqn)` returns False (`first_and_last_linear_filter` keeps
-    the first and last linear layers, as accelerate's torchao backend does). The model is changed in
-    place and returned (as `convert_to_fp8`, a bare `torch.nn.Linear` is returned converted).
-    Preparing a model twice raises: a second region and conversion would change nothing but the
-    recipe, silently. A `transformers.PreTrainedModel` gives its FP8 state as a uint8 tensor
+    Hugging Face's Trainer, accelerate) that calls the model trains in FP8.
+
+    Args:
+        model: the model to train in FP8 (changed in place).
+        recipe: the recipe (default `DelayedScaling()`): `DelayedScaling`, `Float8CurrentScaling`,
+            `Float8BlockScaling`, `MXFP8BlockScaling` or `NVFP4BlockScaling`.
+        amax_reduction_group: the process group whose ranks share delayed scaling's scales (default
+            None: the world).
+        module_filter_fn: `module_filter_fn(module, fqn) -> bool`, False keeps a linear layer in high
+            precision at your request (`first_and_last_linear_filter` keeps the first and last, as
+            accelerate's torchao backend does); as in `convert_to_fp8`.
+        fsdp_fp8_all_gather: FSDP2 gathers the converted weights in FP8 (`convert_to_fp8`).
+        verbose: print the coverage summary (`fp8train.coverage(model).summary()`: how many linear
+            GEMMs run in FP8, their FLOP share, why the others do not) to stderr, on rank 0 only (the
+            process whose torch.distributed rank, or else whose `RANK` variable, is 0). It is also
+            logged at INFO (logger "fp8train") on every rank, whatever `verbose` says.
+        filter_fn: the deprecated name of `module_filter_fn` (a DeprecationWarning).
+
+    Layers whose shape FP8 GEMMs cannot take (a weight dimension off 16, on every device) stay in high
+    precision, with one UserWarning naming them and why unless `module_filter_fn` kept them
+    (`convert_to_fp8`). A `transformers.PreTrainedModel` gives its FP8 state as a uint8 tensor
     (`FP8Module.extra_state_as_tensor`), because `save_pretrained` writes safetensors.
+
+    Returns:
+        `model`, prepared in place (as `convert_to_fp8`, a bare `torch.nn.Linear` is returned converted).
+
+    Raises:
+        TypeError: `model` is not a `torch.nn.Module`, or both `module_filter_fn` and `filter_fn` were given.
+        ValueError: the model was prepared already (a second region and conversion would change nothing
+            but the recipe, silently), has its own `forward` set on the instance, has no layer to train in
+            FP8, or `recipe` is not a recipe.
     """
+    module_filter_fn = renamed_argument(
+        module_filter_fn, filter_fn, "module_filter_fn", "filter_fn", "prepare"
+    )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8train.prepare takes a torch.nn.Module, got {type(model).__name__}")
     if is_prepared(model):
@@ -133,7 +166,7 @@ def prepare(
             "patch); call fp8train.prepare before whatever replaced it"
         )
     recipe = DelayedScaling() if recipe is None else check_recipe(recipe, "recipe")
-    model = convert_to_fp8(model, filter_fn, recipe, fsdp_fp8_all_gather)
+    model = convert_to_fp8(model, module_filter_fn, recipe, fsdp_fp8_all_gather)
     if not any(isinstance(m, FP8Module) for m in model.modules()):
         raise ValueError(
             f"fp8train.prepare found no layer to train in FP8 in this {type(model).__name__}: no "
@@ -148,7 +181,19 @@ def prepare(
             if isinstance(module, FP8Module):
                 module.extra_state_as_tensor = True
     model.forward = FP8Forward(model, recipe, amax_reduction_group)
+    if verbose and _rank() == 0:
+        print(coverage(model, recipe).summary(), file=sys.stderr)
     return model
+
+
+def _rank() -> int:
+    """This process's rank: torch.distributed's once it is initialized, else torchrun's RANK, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _is_transformers_model(model: torch.nn.Module) -> bool:
@@ -160,15 +205,22 @@ def _is_transformers_model(model: torch.nn.Module) -> bool:
 
 
 def first_and_last_linear_filter(model: torch.nn.Module) -> FilterFn:
-    """A `filter_fn` that keeps the first and the last `torch.nn.Linear` of `model` (in module order)
-    in high precision: the usual choice for the layers nearest the data and the loss."""
+    """A `module_filter_fn` (for `prepare`, `convert_to_fp8`) that keeps the first and the last
+    `torch.nn.Linear` of `model` (in module order) in high precision: the usual choice for the layers
+    nearest the data and the loss (accelerate's torchao backend's default).
+
+    Args:
+        model: the model as it will be converted (its layers' names are what the filter matches).
+
+    Returns:
+        A picklable callable `(module, fqn) -> bool`, False for those two layers."""
     names = [fqn for fqn, m in model.named_modules() if type(m) is torch.nn.Linear]
     ends = {names[0], names[-1]} if names else set()
     return _SkipNames(frozenset(ends))
 
 
 class _SkipNames:
-    """filter_fn(module, fqn) -> fqn not in names; a class so that it pickles."""
+    """module_filter_fn(module, fqn) -> fqn not in names; a class so that it pickles."""
 
     def __init__(self, names: frozenset) -> None:
         self.names = names

@@ -51,6 +51,18 @@ class DelayedScaling:
     amaxes of all regions of an optimizer step are MAX-accumulated locally and reduced once per
     direction at the step boundary (`fp8train.end_step()`), so scales are constant within a step
     (docs/design.md, section 14).
+
+    Args:
+        margin: scales leave 2**margin of headroom: scale = fp8_max / amax / 2**margin (an integer >= 0).
+        fp8_format: `Format.HYBRID` (E4M3 forward, E5M2 gradients; the default) or `Format.E4M3`.
+        amax_history_len: how many steps of amaxes each tensor role keeps (>= 1).
+        amax_compute_algo: "max" (of the history), "most_recent", or a callable as above.
+        scaling_factor_compute_algo: None (fp8_max / amax / 2**margin) or a callable as above.
+        reduce_amax: reduce amaxes over the amax group (the ranks share scales); False: each rank its own.
+        amax_reduction: "region" or "step", as above.
+
+    Raises:
+        ValueError: a field out of its range (the message names the field and what it takes).
     """
 
     margin: int = 0
@@ -94,6 +106,7 @@ class DelayedScaling:
 
     @property
     def per_step(self) -> bool:
+        """Whether amaxes are reduced once per optimizer step (`amax_reduction="step"`)."""
         return self.amax_reduction == "step"
 
     def key(self) -> str:
@@ -133,7 +146,14 @@ def _callable_key(fn) -> str:
 class Float8CurrentScaling:
     """Per-tensor current scaling: each tensor's scale from its own amax just before its cast
     (`scale_from_amax`), no history. No amax reduction: every tensor is cast where it is whole, so
-    sequence-parallel inputs and FSDP2 weights are gathered in high precision first."""
+    sequence-parallel inputs and FSDP2 weights are gathered in high precision first.
+
+    Args:
+        fp8_format: `Format.HYBRID` (E4M3 forward, E5M2 gradients; the default) or `Format.E4M3`.
+
+    Raises:
+        ValueError: `fp8_format` is `Format.E5M2` or not a Format.
+    """
 
     fp8_format: Format = Format.HYBRID
 
@@ -149,7 +169,15 @@ class Float8CurrentScaling:
 class Float8BlockScaling:
     """Block scaling (DeepSeek-V3's): E4M3 everywhere, one scale per 1x128 tile (128 consecutive
     elements along the GEMM's reduction dimension) of inputs and gradients and per 128x128 block of
-    weights, each from its own amax; `power_2_scale` rounds scales down to a power of 2."""
+    weights, each from its own amax.
+
+    Args:
+        power_2_scale: round every scale down to a power of 2 (the default, as DeepSeek-V3).
+        fp8_format: `Format.E4M3` (the only one: block scaling uses E4M3 everywhere).
+
+    Raises:
+        ValueError: another format, or a `power_2_scale` that is not a bool.
+    """
 
     power_2_scale: bool = True
     fp8_format: Format = Format.E4M3
@@ -169,7 +197,12 @@ class MXFP8BlockScaling:
 
     `fp8_format`: E4M3 everywhere, or HYBRID (E5M2 gradients). `enable_2d_quantization`: weights in
     32x32 blocks (one copy serves w and w.T). `margin` is accepted for TransformerEngine's signature
-    and, as there, does not change MX scales (each is rounded up to the next power of two)."""
+    and, as there, does not change MX scales (each is rounded up to the next power of two).
+    Every GEMM dimension must be whole 32-blocks (convert_to_fp8 keeps other layers in high precision).
+
+    Raises:
+        ValueError: a field out of its range.
+    """
 
     margin: int = 0
     fp8_format: Format = Format.E4M3
@@ -195,7 +228,11 @@ class NVFP4BlockScaling:
 
     `disable_rht`: no Hadamard transform of the weight-gradient operands; `disable_stochastic_rounding`:
     gradients rounded to nearest even like everything else; `disable_2d_quantization`: weights in
-    1x16 blocks along each GEMM's reduction dimension (two copies) instead of 16x16 blocks."""
+    1x16 blocks along each GEMM's reduction dimension (two copies) instead of 16x16 blocks.
+
+    Raises:
+        ValueError: a field that is not a bool.
+    """
 
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False

@@ -53,7 +53,8 @@ _DIRECTIONS = (
 
 
 def role_names(model: torch.nn.Module) -> list[tuple[str, FP8Module, str, int]]:
-    """(role name, module, "scaling_fwd"|"scaling_bwd", column within the module) for every cast role.
+    """(role name, module, "scaling_fwd"|"scaling_bwd", column within the module) for every cast role
+    of the FP8 modules of `model`.
 
     Names come from each module's own GEMM names (`FP8Module.gemm_names`), so modules with several
     GEMMs get one name per GEMM."""
@@ -110,6 +111,21 @@ class Telemetry:
     step's record (see the module docstring), and `flush`/`close` complete the rest. `every=N`
     logs one step in N; other calls only cost a counter check. With `run_dir=None` nothing is
     written (records are still returned), which lets every rank run the same code while rank 0 writes.
+
+    Args:
+        model: the model whose FP8 modules are watched (prepared or converted).
+        run_dir: the directory the records go to (`run_dir/file_name`; created), or None.
+        every: log one step in `every` (>= 1).
+        tensorboard: also write TensorBoard scalars under `run_dir/tensorboard/run` (needs tensorboard).
+        run: the run's name (TensorBoard's subdirectory, and a field of each record).
+        file_name: the JSON-lines file's name in `run_dir` (default `METRICS_FILE`).
+        step_coverage: count what each logged step ran in FP8 (FLOPs, GEMM paths: forward hooks on
+            the linear layers; layer_coverage.StepCoverage).
+        statistics: a `fp8train.tensor_stats.GemmStatistics` whose per-GEMM statistics ride each
+            record, or None.
+
+    Raises:
+        ValueError: `every` < 1.
     """
 
     def __init__(
@@ -173,7 +189,9 @@ class Telemetry:
     # ---- logging ----------------------------------------------------------------------------------
     def log_step(self, step: int, loss=None, **extra) -> Optional[dict]:
         """Start logging step `step` (if it is one in `every`); complete the earlier logged steps whose
-        values have reached the host, and return the latest of them (on a CPU, the previous one)."""
+        values have reached the host, and return the latest of them (on a CPU, the previous one), or
+        None. `loss`: the step's loss (a tensor is read when the record completes, not now); `extra`:
+        more JSON-able fields for the record."""
         step_coverage = self.step_coverage.take() if self.step_coverage is not None else None
         if self.statistics is not None:  # the next step is measured only if it is logged
             self.statistics.arm_for(step + 1 if (step + 1) % self.every == 0 else None)
@@ -320,6 +338,7 @@ class Telemetry:
                     self._tb.add_scalar(f"{key}/{name}", values[key], step)
 
     def close(self) -> None:
+        """Complete and write every pending record (`flush`), remove the hooks, close the files."""
         self.flush()
         if self.step_coverage is not None:
             self.step_coverage.remove()
@@ -371,6 +390,6 @@ def _restore(value):
 
 
 def read_metrics(path: str) -> list[dict]:
-    """Read a metrics.jsonl file back, turning "inf"/"nan" strings into floats."""
+    """The records of the metrics.jsonl file at `path`, "inf"/"nan" strings turned back into floats."""
     with open(path, encoding="utf-8") as f:
         return [_restore(json.loads(line)) for line in f if line.strip()]

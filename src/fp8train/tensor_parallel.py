@@ -194,10 +194,10 @@ def mark_sequence_parallel(*params: Optional[torch.nn.Parameter]) -> None:
 
 
 def reduce_sequence_parallel_grads(model: torch.nn.Module, tp_group) -> None:
-    """Sum over `tp_group` the gradients of parameters marked `sequence_parallel` (norm weights, row
-    biases under sequence parallelism), in one all-reduce. Call it after backward, before the
-    optimizer step (with DDP, before or after its averaging over the data-parallel group: the two
-    commute)."""
+    """Sum over `tp_group` the gradients of the parameters of `model` marked `sequence_parallel` (norm
+    weights, row biases under sequence parallelism), in one all-reduce, in place. Call it after
+    backward, before the optimizer step (with DDP, before or after its averaging over the
+    data-parallel group: the two commute). Collective over `tp_group`; returns None."""
     marked = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     grads = [p.grad for p in marked if p.grad is not None]
     if not grads:

@@ -289,7 +289,7 @@ def test_lightning_restores_the_fp8_state_in_every_standard_way(runs) -> None:
 def test_fp8_precision_converts_in_place_once_and_checks_its_recipe() -> None:
     from fp8train.integrations.lightning import FP8Precision
 
-    plugin = FP8Precision(filter_fn=lambda module, fqn: fqn != "head")
+    plugin = FP8Precision(module_filter_fn=lambda module, fqn: fqn != "head")
     model = _module(0)
     up = model.up
     assert plugin.convert_module(model) is model
@@ -352,10 +352,10 @@ def test_restoring_refuses_fp8_state_that_does_not_fit(one_process_checkpoints) 
     from fp8train.integrations.lightning import FP8Precision
 
     paths, val = one_process_checkpoints, torch.utils.data.DataLoader(ByteText(8, 1000), batch_size=8)
-    keeps_head = FP8Precision(filter_fn=lambda module, fqn: fqn != "head")
+    keeps_head = FP8Precision(module_filter_fn=lambda module, fqn: fqn != "head")
     with pytest.raises(
         ValueError,
-        match=r"state for head._extra_state, which are not FP8 layers here\): .* FP8Precision\(filter_fn",
+        match=r"state for head._extra_state, which are not FP8 layers here\): .* FP8Precision\(module_filter",
     ):
         keeps_head.load_checkpoint(_module(1), paths["fp8"])
     # a checkpoint without FP8 state: a fresh module starts its FP8 state, a converted one refuses it

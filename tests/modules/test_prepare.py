@@ -110,7 +110,7 @@ def test_state_dict_signature_and_filters() -> None:
     extra = {f"{n}._extra_state" for n in ("first", "mid", "last")}
     assert set(model.state_dict()) == keys | extra
     assert inspect.signature(model.forward) == inspect.signature(plain.forward)
-    ends = fp8train.prepare(_net(), filter_fn=fp8train.first_and_last_linear_filter(_net()))
+    ends = fp8train.prepare(_net(), module_filter_fn=fp8train.first_and_last_linear_filter(_net()))
     assert type(ends.first) is torch.nn.Linear and type(ends.last) is torch.nn.Linear
     assert isinstance(ends.mid, fp8train.Linear)
 

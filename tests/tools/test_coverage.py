@@ -35,7 +35,7 @@ def _keep_3(module, fqn: str) -> bool:
 
 
 def test_coverage_names_each_layer_and_why() -> None:
-    model = fp8train.prepare(build_model(), filter_fn=_keep_3)
+    model = fp8train.prepare(build_model(), module_filter_fn=_keep_3)
     report = fp8train.coverage(model)
     by_name = {layer.name: layer for layer in report.layers}
     assert {n: (x.fp8, x.reason, x.frozen) for n, x in by_name.items()} == {
@@ -79,7 +79,7 @@ def test_the_path_is_the_kernel_gemm_chooses(monkeypatch) -> None:
 
 def test_convert_logs_the_summary_once_and_warns_when_nothing_is_fp8(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="fp8train"):
-        fp8train.prepare(build_model(), filter_fn=_keep_3)
+        fp8train.prepare(build_model(), module_filter_fn=_keep_3)
     lines = [r.getMessage() for r in caplog.records if r.name == "fp8train"]
     assert len(lines) == 1 and lines[0].startswith("fp8train: 2/5 linear GEMMs in FP8"), lines
     with pytest.warns(UserWarning, match="nothing trains in FP8"):
@@ -89,7 +89,7 @@ def test_convert_logs_the_summary_once_and_warns_when_nothing_is_fp8(caplog) -> 
 def test_step_counts_flops_gemms_and_the_high_precision_layers() -> None:
     """Exact counts from the shapes: 8 tokens; layer 0's input needs no gradient (no dgrad GEMM),
     layer 4 is frozen (no wgrad GEMM)."""
-    model = fp8train.prepare(build_model(), filter_fn=_keep_3)
+    model = fp8train.prepare(build_model(), module_filter_fn=_keep_3)
     counter = StepCoverage(model)
     model(torch.randn(8, 32)).sum().backward()
     step = counter.take()

@@ -55,6 +55,7 @@ def reduction_stats(complete: bool = True) -> dict:
 
 
 def reset_reduction_stats() -> None:
+    """Start `reduction_stats()` afresh: its counts and times since now (e.g. after warm-up steps)."""
     STATE.groups.stats.reset()
 
 
@@ -95,6 +96,7 @@ class DirectionView:
 
     @property
     def name(self) -> str:
+        """The direction: "fwd" or "bwd"."""
         return self.direction.name
 
     @property
@@ -104,6 +106,7 @@ class DirectionView:
 
     @property
     def fp8_max(self) -> float:
+        """The largest finite value of this direction's FP8 encoding (448 for E4M3, 57344 for E5M2)."""
         return self.direction.fp8_max
 
     @property
@@ -137,18 +140,22 @@ class AmaxGroupView:
 
     @property
     def fwd(self) -> DirectionView:
+        """The forward direction (inputs and weights)."""
         return DirectionView(self.group.fwd)
 
     @property
     def bwd(self) -> DirectionView:
+        """The backward direction (output gradients)."""
         return DirectionView(self.group.bwd)
 
     @property
     def training_regions(self) -> int:
+        """How many regions trained this group (its regions' serial: the number every header carries)."""
         return self.group.training_regions
 
 
 def amax_groups() -> list[AmaxGroupView]:
+    """A view of every amax group of this process (one per delayed-scaling recipe and process group)."""
     return [AmaxGroupView(group) for group in STATE.groups.groups.values()]
 
 

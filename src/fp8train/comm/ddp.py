@@ -41,8 +41,11 @@ _FP8_DTYPES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def fp8_encoding(fp8_format: Union[Format, str, torch.dtype]) -> str:
-    """ "e4m3" or "e5m2" from a `Format` (E4M3, E5M2), its name, or the torch FP8 dtype; else a
-    ValueError that names the choices."""
+    """ "e4m3" or "e5m2" from `fp8_format`: a `Format` (E4M3, E5M2), its name, or the torch FP8 dtype.
+
+    Raises:
+        ValueError: `Format.HYBRID` (two encodings) or anything else (the message names the choices).
+    """
     if isinstance(fp8_format, Format):
         if fp8_format.fwd != fp8_format.bwd:
             raise ValueError(
@@ -297,6 +300,15 @@ def _all_gather(output: torch.Tensor, data: torch.Tensor, group) -> Any:
 
 def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's mean over the ranks with FP8 on the wire, float32 sums,
-    the same bits on every rank. `ddp.register_comm_hook(FP8CommState(...), fp8_allreduce_hook)`."""
+    the same bits on every rank. `ddp.register_comm_hook(FP8CommState(...), fp8_allreduce_hook)`.
+
+    Args:
+        state: the `FP8CommState` DDP hands back (its group, format and options, error feedback).
+        bucket: the gradient bucket DDP hands the hook.
+
+    Returns:
+        A future of the bucket's averaged gradients (float32 sums, in the bucket's dtype), as DDP
+        expects of a communication hook.
+    """
     layout = tuple((id(p), p.numel()) for p in bucket.parameters())
     return state.all_reduce(bucket.buffer(), key=bucket.index(), layout=layout)

@@ -28,7 +28,19 @@ __all__ = ["FP8ReduceScatter", "use_fp8_reduce_scatter"]
 
 class FP8ReduceScatter:
     """A custom FSDP2 reduce-scatter (the interface of torch's `fsdp._fully_shard._fsdp_api.
-    ReduceScatter`, duck-typed: that class is private) with FP8 on the wire and float32 sums."""
+    ReduceScatter`, duck-typed: that class is private) with FP8 on the wire and float32 sums.
+    Install it with `use_fp8_reduce_scatter(model, ...)`.
+
+    Args:
+        fp8_format: the wire's encoding: `Format.E4M3` (default), `Format.E5M2`, a name or an FP8 dtype.
+        chunk_size: values per scale (one scale per chunk on the wire).
+        stochastic_rounding: round stochastically (unbiased), from a generator seeded with `seed` and
+            the rank.
+        seed: the rounding generator's seed.
+
+    Raises:
+        ValueError: an unknown `fp8_format` or a `chunk_size` the wire cannot take.
+    """
 
     def __init__(
         self,
@@ -42,6 +54,7 @@ class FP8ReduceScatter:
         self.rounding = wire.RoundingGenerators(stochastic_rounding, seed)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer FSDP2 asks for: an empty tensor of `size`, `dtype` on `device`."""
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(

@@ -9,7 +9,8 @@ __all__ = ["require"]
 
 
 def require(module: str, extra: str, what: str):
-    """Import `module` or raise an ImportError that names the extra to install."""
+    """Import `module` (returned) or raise an ImportError that names the `extra` to install and `what`
+    needs it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:

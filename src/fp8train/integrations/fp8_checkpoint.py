@@ -165,8 +165,10 @@ def load_fp8_checkpoint(
     linears `StoredFP8Linear` layers holding the stored bytes (frozen), everything else as stored
     (cast to `dtype` if given). `model`: a model already built for it (on "meta" or not), filled in
     place; else one is built from the config (`model_class`, default AutoModelForCausalLM) with its
-    parameters on "meta" first. Every tensor is checked before any is used: a bad checkpoint is an
-    error naming the tensor, and a given `model` is left as it was."""
+    parameters on "meta" first. `recipe`: the block recipe each `StoredFP8Linear` quantizes a new
+    weight with (a merged adapter; default `Float8BlockScaling()`). Every tensor is checked before
+    any is used: a bad checkpoint is an error (BlockFormatError, a ValueError) naming the tensor, and
+    a given `model` is left as it was. Returns the model."""
     if model is None:
         model = _build_on_meta(directory, model_class)
         quantization = model.config.quantization_config
@@ -221,7 +223,9 @@ def convert_fp8_model(
 ) -> torch.nn.Module:
     """An already built model whose quantized linears hold FP8 tensors (transformers' FP8Linear:
     float8 `weight` and `weight_scale_inv`) with those layers swapped for `StoredFP8Linear`, sharing
-    the very tensors (nothing copied). In place; returns `model`."""
+    the very tensors (nothing copied). `recipe`: the block recipe of the new layers (`StoredFP8Linear`);
+    `compute_dtype`: their high-precision dtype (default: the model's floating dtype). In place;
+    returns `model`. Raises BlockFormatError for a block size other than 128x128."""
     tensors = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -309,7 +313,8 @@ def export_fp8_checkpoint(
 ) -> dict:
     """Write `model` to `directory` in the block-FP8 format it was loaded from (model.safetensors and
     config.json with its quantization_config; `iter_fp8_weights` gives the tensors), loadable by
-    transformers and by `load_fp8_checkpoint`. Returns the quantization_config written."""
+    transformers and by `load_fp8_checkpoint`; `recipe` quantizes the layers trained in high
+    precision (`BlockFP8Linear`) back to block FP8. Returns the quantization_config written."""
     quantization = quantization_config_of(model)
     scale_fmt = quantization.get("scale_fmt", "float")
     tensors = {}

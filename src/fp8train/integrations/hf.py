@@ -15,6 +15,7 @@ from ..convert import FilterFn
 from ..modules.base import FP8Module
 from ..prepare import prepare as _prepare
 from ..recipe import Recipe
+from ..user_warnings import UNSET, renamed_argument
 from . import require
 
 require("transformers", "hf", "fp8train.integrations.hf")
@@ -43,7 +44,7 @@ def load_fp8_state(model: torch.nn.Module, directory: str) -> int:
     if missing:
         raise ValueError(
             f"{directory} has no FP8 state for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: "
-            "it was saved from a model that was not prepared the same way (same filter_fn)"
+            "it was saved from a model that was not prepared the same way (same module_filter_fn)"
         )
     model.load_state_dict({k: extra[k] for k in expected}, strict=False)
     return len(expected)
@@ -54,12 +55,41 @@ def from_pretrained(
     directory: str,
     recipe: Optional[Recipe] = None,
     amax_reduction_group: Any = None,
-    filter_fn: Optional[FilterFn] = None,
+    module_filter_fn: Optional[FilterFn] = None,
+    *,
+    filter_fn: Any = UNSET,
     **kwargs: Any,
 ) -> torch.nn.Module:
     """`model_class.from_pretrained(directory, **kwargs)`, prepared, with the saved FP8 state loaded:
-    the model `Trainer.save_model(directory)` saved, ready to train on (or evaluate) in FP8."""
+    the model `Trainer.save_model(directory)` saved, ready to train on (or evaluate) in FP8.
+
+    Args:
+        model_class: a transformers model class (`AutoModelForCausalLM`, `GPT2LMHeadModel`, ...).
+        directory: what `save_pretrained` / `Trainer.save_model` wrote (safetensors files).
+        recipe: the recipe of `fp8train.prepare` (default `DelayedScaling()`): the run's.
+        amax_reduction_group: as `fp8train.prepare` (default: the world).
+        module_filter_fn: as `fp8train.prepare`; the run's, so that the same layers hold FP8 state.
+        filter_fn: the deprecated name of `module_filter_fn` (a DeprecationWarning).
+        **kwargs: passed to `model_class.from_pretrained`.
+
+    Returns:
+        The prepared model, its FP8 state loaded.
+
+    Raises:
+        FileNotFoundError: `directory` holds no safetensors file.
+        ValueError: an FP8 module finds no FP8 state in `directory` (saved from a model prepared with
+            another filter).
+    """
+    module_filter_fn = renamed_argument(
+        module_filter_fn,
+        filter_fn,
+        "module_filter_fn",
+        "filter_fn",
+        "fp8train.integrations.hf.from_pretrained",
+    )
     model = model_class.from_pretrained(directory, **kwargs)
-    model = _prepare(model, recipe=recipe, amax_reduction_group=amax_reduction_group, filter_fn=filter_fn)
+    model = _prepare(
+        model, recipe=recipe, amax_reduction_group=amax_reduction_group, module_filter_fn=module_filter_fn
+    )
     load_fp8_state(model, directory)
     return model

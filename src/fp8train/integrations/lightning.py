@@ -32,6 +32,7 @@ from ..autocast import autocast
 from ..convert import FilterFn, convert_to_fp8
 from ..modules.base import FP8Module
 from ..recipe import DelayedScaling, Recipe, check_recipe
+from ..user_warnings import UNSET, renamed_argument
 from . import require
 
 _precision = require("lightning.pytorch.plugins.precision", "lightning", "fp8train.integrations.lightning")
@@ -57,11 +58,20 @@ def _fp8_state_in_plugin_entry(module: torch.nn.Module, incompatible_keys) -> No
 
 
 class FP8Precision(_precision.Precision):
-    """FP8 linear layers and an FP8 region around every step (parameters stay in their dtype).
+    """A Lightning precision plugin: FP8 linear layers and an FP8 region around every step (parameters
+    stay in their dtype). `Trainer(plugins=[FP8Precision()])`; with `Fabric` too.
 
-    `recipe` (default `DelayedScaling()`) and `amax_reduction_group` (default: the world) are those
-    of `fp8train.autocast`; `filter_fn(module, fqn) -> bool` keeps layers in high precision (False),
-    as `fp8train.convert_to_fp8`'s `module_filter_fn`.
+    Args:
+        recipe: the recipe (default `DelayedScaling()`), as `fp8train.autocast`'s.
+        amax_reduction_group: the ranks that share delayed scaling's scales (default None: the world),
+            as `fp8train.autocast`'s.
+        module_filter_fn: `module_filter_fn(module, fqn) -> bool`, False keeps a linear layer in high
+            precision, as `fp8train.convert_to_fp8`'s.
+        filter_fn: the deprecated name of `module_filter_fn` (a DeprecationWarning).
+
+    Raises:
+        ValueError: `recipe` is not a recipe.
+        TypeError: both `module_filter_fn` and `filter_fn` were given.
     """
 
     precision = "32-true"  # what Lightning reports: parameters and other ops keep their dtype
@@ -70,12 +80,16 @@ class FP8Precision(_precision.Precision):
         self,
         recipe: Optional[Recipe] = None,
         amax_reduction_group: Any = None,
-        filter_fn: Optional[FilterFn] = None,
+        module_filter_fn: Optional[FilterFn] = None,
+        *,
+        filter_fn: Any = UNSET,
     ) -> None:
         super().__init__()
         self.recipe = DelayedScaling() if recipe is None else check_recipe(recipe, "recipe")
         self.amax_reduction_group = amax_reduction_group
-        self.filter_fn = filter_fn
+        self.module_filter_fn = renamed_argument(
+            module_filter_fn, filter_fn, "module_filter_fn", "filter_fn", "FP8Precision"
+        )
         self._module: Optional[torch.nn.Module] = None  # the LightningModule convert_module converted
         self._had_fp8_layers = False  # whether it was converted already (its FP8 state predates the run)
         self._hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -84,7 +98,7 @@ class FP8Precision(_precision.Precision):
         """Swap the module's linear layers for FP8 ones, in place (layers already converted are kept:
         calling it again, or on a model converted by hand, changes nothing)."""
         self._had_fp8_layers = bool(_fp8_state_keys(module))
-        convert_to_fp8(module, self.filter_fn, self.recipe)
+        convert_to_fp8(module, self.module_filter_fn, self.recipe)
         if module not in self._hooked:
             module.register_load_state_dict_post_hook(_fp8_state_in_plugin_entry)
             self._hooked.add(module)
@@ -135,8 +149,10 @@ class FP8Precision(_precision.Precision):
         return autocast(recipe=self.recipe, amax_reduction_group=self.amax_reduction_group)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Per-step amax reduction: the step boundary after the closure (the step's last forward and
-        backward, also in manual optimization), so no `end_step` is needed in the LightningModule."""
+        """Lightning's optimizer step of `optimizer` for `model` (Lightning passes both, and `closure`:
+        the step's forward and backward), with per-step amax reduction's boundary after the closure
+        (also in manual optimization), so no `end_step` is needed in the LightningModule. Returns
+        the closure's result, as Lightning's."""
         if getattr(self.recipe, "per_step", False):
             closure = ending_step(closure)
         return super().optimizer_step(optimizer, model, closure, **kwargs)
@@ -171,7 +187,7 @@ def _load_fp8_state(module: torch.nn.Module, entries: dict[str, Any]) -> None:
     if problems:
         raise ValueError(
             f"the checkpoint's FP8 state does not fit this module ({'; '.join(problems)}): it was "
-            "saved from a module converted differently; use the FP8Precision(filter_fn=...) of the run "
-            "that saved it"
+            "saved from a module converted differently; use the FP8Precision(module_filter_fn=...) of the "
+            "run that saved it"
         )
     module.load_state_dict(entries, strict=False)

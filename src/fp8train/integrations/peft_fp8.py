@@ -28,9 +28,19 @@ __all__ = ["FP8LoraLinear", "lora_config", "register_fp8_layers", "load_adapter"
 
 class FP8LoraLinear(_lora.Linear):
     """PEFT's LoRA Linear over a `StoredFP8Linear`. Plain LoRA only (no DoRA or other variant, no
-    lora_bias): a merge must be W + B A, which is all the FP8 base can take back."""
+    lora_bias): a merge must be W + B A, which is all the FP8 base can take back.
+
+    PEFT builds it (`register_fp8_layers` maps `StoredFP8Linear` to it), with PEFT's `lora.Linear`
+    arguments: `base_layer` (the StoredFP8Linear), `adapter_name`, `config` (the LoraConfig), `r`,
+    `lora_alpha`, `is_target_conv_1d_layer` (False here) and PEFT's other keyword arguments.
+
+    Raises:
+        ValueError: DoRA, lora_bias or another LoRA variant is asked for.
+    """
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any, **kwargs) -> None:
+        """PEFT's `update_layer` (add adapter `adapter_name` of rank `r`, scaled by `lora_alpha`, per
+        `config`), refusing what an FP8 base cannot merge back (a ValueError)."""
         if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False):
             raise ValueError(
                 "LoRA on an FP8 layer (StoredFP8Linear) supports plain LoRA only: set use_dora=False "
@@ -44,8 +54,10 @@ class FP8LoraLinear(_lora.Linear):
             )
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        """W + sum of B A (scaled) over the adapters, quantized to block FP8 by the base layer's
-        recipe and stored in its place (the merge is lossy by that rounding, so it cannot be undone)."""
+        """W + sum of B A (scaled) over the adapters (`adapter_names`, default: the active ones),
+        quantized to block FP8 by the base layer's recipe and stored in its place (the merge is lossy
+        by that rounding, so it cannot be undone). `safe_merge` is PEFT's argument: the merged weight
+        is always checked for non-finite values (a ValueError, nothing merged)."""
         adapter_names = _tuners_utils.check_adapters_to_merge(self, adapter_names)
         adapter_names = [a for a in adapter_names if a in self.lora_A]
         if not adapter_names:

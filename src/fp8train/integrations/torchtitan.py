@@ -41,7 +41,9 @@ __all__ = ["FP8TrainConverter", "FP8Linear", "converted_fqns"]
 
 class FP8Linear(FP8Module, _TitanLinear):
     """torchtitan's Linear (its parameters, names, initialisation and parallelize hooks) with fp8train's
-    FP8 GEMMs inside an FP8 region; outside one it computes exactly as torchtitan's Linear."""
+    FP8 GEMMs inside an FP8 region; outside one it computes exactly as torchtitan's Linear. Built by
+    torchtitan from `config` (torchtitan's Linear.Config, plus `fsdp_fp8_all_gather`: FSDP2 gathers
+    the weight in FP8)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(_TitanLinear.Config):
@@ -54,6 +56,7 @@ class FP8Linear(FP8Module, _TitanLinear):
             wrap_for_fsdp(self.weight, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias for `x` (..., in_features): FP8 inside a region, high precision outside."""
         return fp8_linear(self, x, self.weight, self.bias, 0, None)
 
 
@@ -78,7 +81,12 @@ def _fp8_root(config_cls: type, recipe: DelayedScaling) -> type:
 
 
 class FP8TrainConverter(_protocols.ModelConfigConverter):
-    """Delayed-scaling FP8 training with fp8train (asynchronous amax reduction, FP8 FSDP2 gathers)."""
+    """Delayed-scaling FP8 training with fp8train (asynchronous amax reduction, FP8 FSDP2 gathers): a
+    torchtitan model converter, built by torchtitan from `config` (its `Config`: the fields below).
+
+    Raises:
+        ValueError: `config.fp8_format` is neither "HYBRID" nor "E4M3".
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(_protocols.ModelConfigConverter.Config):
@@ -107,12 +115,16 @@ class FP8TrainConverter(_protocols.ModelConfigConverter):
         )
 
     def keeps(self, fqn: str, in_features: int, out_features: int) -> bool:
-        """Whether the linear layer `fqn` is converted."""
+        """Whether the linear layer `fqn` of `in_features` x `out_features` is converted: both multiples
+        of 16, and no `filter_fqns` entry in its name."""
         return fp8_compatible(in_features, out_features) and not any(
             f in fqn for f in self.config.filter_fqns
         )
 
     def convert(self, model_config: Any) -> Any:
+        """`model_config` (a torchtitan model config) with its plain Linear configs that `keeps` replaced
+        by `FP8Linear.Config`, as a subclass whose `build()` runs the model's forward in one FP8 region.
+        Raises ValueError for a config converted already, a bare Linear, or nothing to convert."""
         if hasattr(type(model_config), "fp8_recipe"):
             raise ValueError(
                 "this model config has been converted by FP8TrainConverter already: list it once"
@@ -150,5 +162,5 @@ class FP8TrainConverter(_protocols.ModelConfigConverter):
 
 
 def converted_fqns(model: torch.nn.Module) -> list[str]:
-    """Names of the modules that train in FP8 (for logs and tests)."""
+    """Names of the modules of `model` that train in FP8 (for logs and tests)."""
     return [n for n, m in model.named_modules() if isinstance(m, FP8Module)]

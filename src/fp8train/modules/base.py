@@ -17,7 +17,12 @@ __all__ = ["FP8Module"]
 
 
 class FP8Module(torch.nn.Module):
-    """Base of modules with FP8 GEMMs. Subclasses set `num_gemms` and call `fp8_linear` in forward."""
+    """Base of modules with FP8 GEMMs: their delayed-scaling state (`fp8_meta`, saved as the module's
+    `_extra_state`), the recipe kind they train with, and FP8 weights kept across microbatches.
+
+    A subclass sets `num_gemms` (and `gemm_names`), holds each GEMM's weight as `weight` (or
+    `<gemm name>_weight`) and calls `fp8train.modules.fp8_linear.fp8_linear` in its forward; its
+    constructor takes no argument here. `isinstance(m, fp8train.FP8Module)` tells FP8 layers apart."""
 
     num_gemms = 1
     gemm_names: tuple[str, ...] = ("",)  # one per GEMM: how telemetry names its roles
@@ -67,6 +72,8 @@ class FP8Module(torch.nn.Module):
 
     # ---- FP8 weights kept across microbatches (is_first_microbatch) -------------------------------------
     def cached_weight(self, gemm_index: int, kind: str) -> Optional[WeightOperands]:
+        """The FP8 operands of GEMM `gemm_index`'s weight kept under a recipe of `kind` ("delayed", ...)
+        by the step's first microbatch (`is_first_microbatch=True`), or None."""
         return self._weight_cache.get((gemm_index, kind))
 
     def cache_weight(
@@ -77,9 +84,10 @@ class FP8Module(torch.nn.Module):
         copy: bool = False,
         cast_scales: Optional[torch.Tensor] = None,
     ) -> None:
-        """Keep `operands` for the next microbatches; `copy`: their 1-byte values may be a buffer that
-        someone else refills (FSDP2's gather), so keep a copy of them. `cast_scales`: [scale,
-        scale_inv] they were cast with (delayed scaling), saved with the module's state."""
+        """Keep `operands`, GEMM `gemm_index`'s weight cast under a recipe of `kind`, for the next
+        microbatches; `copy`: their 1-byte values may be a buffer that someone else refills (FSDP2's
+        gather), so keep a copy of them. `cast_scales`: [scale, scale_inv] they were cast with
+        (delayed scaling), saved with the module's state."""
         if copy and operands.forward.values.dtype.itemsize == 1:
             forward = operands.forward
             operands = WeightOperands.same(replace(forward, values=forward.values.clone()))
@@ -88,10 +96,12 @@ class FP8Module(torch.nn.Module):
             self._weight_cast_scales[(gemm_index, kind)] = cast_scales
 
     def weight_cast_scales(self, gemm_index: int, kind: str) -> Optional[torch.Tensor]:
-        """[scale, scale_inv] the cached weight of a GEMM was cast with, also after a load dropped it."""
+        """[scale, scale_inv] the cached weight of GEMM `gemm_index` (recipe `kind`) was cast with, also
+        after a load dropped it; None if none was cached."""
         return self._weight_cast_scales.get((gemm_index, kind))
 
     def forget_cached_weights(self) -> None:
+        """Drop the FP8 weights kept across microbatches (after a change of the weights themselves)."""
         self._weight_cache.clear()
         self._weight_cast_scales.clear()
 

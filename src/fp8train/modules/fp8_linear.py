@@ -13,8 +13,9 @@ from .. import fsdp, saved, second_order
 from ..amax import Call, begin_call
 from ..cast import amax
 from ..fsdp import GatheredWeight
-from ..gemm import Operand, choose_path, matmul
+from ..gemm import RECIPE_KERNELS, Operand, choose_path, kernel_choice, matmul
 from ..quantization.base import WeightOperands
+from ..shape_rule import weight_fits, why_off
 from ..tensor_parallel import (
     TensorParallel,
     TokenCollective,
@@ -23,6 +24,7 @@ from ..tensor_parallel import (
     reduce_scatter_tokens,
 )
 from ..torch_internals import unsafe_view
+from ..user_warnings import warn_user
 
 __all__ = ["fp8_linear", "parallel_linear"]
 
@@ -125,6 +127,24 @@ def _operand_dtype(tokens: int, weight: torch.Tensor) -> torch.dtype:
     return _OPERAND_DTYPES[choose_path(weight.device, tokens, in_features, out_features)]
 
 
+def _warn_if_emulated_for_shape(module, weight: torch.Tensor, call: Call) -> None:
+    """One rule for a weight off 16, on every device (shape_rule.py): an FP8 module computes it in FP8
+    through the exact emulation. Where the device would otherwise run the recipe's kernel (a GPU, or
+    FP8TRAIN_GEMM=scaled_mm) that is a fallback, and the module says so once."""
+    if getattr(module, "shape_warned", False) or torch.compiler.is_compiling():
+        return
+    kernel = RECIPE_KERNELS[call.quantization.kind]
+    if not kernel_choice(kernel, weight.device)[0]:
+        return  # the emulation is this device's path for every shape: nothing falls back
+    module.shape_warned = True
+    warn_user(
+        f"fp8train: {module.signature} computes FP8 through the exact emulation on {weight.device}, not "
+        f"torch._scaled_mm's {kernel} kernel: {why_off(*weight.shape)}. Pad it, or build it as a "
+        "torch.nn.Linear to keep it in high precision (fp8train.convert_to_fp8 does); "
+        "fp8train.coverage(model) shows each layer's path"
+    )
+
+
 def fp8_linear(
     module,
     x: torch.Tensor,
@@ -160,6 +180,8 @@ def fp8_linear(
         if sp_group is not None:
             x = TokenCollective.apply(x, sp_group, True)
         return F.linear(x, weight, bias)
+    if not weight_fits(*weight.shape):  # the same FP8 numerics on every device (shape_rule.py)
+        _warn_if_emulated_for_shape(module, weight, call)
     if sp_group is not None and not quantization.casts_before_gather:
         x, sp_group = TokenCollective.apply(x, sp_group, True), None  # cast where the tensor is whole
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan

@@ -26,8 +26,31 @@ ACTIVATIONS = ("gelu", "swiglu")
 
 
 class LayerNormLinear(FP8Module):
-    """norm(x) @ weight.T + bias; parameters named as in TransformerEngine. Tensor parallel only as
-    a column GEMM: a row-parallel one would normalise a sharded hidden dimension."""
+    """norm(x) @ weight.T + bias, the GEMM in FP8 inside an FP8 region; parameters named as in
+    TransformerEngine's `LayerNormLinear` (`norm.weight`, `weight`, `bias`).
+
+    Args:
+        in_features: the input's last dimension (normalised).
+        out_features: the output's last dimension (the whole layer's).
+        eps: the norm's epsilon.
+        bias: whether the GEMM has a bias.
+        normalization: "LayerNorm" or "RMSNorm".
+        params_dtype: the parameters' dtype (default: `torch.get_default_dtype()`).
+        device: where the parameters are made ("meta" for FSDP2's pattern: `to_empty`, then
+            `reset_parameters()`).
+        fsdp_fp8_all_gather: FSDP2 (`fully_shard`) gathers the weight in FP8, cast on each shard
+            (docs/guide.md, "FSDP2 with FP8 all-gather").
+        tp_group: the tensor-parallel process group (None: no tensor parallelism).
+        tp_size: the group's size (default: read from `tp_group`; given, it is checked against it).
+        parallel_mode: "column" (the default with `tp_group`: this rank holds output features); "row"
+            is refused: it would normalise a sharded hidden dimension.
+        sequence_parallel: with `tp_group`, the input is this rank's block of tokens (the sequence
+            dimension is sharded across the group; docs/design.md, section 8).
+
+    Raises:
+        ValueError: `parallel_mode="row"`, an unknown `normalization`, or tensor-parallel arguments
+            that do not fit.
+    """
 
     def __init__(
         self,
@@ -67,6 +90,18 @@ class LayerNormLinear(FP8Module):
         self.forget_cached_weights()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """norm(x) @ weight.T + bias.
+
+        Args:
+            x: the input, (..., in_features) in any float dtype.
+            is_first_microbatch: None (the default): the weight cast at every call; True: cast, and the
+                FP8 weight kept for the step's next microbatches; False: the kept FP8 weight reused
+                (TransformerEngine's argument: gradient accumulation with weights constant in a step).
+
+        Returns:
+            (..., out_features) in `x`'s dtype, or torch.autocast's where it is on: computed in FP8 inside an
+            FP8 region (`fp8_autocast`), in high precision outside one.
+        """
         return parallel_linear(self, self.norm(x), self.weight, self.bias, 0, is_first_microbatch, self.tp)
 
 
@@ -101,7 +136,31 @@ class LayerNormMLP(FP8Module):
     `tp_group` fc1 is column-parallel and fc2 row-parallel (swiglu: each rank holds matching shards
     of the gate and up halves). `save_activation_input_fp8`: in FP8 training, the activation's input
     (fc1's output, the block's largest saved tensor) is kept for backward as E4M3 in 1x128 tiles,
-    not in high precision (a quarter of fp32's bytes; the activation's gradient is taken there)."""
+    not in high precision (a quarter of fp32's bytes; the activation's gradient is taken there).
+    Parameters named as in TransformerEngine's `LayerNormMLP` (`fc1_weight`, `fc2_bias`, ...).
+
+    Args:
+        hidden_size: the input's and output's last dimension.
+        ffn_hidden_size: fc1's output features (per half for swiglu) and fc2's input features.
+        eps: the norm's epsilon.
+        bias: whether fc1 and fc2 have biases.
+        normalization: "LayerNorm" or "RMSNorm".
+        activation: "gelu" (tanh approximation) or "swiglu".
+        params_dtype: the parameters' dtype (default: `torch.get_default_dtype()`).
+        device: where the parameters are made ("meta" for FSDP2's pattern: `to_empty`, then
+            `reset_parameters()`).
+        fsdp_fp8_all_gather: FSDP2 (`fully_shard`) gathers the weights in FP8, cast on each shard
+            (docs/guide.md, "FSDP2 with FP8 all-gather").
+        tp_group: the tensor-parallel process group (None: no tensor parallelism).
+        tp_size: the group's size (default: read from `tp_group`; given, it is checked against it).
+        sequence_parallel: with `tp_group`, the input and output are this rank's block of tokens (the sequence
+            dimension is sharded across the group; docs/design.md, section 8).
+        save_activation_input_fp8: as above (False by default).
+
+    Raises:
+        ValueError: an unknown `activation` or `normalization`, a `save_activation_input_fp8` that is
+            not a bool, or tensor-parallel arguments that do not fit.
+    """
 
     num_gemms = 2
     gemm_names = ("fc1", "fc2")
@@ -163,6 +222,18 @@ class LayerNormMLP(FP8Module):
         return F.gelu(h, approximate="tanh")
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """fc2(act(fc1(norm(x)))).
+
+        Args:
+            x: the input, (..., hidden_size) in any float dtype.
+            is_first_microbatch: None (the default): the weights cast at every call; True: cast, and the
+                FP8 weights kept for the step's next microbatches; False: the kept FP8 weights reused
+                (TransformerEngine's argument: gradient accumulation with weights constant in a step).
+
+        Returns:
+            (..., hidden_size) in `x`'s dtype, or torch.autocast's where it is on: computed in FP8 inside an
+            FP8 region (`fp8_autocast`), in high precision outside one.
+        """
         first = is_first_microbatch
         h = parallel_linear(self, self.norm(x), self.fc1_weight, self.fc1_bias, 0, first, self.tp)
         saves_fp8 = self.save_activation_input_fp8 and h.requires_grad and begin_call(self, 1).fp8

@@ -105,9 +105,31 @@ def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(FP8Module):
-    """y = x @ weight.T + bias with FP8 GEMMs inside an FP8 region; tensor parallel with `tp_group`
-    and `parallel_mode` (column: this rank's output features; row: its input features, the output
-    summed over the group), sequence parallel with `sequence_parallel=True` (docs/design.md, section 8)."""
+    """y = x @ weight.T + bias with FP8 GEMMs inside an FP8 region (TransformerEngine's `Linear`);
+    `torch.nn.Linear`'s parameters and initialisation, tensor and sequence parallel on request.
+
+    A weight whose dimensions are not multiples of 16 runs in high precision, on every device, with
+    one warning (FP8 GEMMs need multiples of 16; fp8train/shape_rule.py).
+
+    Args:
+        in_features: the input's last dimension (the whole layer's, also under tensor parallelism).
+        out_features: the output's last dimension (the whole layer's).
+        bias: whether the layer has a bias.
+        params_dtype: the parameters' dtype (default: `torch.get_default_dtype()`).
+        device: where the parameters are made ("meta" for FSDP2's pattern: `to_empty`, then
+            `reset_parameters()`).
+        fsdp_fp8_all_gather: FSDP2 (`fully_shard`) gathers the weight in FP8, cast on each shard
+            (docs/guide.md, "FSDP2 with FP8 all-gather").
+        tp_group: the tensor-parallel process group (None: no tensor parallelism).
+        tp_size: the group's size (default: read from `tp_group`; given, it is checked against it).
+        parallel_mode: with `tp_group`: "column" (this rank holds output features) or "row" (its input
+            features; the output is summed over the group).
+        sequence_parallel: with `tp_group`, the input (column) or output (row) is this rank's block of
+            tokens (the sequence dimension is sharded across the group; docs/design.md, section 8).
+
+    Raises:
+        ValueError: a tensor-parallel argument that does not fit (the message says which).
+    """
 
     def __init__(
         self,
@@ -136,6 +158,18 @@ class Linear(FP8Module):
         self.forget_cached_weights()
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """x @ weight.T + bias.
+
+        Args:
+            x: the input, (..., in_features) in any float dtype.
+            is_first_microbatch: None (the default): the weight cast at every call; True: cast, and the
+                FP8 weight kept for the step's next microbatches; False: the kept FP8 weight reused
+                (TransformerEngine's argument: gradient accumulation with weights constant in a step).
+
+        Returns:
+            (..., out_features) in `x`'s dtype, or torch.autocast's where it is on: computed in FP8 inside an
+            FP8 region (`fp8_autocast`), in high precision outside one.
+        """
         return parallel_linear(self, x, self.weight, self.bias, 0, is_first_microbatch, self.tp)
 
     def extra_repr(self) -> str:

@@ -27,22 +27,44 @@ class _Norm(torch.nn.Module):
 
 
 class LayerNorm(_Norm):
+    """Layer normalisation over the last dimension with a weight and a bias (TransformerEngine's
+    `LayerNorm`; a high-precision op: the FP8 modules take its output).
+
+    Args:
+        hidden_size: the normalised (last) dimension.
+        eps: added to the variance.
+        params_dtype: the parameters' dtype (default: `torch.get_default_dtype()`).
+        device: where the parameters are made.
+    """
+
     def __init__(
         self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None
     ):
         super().__init__(hidden_size, eps, params_dtype, device, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (..., hidden_size) normalised over its last dimension, scaled and shifted; `x`'s dtype."""
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(_Norm):
+    """Root-mean-square normalisation over the last dimension with a weight, no bias
+    (TransformerEngine's `RMSNorm`; a high-precision op).
+
+    Args:
+        hidden_size: the normalised (last) dimension.
+        eps: added to the mean square.
+        params_dtype: the parameters' dtype (default: `torch.get_default_dtype()`).
+        device: where the parameters are made.
+    """
+
     def __init__(
         self, hidden_size: int, eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None
     ):
         super().__init__(hidden_size, eps, params_dtype, device, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (..., hidden_size) divided by its root mean square, scaled; `x`'s dtype."""
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 

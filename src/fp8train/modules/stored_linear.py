@@ -40,7 +40,13 @@ class StoredFP8Linear(FP8Module):
     `compute_dtype` is the high-precision dtype of the model around the layer (its output takes the
     input's dtype); PEFT gives adapters on the layer this dtype.
     `recipe` is the block recipe whose weight quantizer writes a new weight into the layer
-    (`set_weight`: a merged adapter)."""
+    (`set_weight`: a merged adapter). `name`: what error messages call the weight (its name in the
+    checkpoint).
+
+    Raises:
+        ValueError: `weight` is not float8_e4m3fn [out, in], or `weight_scale_inv` is not float32
+            with one scale per 128x128 block of it (the message names `name`).
+    """
 
     def __init__(
         self,
@@ -78,8 +84,9 @@ class StoredFP8Linear(FP8Module):
         self.forget_cached_weights()
 
     def to_linear(self, dtype: torch.dtype = torch.float32) -> BlockFP8Linear:
-        """An fp8train.Linear whose master weight is the dequantized stored weight, trainable (full
-        fine-tuning). Its first block-scaled forward's operand: see docs/guide.md."""
+        """A `BlockFP8Linear` (an fp8train.Linear) whose master weight is the dequantized stored weight
+        in `dtype`, trainable (full fine-tuning); the bias too. Its first block-scaled forward's
+        operand: see docs/guide.md."""
         new = BlockFP8Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         new.weight = torch.nn.Parameter(self.dequantized().to(dtype))
         if self.bias is not None:
@@ -88,6 +95,10 @@ class StoredFP8Linear(FP8Module):
         return new
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """x @ W.T + bias for `x` (..., in_features): the stored FP8 weight used as it is inside an FP8
+        region (no cast, nothing cached: `is_first_microbatch` is accepted for TransformerEngine's
+        signature and changes nothing), the dequantized weight outside one. Returns (..., out_features)
+        in `x`'s dtype."""
         stored = WeightOperands.same(self.operand)
         return fp8_linear(self, x, self.weight, self.bias, 0, stored_weight=stored)
 
@@ -98,7 +109,8 @@ class StoredFP8Linear(FP8Module):
 
 class BlockFP8Linear(Linear):
     """An fp8train.Linear trained from a stored block-FP8 weight (`StoredFP8Linear.to_linear`): the
-    same layer, whose type tells an export to write it back in the checkpoint's format."""
+    same layer, whose type tells an export to write it back in the checkpoint's format. Its arguments
+    are `fp8train.Linear`'s."""
 
 
 def exclude_stored_from_ddp(model: torch.nn.Module) -> torch.nn.Module:

@@ -45,7 +45,23 @@ class AdamW(torch.optim.Optimizer):
     stochastically). second_moment: "expanded" (default) stores v through COAT's dynamic range
     expansion (`codecs.encode_expanded`), "sqrt" stores sqrt(v) (one E4M3 block then spans 2**35 of
     v), "linear" v itself; docs/guide.md, "Saving memory", has the measurement behind the default.
-    stochastic=False rounds to nearest (a negative control: the moments then stall)."""
+    stochastic=False rounds to nearest (a negative control: the moments then stall).
+
+    Args:
+        params: the parameters (or parameter groups), as torch.optim.AdamW's.
+        lr: the learning rate (>= 0).
+        betas: the moments' decay rates, two numbers in [0, 1).
+        eps: added to the second moment's square root (>= 0).
+        weight_decay: decoupled weight decay (>= 0), as torch.optim.AdamW's.
+        master: "fp32" or "bf16", as above.
+        second_moment: "expanded", "sqrt" or "linear", as above.
+        stochastic: round the FP8 moments (and the bf16 master's remainder) stochastically.
+        seed: the rounding generator's seed (the same seed, the same rounding).
+        chunk_elements: elements updated per pass (bounds the temporaries; >= one block).
+
+    Raises:
+        ValueError: an argument out of its range (the message names it).
+    """
 
     def __init__(
         self,
@@ -219,9 +235,9 @@ class AdamW(torch.optim.Optimizer):
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, then the state tensors restored with their own dtypes (torch casts every state
-        tensor to its parameter's floating dtype, which would turn FP8 codes and remainders into
-        floats); a state made with other options is refused."""
+        """torch's load of `state_dict`, then the state tensors restored with their own dtypes (torch
+        casts every state tensor to its parameter's floating dtype, which would turn FP8 codes and
+        remainders into floats). Raises ValueError for a state made with other options."""
         saved = state_dict["state"]
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         super().load_state_dict(state_dict)
@@ -261,6 +277,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def bytes_per_parameter(optimizer: torch.optim.Optimizer) -> float:
-    """Optimizer state bytes per parameter element (local shards)."""
+    """`optimizer`'s state bytes per parameter element (local shards): `state_bytes` over the count."""
     count = sum(_local(p).numel() for group in optimizer.param_groups for p in group["params"])
     return state_bytes(optimizer) / max(count, 1)
