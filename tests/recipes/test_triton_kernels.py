@@ -162,7 +162,7 @@ def test_cast_with_amax_equals_cast_operand_bit_for_bit(encoding: str, dtype, x_
         scale = torch.tensor(scale)
         amax_out = torch.zeros(())
         values, values_t = kernels.cast_with_amax(
-            x, scale, encoding, dtype, transposed=True, amax_out=amax_out, tile=(64, 512)
+            x, scale, encoding, dtype, transposed=True, amax_out=amax_out, tile=(256, 512)
         )
         want = cast_operand(x, scale, encoding, dtype)
         _assert_same(values, want, x)
@@ -171,17 +171,17 @@ def test_cast_with_amax_equals_cast_operand_bit_for_bit(encoding: str, dtype, x_
     finite = torch.where(x.isnan(), 0.0, x)
     amax_out = torch.zeros(())
     kernels.cast_with_amax(
-        finite, scale, encoding, dtype, transposed=False, amax_out=amax_out, tile=(64, 512)
+        finite, scale, encoding, dtype, transposed=False, amax_out=amax_out, tile=(256, 512)
     )
     assert torch.equal(amax_out, amax(finite)) and bool(amax_out.isinf())
     finite = finite.clamp(-1e4, 1e4)
     kernels.cast_with_amax(
-        finite, scale, encoding, dtype, transposed=False, amax_out=amax_out, tile=(64, 512)
+        finite, scale, encoding, dtype, transposed=False, amax_out=amax_out, tile=(256, 512)
     )
     assert bool(amax_out.isinf()), "the amax is maxed into amax_out, not overwritten"
     amax_out.zero_()
     kernels.cast_with_amax(
-        finite, scale, encoding, dtype, transposed=False, amax_out=amax_out, tile=(64, 512)
+        finite, scale, encoding, dtype, transposed=False, amax_out=amax_out, tile=(256, 512)
     )
     assert torch.equal(amax_out, amax(finite))
 
@@ -207,14 +207,14 @@ def _layouts() -> list[tuple[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("name,x", _layouts(), ids=[name for name, _ in _layouts()])
 def test_cast_with_amax_on_shapes_off_the_tile_and_non_contiguous_inputs(name: str, x: torch.Tensor) -> None:
-    """Masked edges (a 16x32 tile over shapes off it), strided and 3-D inputs read through their strides,
+    """Masked edges (a 32x32 tile over shapes off it), strided and 3-D inputs read through their strides,
     the transposed copy of x seen as rows of its last dimension, and the amax, for both encodings."""
     for encoding, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.bfloat16)):
         scale = torch.tensor(0.7)
         amax_out = torch.zeros(())
         transposed = x.dim() in (2, 3)
         values, values_t = kernels.cast_with_amax(
-            x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out, tile=(16, 32)
+            x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out, tile=(32, 32)
         )
         want = cast_operand(x, scale, encoding, dtype)
         assert values.shape == x.shape
@@ -243,7 +243,7 @@ def test_amax_then_cast_equals_current_scaling(encoding: str) -> None:
     }
     for name, x in cases.items():
         for dtype in (torch.float32, DTYPES[encoding]):
-            got = kernels.amax_then_cast(x, encoding, dtype, transposed=True, tile=(32, 64))
+            got = kernels.amax_then_cast(x, encoding, dtype, transposed=True, tile=(128, 128))
             scale, scale_inv = current_scales(x, encoding)
             want = cast_operand(x, scale, encoding, dtype)
             _assert_same(got.values, want)
@@ -286,7 +286,7 @@ def test_1x128_tiles_and_their_transposed_tiles_equal_the_block_quantizer(power_
             assert got.layout == want.layout
             _assert_same(got.values, want.values.contiguous())
             assert torch.equal(got.scale_inv, want.scale_inv)
-    forward, none = kernels.cast_tiles_1x128(x, power_2, torch.bfloat16, encoding="e5m2", block_m=16)
+    forward, none = kernels.cast_tiles_1x128(x, power_2, torch.bfloat16, encoding="e5m2", block_m=64)
     values, scale_inv = quantize_tiles(x, 1, power_2, "e5m2", torch.bfloat16)
     assert none is None and torch.equal(forward.scale_inv, scale_inv)
     _assert_same(forward.values, values.contiguous())

@@ -57,17 +57,30 @@ def interpreted() -> bool:
 
 
 def fused_cast_available(device: torch.device | str, *, allow_interpreter: bool = False) -> bool:
-    """Whether the fused kernels cast tensors on `device`: triton installed and a CUDA (or ROCm)
-    device with compiled kernels; or, with `allow_interpreter` (tests), kernels interpreted on the
-    CPU. False under torch.compile: there inductor's own fusion of the torch path is in charge."""
+    """Whether the fused kernels cast tensors on `device`: triton installed and a CUDA device of
+    capability 8.0 or later (or a ROCm device) with compiled kernels; or, with `allow_interpreter`
+    (tests), kernels interpreted on the CPU. False under torch.compile: there inductor's own fusion of
+    the torch path is in charge (docs/design.md, section 6)."""
     device_type = torch.device(device).type
     if torch.compiler.is_compiling() or not (device_type == "cuda" or allow_interpreter):
         return False
     if not _triton_installed():
         return False
     if device_type == "cuda":
-        return not interpreted()
+        return torch.cuda.is_available() and not interpreted() and _triton_runs_on(torch.device(device))
     return device_type == "cpu" and interpreted()
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    """Triton compiles for NVIDIA GPUs of compute capability 8.0 and later (and for ROCm's)."""
+    if torch.version.hip is not None:
+        return True
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def cast_with_amax(

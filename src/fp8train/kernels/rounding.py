@@ -55,8 +55,8 @@ def fp8_byte(r, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     bits = r.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     magnitude = bits & 0x7FFFFFFF
-    bias: tl.constexpr = 1 - MIN_EXPONENT
-    normal = (magnitude >> (23 - MANTISSA_BITS)) - ((127 - bias) << MANTISSA_BITS)
+    # the exponent rebiased from 127 to the FP8 bias, 1 - MIN_EXPONENT
+    normal = (magnitude >> (23 - MANTISSA_BITS)) - ((126 + MIN_EXPONENT) << MANTISSA_BITS)
     exponent = (magnitude >> 23) - 127
     shift = tl.minimum(tl.maximum(23 - MANTISSA_BITS + MIN_EXPONENT - exponent, 0), 31)
     subnormal = ((magnitude & 0x7FFFFF) | 0x800000) >> shift
