@@ -61,20 +61,38 @@ def _store(
 
 
 @triton.jit
+def _offsets(axis: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr):
+    """The indices of this program's block along grid `axis`, 64-bit where INT64."""
+    if INT64:
+        return tl.program_id(axis).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return tl.program_id(axis) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def _row_offsets(rows, S, stride_a, stride_b, SPLIT_ROWS: tl.constexpr):
+    if SPLIT_ROWS:
+        return (rows // S) * stride_a + (rows % S) * stride_b
+    return rows * stride_b
+
+
+@triton.jit
 def _tensor_kernel(
     x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
     M, N, S, sx_a, sx_b, sx_c, so_a, so_b, so_c,
     MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, FP8_MAX: tl.constexpr,
     OUT_KIND: tl.constexpr, TRANSPOSED: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    SCALE_FROM_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr, SPLIT_ROWS: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_M x BLOCK_N tile of x seen as M rows of N (row r at (r // S, r % S) of a 3-D
-    tensor's strides): the cast with the scale in force (or the one its amax gives), the transposed
-    copy [N, M] (contiguous), and the tile's max|x| atomically maxed into amax_ptr (int32 bits)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """One BLOCK_M x BLOCK_N tile of x seen as M rows of N: row r at r * sx_b, or with SPLIT_ROWS (a
+    3-D tensor whose leading dimensions do not merge) at (r // S, r % S) of its strides. The cast
+    with the scale in force (or the one its amax gives), the transposed copy [N, M] (contiguous),
+    and the tile's max|x| atomically maxed into amax_ptr (int32 bits). Offsets are 32-bit unless
+    INT64 (a division or a 64-bit product per element would make the kernel compute-bound)."""
+    rows = _offsets(0, BLOCK_M, INT64)
+    cols = _offsets(1, BLOCK_N, INT64)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x_rows = (rows // S) * sx_a + (rows % S) * sx_b
+    x_rows = _row_offsets(rows, S, sx_a, sx_b, SPLIT_ROWS)
     x = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * sx_c, mask=mask, other=0.0).to(tl.float32)
     if RECORD_AMAX:
         tl.atomic_max(amax_ptr, max_along(max_along(abs_bits(x), 1), 0))
@@ -87,7 +105,7 @@ def _tensor_kernel(
         else:
             scale = tl.load(scale_ptr)
         values = _fp8_values(x, scale, MANTISSA_BITS, MIN_EXPONENT, FP8_MAX)
-        out_rows = (rows // S) * so_a + (rows % S) * so_b
+        out_rows = _row_offsets(rows, S, so_a, so_b, SPLIT_ROWS)
         _store(out_ptr + out_rows[:, None] + cols[None, :] * so_c, values, mask, OUT_KIND, MANTISSA_BITS,
                MIN_EXPONENT)  # fmt: skip
         if TRANSPOSED:
@@ -101,7 +119,7 @@ def _tiles_kernel(
     M, N, sx0, sx1, SCALE_COLS, SCALE_T_COLS,
     MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, FP8_MAX: tl.constexpr, POWER_2: tl.constexpr,
     OUT_KIND: tl.constexpr, OUT_T_KIND: tl.constexpr, ROWS: tl.constexpr, TRANSPOSED: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    INT64: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_M x TILE_N tile of x [M, N]: ROWS=1, a scale per row (1xTILE_N tiles); ROWS=BLOCK_M,
     one scale for the tile (128x128 blocks); values [M, N] and scale_inv [ceil(M/ROWS), ceil(N/TILE_N)].
@@ -109,8 +127,8 @@ def _tiles_kernel(
     scale_inv_t [N, ceil(M/BLOCK_M)]. Masked elements read 0, which changes no amax."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * TILE_N + tl.arange(0, TILE_N)
+    rows = _offsets(0, BLOCK_M, INT64)
+    cols = _offsets(1, TILE_N, INT64)
     row_in = rows < M
     col_in = cols < N
     mask = row_in[:, None] & col_in[None, :]
@@ -152,12 +170,27 @@ class CurrentCast(NamedTuple):
 
 
 def _rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, tuple[int, int, int]]:
-    """x as M rows of N: (x at most 3-D, M, N, S, strides (a, b, c)), row r at (r // S, r % S)."""
+    """x as M rows of N: (x at most 3-D, M, N, S, strides (a, b, c)), row r at (r // S, r % S), or at
+    r * b where a == S * b (the leading dimensions merge: `_merges`)."""
     if x.dim() > 3:
         x = x.flatten(0, -3)  # a view where the leading dimensions merge, else a copy
     shape = (1,) * (3 - x.dim()) + tuple(x.shape)
     strides = (0,) * (3 - x.dim()) + tuple(x.stride())
     return x, shape[0] * shape[1], shape[2], shape[1], strides
+
+
+def _merges(s: int, strides: tuple[int, int, int], a_size: int) -> bool:
+    return a_size <= 1 or strides[0] == s * strides[1]
+
+
+def _needs_int64(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether an element offset of any of these tensors can reach 2**31."""
+    for t in tensors:
+        if t is not None and (
+            t.numel() >= 2**31 or sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31
+        ):
+            return True
+    return False
 
 
 def _out_view(out: torch.Tensor) -> torch.Tensor:
@@ -178,8 +211,10 @@ def _launch_tensor(
     x, out, out_t, scale, amax, scale_inv, encoding, out_kind, record, from_amax, tile
 ) -> None:
     x3, m, n, s, (sa, sb, sc) = _rows_of(x)
+    split = not _merges(s, (sa, sb, sc), m // max(s, 1))
     if out is not None:
         _, _, _, _, (oa, ob, oc) = _rows_of(out)
+        split = split or not _merges(s, (oa, ob, oc), m // max(s, 1))
     else:
         oa = ob = oc = 0
     mantissa_bits, min_exponent, limit = _ENCODINGS[encoding]
@@ -195,7 +230,7 @@ def _launch_tensor(
         m, n, s, sa, sb, sc, oa, ob, oc,
         MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, FP8_MAX=limit,
         OUT_KIND=out_kind, TRANSPOSED=out_t is not None, RECORD_AMAX=record, SCALE_FROM_AMAX=from_amax,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT_ROWS=split, INT64=_needs_int64(x3, out, out_t), BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
 
 
@@ -311,6 +346,6 @@ def cast_tiles(
         m, n, x.stride(0), x.stride(1), scale_inv.shape[1], triton.cdiv(m, TILE),
         MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, FP8_MAX=limit, POWER_2=power_2,
         OUT_KIND=out_kind, OUT_T_KIND=out_t_kind, ROWS=rows, TRANSPOSED=transposed_dtype is not None,
-        BLOCK_M=block_rows, TILE_N=TILE,
+        INT64=_needs_int64(x, values), BLOCK_M=block_rows, TILE_N=TILE,
     )  # fmt: skip
     return values, scale_inv, values_t, scale_inv_t
