@@ -347,5 +347,6 @@ def cast_tiles(
         MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, FP8_MAX=limit, POWER_2=power_2,
         OUT_KIND=out_kind, OUT_T_KIND=out_t_kind, ROWS=rows, TRANSPOSED=transposed_dtype is not None,
         INT64=_needs_int64(x, values), BLOCK_M=block_rows, TILE_N=TILE,
+        num_warps=8 if block_rows * TILE >= 128 * 128 else 4,  # 64 elements per thread, as per tensor
     )  # fmt: skip
     return values, scale_inv, values_t, scale_inv_t
