@@ -21,8 +21,11 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the fused kernels cannot be tested")
-# the interpreter computes in numpy, which warns where a saturating product overflows to inf (as it should)
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# the interpreter computes in numpy, which warns where a product overflows to inf or is inf * 0 (as it should)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),  # inf * 0
+]
 
 
 @contextlib.contextmanager
@@ -67,19 +70,22 @@ FORMAT = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}  # mantissa bits, m
 INF = torch.tensor(float("inf"))
 
 
-def _same_bits(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+def _same_bits(got: torch.Tensor, want: torch.Tensor, nan_sign: bool = True) -> torch.Tensor:
     """Equal bits, NaN equal to NaN in float outputs (their payloads differ between torch's own
-    vectorized and scalar conversions); FP8 bytes compare exactly, NaN's 0x7F/0xFF included."""
+    vectorized and scalar conversions); FP8 bytes compare exactly, NaN's 0x7F/0xFF included, unless
+    not `nan_sign` (which NaN a product of two NaNs or of inf and 0 gives is the hardware's)."""
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
     same = got.contiguous().view(bits) == want.contiguous().view(bits)
-    if got.element_size() > 1:
+    if got.element_size() > 1 or not nan_sign:
         same |= got.float().isnan() & want.float().isnan()
     return same
 
 
-def _assert_same(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor | None = None) -> None:
-    same = _same_bits(got, want)
+def _assert_same(
+    got: torch.Tensor, want: torch.Tensor, x: torch.Tensor | None = None, nan_sign: bool = True
+) -> None:
+    same = _same_bits(got, want, nan_sign)
     where = "" if x is None else f" at x = {x.reshape(same.shape)[~same][:5].tolist()}"
     assert bool(same.all()), f"{int((~same).sum())} differ: {got[~same][:5]} vs {want[~same][:5]}{where}"
 
@@ -185,6 +191,21 @@ def test_cast_with_amax_equals_cast_operand_bit_for_bit(encoding: str, dtype, x_
         finite, scale, encoding, dtype, transposed=False, amax_out=amax_out, tile=(256, 512)
     )
     assert torch.equal(amax_out, amax(finite))
+
+
+@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
+def test_cast_with_amax_takes_degenerate_scales_as_cast_operand_does(encoding: str) -> None:
+    """Scales a broken history could hold: 0 (x * 0 keeps x's sign, inf * 0 is NaN), inf, NaN, a
+    subnormal and the float32 maximum: the kernel's float32 product is cast_operand's (a NaN's sign
+    aside where the product makes a NaN of two operands that are not one NaN: the hardware's choice,
+    the x86 "indefinite" -NaN on the CPU, a positive canonical NaN on NVIDIA GPUs)."""
+    x = _hard_values(encoding, 10)
+    for scale in (0.0, float("inf"), float("nan"), 2.0**-140, 3.4e38):
+        for dtype in (DTYPES[encoding], torch.float32):
+            values, _ = kernels.cast_with_amax(
+                x, torch.tensor(scale), encoding, dtype, transposed=False, amax_out=None, tile=(1, 8192)
+            )
+            _assert_same(values, cast_operand(x, torch.tensor(scale), encoding, dtype), x, nan_sign=False)
 
 
 def _layouts() -> list[tuple[str, torch.Tensor]]:
