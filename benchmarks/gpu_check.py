@@ -22,6 +22,9 @@ Sections (scripts/gpu_check.sh runs them in this order, each with its own time l
   independent of their number), the block recipes' emulation warning under fullgraph, and
   mode="reduce-overhead" (CUDA graphs: 2 launches per step, scales follow the data).
 - recipes: one step of each recipe (delayed, current, block, MXFP8, NVFP4) at M = 1024.
+- kernels: the fused FP8 casts (fp8train.kernels) in GB/s against the device's peak, beside the torch
+  path and the compiled cast; fused against torch and compiled against eager, bit for bit, transposed
+  copies included (benchmarks/gpu_check_kernels.py).
 - emulation: the device's training against the CPU's exact emulation.
 - overlap: the asynchronous reduction against a collective of 0, 2 and 10 ms simulated on a side stream.
 - idle: the share of a steady step's wall time in which the GPU ran no kernel (torch.profiler).
@@ -48,6 +51,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from gpu_check_kernels import kernels_section
 from gpu_check_probes import (
     DelayedCollective,
     StandInEvents,
@@ -1159,6 +1163,7 @@ SECTIONS: dict[str, Callable[[Context], dict]] = {
     "te_table": te_table,
     "compile": compiled,
     "recipes": recipes,
+    "kernels": lambda ctx: kernels_section(ctx.device, ctx.quick, ctx.progress),
     "emulation": emulation,
     "overlap": overlap,
     "idle": idle,

@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null \
   || pip install -q torch==2.13.0
-python -c "import fp8train, pytest, hypothesis, matplotlib, tqdm, transformers, tensorboard, torchao, accelerate, safetensors, lightning, peft" 2>/dev/null \
+python -c "import fp8train, numpy, pytest, hypothesis, matplotlib, tqdm, transformers, tensorboard, torchao, accelerate, safetensors, lightning, peft" 2>/dev/null \
   || pip install -q -e ".[test,demo]"
 # torchtitan's CPU tests: its model package imports triton even on a CPU-only torch; its own
 # requirements (datasets, wandb, torchdata) serve only its trainer, so the pieces it imports are named

@@ -27,6 +27,7 @@ SECTIONS = (
     "te_table",
     "compile",
     "recipes",
+    "kernels",
     "emulation",
     "overlap",
     "idle",
@@ -161,6 +162,46 @@ def test_overlap_launches_two_reductions_per_step(dry_run) -> None:
         (2.0, "blocking"),
     }
     assert all(r["launched_per_step"] == 2 for r in rows), rows
+
+
+def test_kernels_section_checks_compiled_transposed_casts_and_says_why_fused_is_skipped(dry_run) -> None:
+    """The CPU dry run: compiled casts (values and transposed FP8 copies) equal eager ones, every path
+    is timed, and the Triton kernels are skipped with the reason (not interpreted here)."""
+    section = dry_run[1]["kernels"]
+    rows = {row["cast"]: row for row in section["rows"]}
+    assert set(rows) == {"delayed", "current", "tiles_1x128", "blocks_128x128"}
+    assert rows["delayed"]["compiled_equals_eager"] and rows["tiles_1x128"]["compiled_equals_eager"], rows
+    assert all(row["torch_gb_s"] > 0 for row in rows.values())
+    assert str(section["fused"]).startswith("skipped: Triton kernels run on CUDA devices"), section["fused"]
+
+
+@pytest.mark.slow
+def test_kernels_section_runs_the_fused_kernels_interpreted_and_they_equal_the_torch_path(tmp_path) -> None:
+    """With TRITON_INTERPRET=1 the section runs the Triton kernels on the CPU: each equals the torch path
+    bit for bit (values, transposed copies, scales, amax), as on a GPU."""
+    pytest.importorskip("triton", reason="triton is not installed: no fused kernels to run")
+    environ = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_RESULTS")}
+    environ.update(TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu_check.py",
+            "kernels",
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    section = json.loads((tmp_path / "gpu-check.json").read_text())["sections"]["kernels"]
+    assert done.returncode == 0 and section["fused"] is True, done.stdout[-2000:] + done.stderr[-2000:]
+    assert all(row["fused_equals_torch"] and "fused_gb_s" in row for row in section["rows"]), section["rows"]
 
 
 def test_without_cuda_the_check_stops_at_once(tmp_path) -> None:

@@ -1,0 +1,154 @@
+"""Fused FP8 quantization kernels (Triton): one read of the high-precision tensor per operand, writing
+the FP8 values, their transposed copy, the scales and the amax in the same pass (docs/design.md,
+section 6, "Fused quantization kernels"). Equal bit for bit to the torch path (cast.py,
+quantization/block.py), which runs wherever these do not: CPUs, GPUs without Triton, and code under
+torch.compile, where inductor fuses the torch path's cast with its neighbours (design.md says why).
+
+Triton is optional: this module imports it only when a kernel is asked for
+(`fused_cast_available` says whether one can run). The kernels run on CUDA (and ROCm) tensors, or on
+CPU tensors where triton_cast.py was first imported with TRITON_INTERPRET=1 (Triton's interpreter,
+the tests' way) and the caller allows it explicitly.
+
+- `cast_with_amax`: delayed scaling's cast with the scale in force, recording max|x| (one read);
+- `amax_then_cast`: current scaling's amax, then the cast with its scale (two reads);
+- `cast_tiles_1x128`, `cast_blocks_128x128`: block scaling's operands, as quantization/block.py
+  makes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Optional
+
+import torch
+
+from ..operand import Operand
+
+__all__ = [
+    "fused_cast_available",
+    "interpreted",
+    "cast_with_amax",
+    "amax_then_cast",
+    "cast_tiles_1x128",
+    "cast_blocks_128x128",
+]
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether triton can be imported (looked up once, without importing it)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (hidden)
+        return False
+
+
+def _kernels():
+    from . import triton_cast  # imports triton: only here, on first use
+
+    return triton_cast
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when they were first
+    imported); imports them. False without triton."""
+    return _triton_installed() and _kernels().INTERPRETED
+
+
+def fused_cast_available(device: torch.device | str, *, allow_interpreter: bool = False) -> bool:
+    """Whether the fused kernels cast tensors on `device`: triton installed and a CUDA device of
+    capability 8.0 or later (or a ROCm device) with compiled kernels; or, with `allow_interpreter`
+    (tests), kernels interpreted on the CPU. False under torch.compile: there inductor's own fusion of
+    the torch path is in charge (docs/design.md, section 6)."""
+    device_type = torch.device(device).type
+    if torch.compiler.is_compiling() or not (device_type == "cuda" or allow_interpreter):
+        return False
+    if not _triton_installed():
+        return False
+    if device_type == "cuda":
+        return torch.cuda.is_available() and not interpreted() and _triton_runs_on(torch.device(device))
+    return device_type == "cpu" and interpreted()
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    """Triton compiles for NVIDIA GPUs of compute capability 8.0 and later (and for ROCm's)."""
+    if torch.version.hip is not None:
+        return True
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cast_with_amax(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    encoding: str,
+    dtype: torch.dtype,
+    *,
+    transposed: bool,
+    amax_out: Optional[torch.Tensor],
+    tile: Optional[tuple[int, int]] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(values, values_t): `cast.cast_operand(x, scale, encoding, dtype)` bit for bit, and with
+    `transposed` its copy [N, M] of x seen as M = numel / N rows of its last dimension N (x 2-D or 3-D),
+    contiguous; max|x| maxed into `amax_out` (float32 0-dim tensor on x's device, NaN propagating as
+    `cast.amax`) when given. One read of x. `tile`: (rows, columns) per program."""
+    if amax_out is not None:
+        _check_amax_out(amax_out, x)
+    return _kernels().cast_tensor(
+        x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out, tile=tile
+    )
+
+
+def amax_then_cast(
+    x: torch.Tensor,
+    encoding: str,
+    dtype: torch.dtype,
+    *,
+    transposed: bool,
+    tile: Optional[tuple[int, int]] = None,
+):
+    """Current scaling: CurrentCast(values, values_t, amax, scale, scale_inv), the amax of x and
+    `current_scales(x, encoding)` with the cast by that scale, bit for bit. Two reads of x."""
+    return _kernels().amax_then_cast(x, encoding, dtype, transposed=transposed, tile=tile)
+
+
+def cast_tiles_1x128(
+    x2d: torch.Tensor,
+    power_2: bool,
+    dtype: torch.dtype = torch.float32,
+    *,
+    transposed_dtype: Optional[torch.dtype] = None,
+    encoding: str = "e4m3",
+    block_m: Optional[int] = None,
+) -> tuple[Operand, Optional[Operand]]:
+    """x2d in 1x128 tiles along its last dimension, as quantization/block.py's `_tiles(x2d, power_2)`
+    (values as `dtype`), and with `transposed_dtype` also `_tiles(x2d, power_2, transposed=True)`
+    (x2d.t() in 1x128 tiles along the tokens, values as that dtype): both in one read of x2d."""
+    values, scale_inv, values_t, scale_inv_t = _kernels().cast_tiles(
+        x2d, 1, encoding, dtype, power_2, transposed_dtype=transposed_dtype, block_m=block_m
+    )
+    tile = (1, _kernels().TILE)
+    transposed = None if values_t is None else Operand(values_t, scale_inv_t, tile, True)
+    return Operand(values, scale_inv, tile), transposed
+
+
+def cast_blocks_128x128(
+    weight: torch.Tensor, power_2: bool, dtype: torch.dtype = torch.float8_e4m3fn, *, encoding: str = "e4m3"
+) -> Operand:
+    """The weight in 128x128 blocks, as `BlockQuantization.quantize_weight` makes its operand (values
+    as `dtype`), in one read."""
+    values, scale_inv, _, _ = _kernels().cast_tiles(weight, 128, encoding, dtype, power_2)
+    return Operand(values, scale_inv, (128, 128))
+
+
+def _check_amax_out(amax_out: torch.Tensor, x: torch.Tensor) -> None:
+    if amax_out.dtype != torch.float32 or amax_out.dim() != 0 or amax_out.device != x.device:
+        raise ValueError(
+            f"amax_out must be a float32 0-dim tensor on {x.device} (the amax is maxed into it); got "
+            f"{amax_out.dtype} of shape {tuple(amax_out.shape)} on {amax_out.device}"
+        )
