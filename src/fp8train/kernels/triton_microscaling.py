@@ -1,0 +1,374 @@
+"""Fused one-pass Triton quantization kernels of the microscaling recipes (MXFP8, NVFP4): each kernel
+reads the high-precision tensor once and writes the values, their scales and, where a layer needs both,
+the row-wise and the column-wise copy (docs/design.md, section 13, "Fused kernels").
+
+Every function here returns what its torch counterpart in `microscaling.py` returns, bit for bit
+(tests/recipes/test_triton_microscaling.py checks it under Triton's interpreter on the CPU):
+
+    mx_quantize(x, dim, block, encoding, two_d)            microscaling.mx_quantize
+    mx_quantize_both(x2d, encoding)                        (mx_quantize(x, 1, ...), mx_quantize(x, 0, ...))
+    nvfp4_quantize(x, dim, global_amax, two_d, stochastic, generator, values_dtype)
+                                                           microscaling.nvfp4_quantize
+    nvfp4_quantize_rotated(x, dim, signs, global_amax, stochastic, generator, values_dtype)
+                                                           nvfp4_quantize(random_hadamard_transform(x, ...))
+    nvfp4_amax(x, dim, signs)                              the per-tensor amax nvfp4_quantize starts from
+
+Rounding is integer and float32 arithmetic that is exact both in the interpreter and on a GPU: no
+Triton conversion to an FP8 type is used (the interpreter's is not round-to-nearest-even, triton issue
+8322, and Triton has no E4M3 type before SM89). The FP8 bytes are assembled from the exactly rounded
+float32 value's bits and stored as uint8, then viewed as the FP8 dtype. Divisions that must be correctly
+rounded are taken in float64 and rounded once to float32 (Triton's float32 `/` is an approximate
+division on NVIDIA GPUs; a float64 one is IEEE, and rounding an IEEE float64 quotient of two float32
+numbers to float32 gives the correctly rounded float32 quotient: 53 >= 2 * 24 + 2). Triton's min, max
+and max-reductions need not propagate NaN on a GPU: NaN is tracked explicitly (a flag per block) and
+clamps are written as selects, which keep NaN as torch's clamp does. No float32 product feeds an
+addition directly except where the product is exact (fma contraction then changes nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ..microscaling import MX_BLOCK, NVFP4_BLOCK, RHT_SIGNS, nvfp4_tensor_scale
+
+__all__ = [
+    "mx_quantize",
+    "mx_quantize_both",
+    "nvfp4_quantize",
+    "nvfp4_quantize_rotated",
+    "nvfp4_amax",
+]
+
+Amax = Union[torch.Tensor, float]
+
+# (largest finite value, mantissa bits, smallest normal exponent, exponent bias) of each encoding
+_FP8 = {"e4m3": (448.0, 3, -6, 7), "e5m2": (57344.0, 2, -14, 15)}
+_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_FLOAT32_MAX = 3.4028234663852886e38
+_SIGN_BIT = -2147483648  # 0x80000000 as an int32
+
+
+# ---- rounding helpers ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _binade(t, MIN_EXP: tl.constexpr):
+    """2**e of |t| (float32), at least 2**MIN_EXP; inf for inf and NaN (exponent field all ones)."""
+    b = (t.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(b < 2.0**MIN_EXP, 2.0**MIN_EXP, b)
+
+
+@triton.jit
+def _with_sign_of(r, t):
+    """r (non-negative or +0.0) with t's sign bit: copysign for values rounded from t."""
+    sign = t.to(tl.int32, bitcast=True) & _SIGN_BIT
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_fp8_grid(t, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """t (float32, |t| at most the format's largest value, or NaN) rounded to the nearest FP8 value of
+    the format with MANT mantissa bits and smallest normal exponent MIN_EXP, ties to even, with t's
+    sign (-0.0 for a negative value that rounds to zero); NaN stays NaN.
+
+    `cast._round_to_fp8_grid`'s argument: k = 1.5 * 2**(e + 23 - MANT), 2**e the binade of |t| (at
+    least the smallest normal), puts t + k in the binade whose float32 spacing is the FP8 spacing at
+    e; float32's round-to-nearest-even of the sum is the FP8 rounding of t, and subtracting k is exact
+    (Sterbenz). k is an exact product (1.5 times a power of two), so an fma contraction of k's product
+    into the addition rounds once, the same."""
+    k = _binade(t, MIN_EXP) * (1.5 * 2.0 ** (23 - MANT))
+    r = (t + k) - k
+    return _with_sign_of(tl.abs(r), t)
+
+
+@triton.jit
+def round_to_e2m1(t):
+    """t (float32) rounded to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} with t's sign, saturating at
+    +-6, ties to even; NaN stays NaN: `microscaling.e2m1_round` (nearest), k = 1.5 * 2**(e + 22) with
+    2**e the binade of |t|, at least 1."""
+    m = tl.abs(t)
+    m = tl.where(m > 6.0, 6.0, m)  # a select keeps NaN
+    k = _binade(m, 0) * (1.5 * 2.0**22)
+    return _with_sign_of((m + k) - k, t)
+
+
+@triton.jit
+def fp8_code(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
+    """The FP8 byte (int32 in [0, 255]) of v, a float32 that is exactly an FP8 value of the format
+    (MANT mantissa bits, smallest normal exponent MIN_EXP, exponent bias BIAS), or NaN (0x7F with v's
+    sign, torch's NaN byte for both encodings). Normal values: the exponent rebiased and the top MANT
+    mantissa bits; subnormal ones: |v| / 2**(MIN_EXP - MANT), an exact small integer."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    exponent = (bits >> 23) & 0xFF
+    normal = ((exponent - 127 + BIAS) << MANT) | ((bits & 0x7FFFFF) >> (23 - MANT))
+    magnitude = tl.abs(v)
+    small = tl.where(magnitude < 2.0**MIN_EXP, magnitude, 0.0)  # NaN too: no float-to-int of NaN
+    code = tl.where(magnitude >= 2.0**MIN_EXP, normal, (small * 2.0 ** (MANT - MIN_EXP)).to(tl.int32))
+    code = tl.where(v != v, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
+def _correctly_rounded_div(a, b):
+    """a / b of float32 tensors, correctly rounded to float32 (through one IEEE float64 division)."""
+    return (a.to(tl.float64) / b.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def e8m0_byte(amax, LIMIT: tl.constexpr):
+    """`microscaling.e8m0_scale`: the E8M0 byte (int32) of blocks with this amax (float32 >= 0, inf or
+    NaN): fl32(amax / LIMIT) rounded up to a power of two, read off its bits; a subnormal quotient at
+    most 2**-127 is byte 0; +inf 254; NaN 255."""
+    q = (amax.to(tl.float64) / LIMIT).to(tl.float32)
+    bits = q.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    byte = exponent + round_up.to(tl.int32)
+    byte = tl.where(q == float("inf"), 254, byte)
+    return tl.where(q != q, 255, byte)
+
+
+@triton.jit
+def mx_multiplier(byte):
+    """`microscaling._mx_encode_multiplier`: 2**(127 - byte) as float32 (exact, built from bits;
+    2**-127 is subnormal), 1 for byte 0, NaN for 255."""
+    e = 127 - byte  # in [-128, 127]
+    bits = tl.where(e >= -126, (e + 127) << 23, 0x400000)  # byte 254: 2**-127
+    m = bits.to(tl.float32, bitcast=True)
+    m = tl.where(byte == 0, 1.0, m)
+    return tl.where(byte == 255, float("nan"), m)
+
+
+@triton.jit
+def _nan_to_flag(x):
+    """(|x| with NaN as 0, 1 where x is NaN else 0): a block's amax and its NaN flag reduce with
+    Triton's max, which need not propagate NaN on a GPU."""
+    nan = x != x
+    return tl.where(nan, 0.0, tl.abs(x)), nan.to(tl.int32)
+
+
+@triton.jit
+def _mx_codes(x, multiplier, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
+              BIAS: tl.constexpr):
+    """fp8(saturate(x * multiplier)) as FP8 bytes: the product of a power of two is exact (an
+    underflow only touches values far below the FP8 subnormals); the clamp is a select (NaN kept)."""
+    p = x * multiplier
+    p = tl.where(p > LIMIT, LIMIT, tl.where(p < -LIMIT, -LIMIT, p))
+    return fp8_code(round_to_fp8_grid(p, MANT, MIN_EXP), MANT, MIN_EXP, BIAS)
+
+
+# ---- MXFP8 kernels -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mx_blocks_kernel(
+    x_ptr, v_ptr, s_ptr, P, N, Q,
+    sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq,
+    LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr,
+    B: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+):
+    """x viewed as [P, N, Q], blocks of B along N: one [BP, BN, BQ] tile per program (BN a multiple of
+    B), zero-padded past the edges (a partial block is scaled from its own elements, as padding with
+    zeros does). Writes the FP8 bytes and one E8M0 byte per block ([P, ceil(N/B), Q])."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
+    n = tl.program_id(1) * BN + tl.arange(0, BN)[None, :, None]
+    q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
+    inside = (p < P) & (n < N) & (q < Q)
+    x = tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0.0).to(tl.float32)
+    magnitude, nan = _nan_to_flag(tl.reshape(x, (BP, BN // B, B, BQ)))
+    amax = tl.where(tl.max(nan, axis=2) > 0, float("nan"), tl.max(magnitude, axis=2))  # [BP, BN/B, BQ]
+    byte = e8m0_byte(amax, LIMIT)
+    multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, :, None, :], (BP, BN // B, B, BQ)),
+                            (BP, BN, BQ))
+    codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
+    tl.store(v_ptr + p * svp + n * svn + q * svq, codes.to(tl.uint8), mask=inside)
+    nb = tl.program_id(1) * (BN // B) + tl.arange(0, BN // B)[None, :, None]
+    tl.store(s_ptr + p * ssp + nb * ssn + q * ssq, byte.to(tl.uint8),
+             mask=(p < P) & (nb * B < N) & (q < Q))
+
+
+@triton.jit
+def _mx_matrix_kernel(
+    x_ptr, vr_ptr, sr_ptr, vc_ptr, sc_ptr, R, C,
+    sxr, sxc, svr_r, svr_c, ssr_r, ssr_c, svc_r, svc_c, ssc_r, ssc_c,
+    LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr,
+    B: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, TWO_D: tl.constexpr,
+):
+    """A 2-D x [R, C], one [BR, BC] tile per program (multiples of B), read once. ROWWISE: 1xB blocks
+    (along C) into (vr, sr [R, ceil(C/B)]); COLUMNWISE: Bx1 blocks (along R) into (vc, sc
+    [ceil(R/B), C]); TWO_D: BxB blocks into (vr, sr [ceil(R/B), ceil(C/B)])."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+    inside = (r < R) & (c < C)
+    x = tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0.0).to(tl.float32)
+    if ROWWISE:
+        magnitude, nan = _nan_to_flag(tl.reshape(x, (BR, BC // B, B)))
+        amax = tl.where(tl.max(nan, axis=2) > 0, float("nan"), tl.max(magnitude, axis=2))  # [BR, BC/B]
+        byte = e8m0_byte(amax, LIMIT)
+        multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, :, None], (BR, BC // B, B)), (BR, BC))
+        codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
+        tl.store(vr_ptr + r * svr_r + c * svr_c, codes.to(tl.uint8), mask=inside)
+        cb = tl.program_id(1) * (BC // B) + tl.arange(0, BC // B)[None, :]
+        tl.store(sr_ptr + r * ssr_r + cb * ssr_c, byte.to(tl.uint8), mask=(r < R) & (cb * B < C))
+    if COLUMNWISE:
+        magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // B, B, BC)))
+        amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(magnitude, axis=1))  # [BR/B, BC]
+        byte = e8m0_byte(amax, LIMIT)
+        multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, None, :], (BR // B, B, BC)), (BR, BC))
+        codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
+        tl.store(vc_ptr + r * svc_r + c * svc_c, codes.to(tl.uint8), mask=inside)
+        rb = tl.program_id(0) * (BR // B) + tl.arange(0, BR // B)[:, None]
+        tl.store(sc_ptr + rb * ssc_r + c * ssc_c, byte.to(tl.uint8), mask=(rb * B < R) & (c < C))
+    if TWO_D:
+        magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // B, B, BC // B, B)))
+        any_nan = tl.max(tl.max(nan, axis=3), axis=1)
+        amax = tl.where(any_nan > 0, float("nan"), tl.max(tl.max(magnitude, axis=3), axis=1))
+        byte = e8m0_byte(amax, LIMIT)  # [BR/B, BC/B]
+        multiplier = tl.broadcast_to(mx_multiplier(byte)[:, None, :, None], (BR // B, B, BC // B, B))
+        codes = _mx_codes(x, tl.reshape(multiplier, (BR, BC)), LIMIT, MANT, MIN_EXP, BIAS)
+        tl.store(vr_ptr + r * svr_r + c * svr_c, codes.to(tl.uint8), mask=inside)
+        rb = tl.program_id(0) * (BR // B) + tl.arange(0, BR // B)[:, None]
+        cb = tl.program_id(1) * (BC // B) + tl.arange(0, BC // B)[None, :]
+        tl.store(sr_ptr + rb * ssr_r + cb * ssr_c, byte.to(tl.uint8), mask=(rb * B < R) & (cb * B < C))
+
+
+# ---- launch helpers ------------------------------------------------------------------------------------
+
+# Elements per program: Triton's interpreter (CPU tensors) runs each program as numpy code, so few
+# large tiles run fastest there; a GPU wants tiles that fit its registers.
+_TILE_INTERPRETED = 1 << 17
+_TILE_DEVICE = 1 << 12
+
+
+def _tile_elements(x: torch.Tensor) -> int:
+    return _TILE_DEVICE if x.device.type == "cuda" else _TILE_INTERPRETED
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: float32, bfloat16 and float16 as they are (upcast exactly in the
+    kernel); other dtypes through float32 first, as the torch path's `x.float()` does."""
+    return x if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else x.float()
+
+
+def _check_block(block: int) -> None:
+    if block <= 0 or block & (block - 1):
+        raise ValueError(f"the Triton kernels take power-of-2 block sizes, got {block}: use microscaling.py")
+
+
+def _blocks_3d(x: torch.Tensor, dim: int) -> tuple[int, int, int]:
+    """(P, N, Q): x viewed as [P, N, Q] with `dim` as N."""
+    shape = x.shape
+    p = 1
+    for s in shape[:dim]:
+        p *= s
+    q = 1
+    for s in shape[dim + 1 :]:
+        q *= s
+    return p, shape[dim], q
+
+
+def _tiles_3d(x: torch.Tensor, p: int, n: int, q: int, block: int) -> tuple[int, int, int]:
+    """(BP, BN, BQ) of a [P, N, Q] kernel: along N a multiple of the block; the tile spreads over P
+    when Q is 1 (blocks along the contiguous dimension), else over Q."""
+    tile = _tile_elements(x)
+    if q == 1:
+        bn = max(block, min(_pow2_at_least(n), 128))
+        return max(1, min(_pow2_at_least(p), tile // bn)), bn, 1
+    bq = max(1, min(_pow2_at_least(q), tile // block))
+    return 1, max(block, min(_pow2_at_least(n), tile // bq)), bq
+
+
+def _moved_empty(x: torch.Tensor, dim: int, last: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of x's shape with dim's size `last`, stored with `dim` last (contiguous): the
+    layout `microscaling._unblock_1d` gives values and `scales.movedim(-1, dim)` gives scales."""
+    shape = list(x.shape)
+    moved = shape[:dim] + shape[dim + 1 :] + [last]
+    return torch.empty(moved, dtype=dtype, device=x.device).movedim(-1, dim)
+
+
+# ---- MXFP8 ---------------------------------------------------------------------------------------------
+
+
+def mx_quantize(
+    x: torch.Tensor, dim: int, block: int = MX_BLOCK, encoding: str = "e4m3", two_d: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`microscaling.mx_quantize` in one pass: (FP8 values of x's shape, E8M0 scales as uint8; x's shape
+    with dim's size ceil(n / block), or [ceil(R/b), ceil(C/b)] with `two_d`), bit for bit. Values and
+    scales are laid out as the torch path lays them out (with `dim` innermost in memory), except that a
+    partial last block leaves no padding in the values' rows. `block` must be a power of 2."""
+    if encoding not in _FP8:
+        raise ValueError(f"MX encoding {encoding!r} is not one of {sorted(_FP8)}")
+    _check_block(block)
+    limit, mant, min_exp, bias = _FP8[encoding]
+    xf = _as_float(x.detach())
+    if two_d:
+        if xf.dim() != 2:
+            raise ValueError(f"2D blocks need a 2-D tensor, got shape {tuple(x.shape)}")
+        values, scales, _, _ = _mx_matrix(xf, encoding, block, rowwise=False, columnwise=False, two_d=True)
+        return values, scales
+    dim = dim % xf.dim()
+    p, n, q = _blocks_3d(xf, dim)
+    nb = -(-n // block)
+    values = _moved_empty(xf, dim, n, torch.uint8)
+    scales = _moved_empty(xf, dim, nb, torch.uint8)
+    if xf.numel():
+        x3, v3, s3 = xf.reshape(p, n, q), values.view(p, n, q), scales.view(p, nb, q)
+        bp, bn, bq = _tiles_3d(xf, p, n, q, block)
+        grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
+        _mx_blocks_kernel[grid](
+            x3, v3, s3, p, n, q, *x3.stride(), *v3.stride(), *s3.stride(),
+            LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BP=bp, BN=bn, BQ=bq,
+        )  # fmt: skip
+    return values.view(_FP8_DTYPES[encoding]), scales
+
+
+def mx_quantize_both(
+    x: torch.Tensor, encoding: str = "e4m3", block: int = MX_BLOCK
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The row-wise (1 x block, along dim 1) and the column-wise (block x 1, along dim 0) MX copies of
+    a 2-D x from one read: equal to (mx_quantize(x, 1, ...), mx_quantize(x, 0, ...)), layouts
+    included (the column-wise values are stored transposed, dim 0 innermost: the K-major operand of
+    the GEMM that reduces over the rows)."""
+    if encoding not in _FP8:
+        raise ValueError(f"MX encoding {encoding!r} is not one of {sorted(_FP8)}")
+    _check_block(block)
+    xf = _as_float(x.detach())
+    if xf.dim() != 2:
+        raise ValueError(f"mx_quantize_both takes a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, row_scales, columns, column_scales = _mx_matrix(xf, encoding, block, True, True, False)
+    return (rows, row_scales), (columns, column_scales)
+
+
+def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, columnwise: bool, two_d: bool):
+    limit, mant, min_exp, bias = _FP8[encoding]
+    r, c = xf.shape
+    rb, cb = -(-r // block), -(-c // block)
+    if two_d:
+        vr = torch.empty(r, c, dtype=torch.uint8, device=xf.device)
+        sr = torch.empty(rb, cb, dtype=torch.uint8, device=xf.device)
+    else:
+        vr, sr = _moved_empty(xf, 1, c, torch.uint8), _moved_empty(xf, 1, cb, torch.uint8)
+    vc, sc = (_moved_empty(xf, 0, r, torch.uint8), _moved_empty(xf, 0, rb, torch.uint8)) if columnwise else (vr, sr)
+    if xf.numel():
+        side = max(block, _pow2_at_least(int(_tile_elements(xf) ** 0.5)))
+        br = max(block, min(side, _pow2_at_least(r)))
+        bc = max(block, min(_tile_elements(xf) // br, _pow2_at_least(c)))
+        grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
+        _mx_matrix_kernel[grid](
+            xf, vr, sr, vc, sc, r, c, *xf.stride(), *vr.stride(), *sr.stride(), *vc.stride(), *sc.stride(),
+            LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BR=br, BC=bc,
+            ROWWISE=rowwise, COLUMNWISE=columnwise, TWO_D=two_d,
+        )  # fmt: skip
+    dtype = _FP8_DTYPES[encoding]
+    return vr.view(dtype), sr, vc.view(dtype), sc
