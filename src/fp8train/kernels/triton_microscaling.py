@@ -239,11 +239,292 @@ def _mx_matrix_kernel(
         tl.store(sr_ptr + rb * ssr_r + cb * ssr_c, byte.to(tl.uint8), mask=(rb * B < R) & (cb * B < C))
 
 
+
+@triton.jit
+def _fwht16(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, SIGNS: tl.constexpr
+):
+    """16 float32 tensors (the elements of 16-blocks) times M = diag(signs) H16 / 4 (H16 Sylvester;
+    bit i of SIGNS set: sign i is -1): z_i = x_i * (+-1/4), each exact, then the fast Walsh-Hadamard
+    butterflies, index bit 0 first: y_j = sum_i H_ij z_i added in a fixed pairwise order, each addition
+    one float32 rounding (the same in the interpreter and on a GPU)."""
+    z0 = x0 * (0.25 - 0.5 * ((SIGNS >> 0) & 1))
+    z1 = x1 * (0.25 - 0.5 * ((SIGNS >> 1) & 1))
+    z2 = x2 * (0.25 - 0.5 * ((SIGNS >> 2) & 1))
+    z3 = x3 * (0.25 - 0.5 * ((SIGNS >> 3) & 1))
+    z4 = x4 * (0.25 - 0.5 * ((SIGNS >> 4) & 1))
+    z5 = x5 * (0.25 - 0.5 * ((SIGNS >> 5) & 1))
+    z6 = x6 * (0.25 - 0.5 * ((SIGNS >> 6) & 1))
+    z7 = x7 * (0.25 - 0.5 * ((SIGNS >> 7) & 1))
+    z8 = x8 * (0.25 - 0.5 * ((SIGNS >> 8) & 1))
+    z9 = x9 * (0.25 - 0.5 * ((SIGNS >> 9) & 1))
+    z10 = x10 * (0.25 - 0.5 * ((SIGNS >> 10) & 1))
+    z11 = x11 * (0.25 - 0.5 * ((SIGNS >> 11) & 1))
+    z12 = x12 * (0.25 - 0.5 * ((SIGNS >> 12) & 1))
+    z13 = x13 * (0.25 - 0.5 * ((SIGNS >> 13) & 1))
+    z14 = x14 * (0.25 - 0.5 * ((SIGNS >> 14) & 1))
+    z15 = x15 * (0.25 - 0.5 * ((SIGNS >> 15) & 1))
+    s0_0, s0_1 = z0 + z1, z0 - z1
+    s0_2, s0_3 = z2 + z3, z2 - z3
+    s0_4, s0_5 = z4 + z5, z4 - z5
+    s0_6, s0_7 = z6 + z7, z6 - z7
+    s0_8, s0_9 = z8 + z9, z8 - z9
+    s0_10, s0_11 = z10 + z11, z10 - z11
+    s0_12, s0_13 = z12 + z13, z12 - z13
+    s0_14, s0_15 = z14 + z15, z14 - z15
+    s1_0, s1_2 = s0_0 + s0_2, s0_0 - s0_2
+    s1_1, s1_3 = s0_1 + s0_3, s0_1 - s0_3
+    s1_4, s1_6 = s0_4 + s0_6, s0_4 - s0_6
+    s1_5, s1_7 = s0_5 + s0_7, s0_5 - s0_7
+    s1_8, s1_10 = s0_8 + s0_10, s0_8 - s0_10
+    s1_9, s1_11 = s0_9 + s0_11, s0_9 - s0_11
+    s1_12, s1_14 = s0_12 + s0_14, s0_12 - s0_14
+    s1_13, s1_15 = s0_13 + s0_15, s0_13 - s0_15
+    s2_0, s2_4 = s1_0 + s1_4, s1_0 - s1_4
+    s2_1, s2_5 = s1_1 + s1_5, s1_1 - s1_5
+    s2_2, s2_6 = s1_2 + s1_6, s1_2 - s1_6
+    s2_3, s2_7 = s1_3 + s1_7, s1_3 - s1_7
+    s2_8, s2_12 = s1_8 + s1_12, s1_8 - s1_12
+    s2_9, s2_13 = s1_9 + s1_13, s1_9 - s1_13
+    s2_10, s2_14 = s1_10 + s1_14, s1_10 - s1_14
+    s2_11, s2_15 = s1_11 + s1_15, s1_11 - s1_15
+    s3_0, s3_8 = s2_0 + s2_8, s2_0 - s2_8
+    s3_1, s3_9 = s2_1 + s2_9, s2_1 - s2_9
+    s3_2, s3_10 = s2_2 + s2_10, s2_2 - s2_10
+    s3_3, s3_11 = s2_3 + s2_11, s2_3 - s2_11
+    s3_4, s3_12 = s2_4 + s2_12, s2_4 - s2_12
+    s3_5, s3_13 = s2_5 + s2_13, s2_5 - s2_13
+    s3_6, s3_14 = s2_6 + s2_14, s2_6 - s2_14
+    s3_7, s3_15 = s2_7 + s2_15, s2_7 - s2_15
+    return (
+        s3_0, s3_1, s3_2, s3_3, s3_4, s3_5, s3_6, s3_7, s3_8, s3_9, s3_10, s3_11, s3_12, s3_13, s3_14, s3_15
+    )
+
+
+# ---- NVFP4 kernels -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _nvfp4_block_scales(amax, s_enc):
+    """`microscaling.nvfp4_quantize`'s per-block scales from the block amax (float32 >= 0, inf or NaN)
+    and S_enc, each step one float32 rounding: S_dec = e4m3(min((amax * S_enc) / 6, 448)) (the float32
+    value of an E4M3 number, or NaN), enc = min(1 / (S_dec / S_enc), FLOAT32_MAX)."""
+    product = amax * s_enc
+    s = (product.to(tl.float64) / 6.0).to(tl.float32)
+    s = tl.where(s > 448.0, 448.0, s)  # a select keeps NaN
+    s_dec = round_to_fp8_grid(s, 3, -6)
+    q = (s_dec.to(tl.float64) / s_enc.to(tl.float64)).to(tl.float32)
+    enc = (1.0 / tl.where(q == 0.0, 1.0, q).to(tl.float64)).to(tl.float32)
+    enc = tl.where(q == 0.0, float("inf"), enc)  # 1 / 0, without dividing by zero
+    enc = tl.where(enc > 3.4028234663852886e38, 3.4028234663852886e38, enc)  # NaN kept
+    return s_dec, enc
+
+
+@triton.jit
+def _nvfp4_value(x, enc, u, STOCHASTIC: tl.constexpr):
+    """e2m1(clamp(x * enc, -6, 6)), nearest even or (STOCHASTIC) up when u < the exact fraction of the
+    step (`microscaling.e2m1_round`); NaN (a NaN block or tensor scale) becomes +0.0, the torch path's
+    masked_fill. The clamp is a select: the product feeds no addition."""
+    p = x * enc
+    p = tl.where(p > 6.0, 6.0, tl.where(p < -6.0, -6.0, p))
+    if STOCHASTIC:
+        m = tl.abs(p)
+        step = tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
+        inverse = tl.where(m < 2.0, 2.0, tl.where(m < 4.0, 1.0, 0.5))  # 1 / step, exact
+        low = tl.floor(m * inverse) * step  # exact: powers of two
+        up = u < (m - low) * inverse  # m - low exact (Sterbenz)
+        r = _with_sign_of(tl.where(up, low + step, low), p)
+    else:
+        r = round_to_e2m1(p)
+    return tl.where(r != r, 0.0, r)
+
+
+@triton.jit
+def _load_slice(base, n0, ELEMENT: tl.constexpr, N, sn, inside):
+    """Element ELEMENT of each 16-block along N (block starts n0, addresses base): a [BP, NBK, BQ] tile,
+    0 past the edges (`inside`: the tile's (p, q) within the tensor)."""
+    return tl.load(base + ELEMENT * sn, mask=inside & (n0 + ELEMENT < N), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_value(v_base, u_base, x, enc, n0, ELEMENT: tl.constexpr, N, svn, sun, inside,
+                 STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr):
+    """Element ELEMENT of each 16-block: its NVFP4 value, stored as float32 or (OUT_FP8) an E4M3 byte."""
+    inside = inside & (n0 + ELEMENT < N)
+    u = 0.0
+    if STOCHASTIC:
+        u = tl.load(u_base + ELEMENT * sun, mask=inside, other=0.0)
+    value = _nvfp4_value(x, enc, u, STOCHASTIC)
+    if OUT_FP8:
+        tl.store(v_base + ELEMENT * svn, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
+    else:
+        tl.store(v_base + ELEMENT * svn, value, mask=inside)
+
+
+@triton.jit
+def _load16(base, n0, N, sn, inside, ROTATE: tl.constexpr, SIGNS: tl.constexpr):
+    """The 16 elements of the 16-blocks of a tile (see `_load_slice`), Hadamard-transformed if ROTATE."""
+    x0 = _load_slice(base, n0, 0, N, sn, inside)
+    x1 = _load_slice(base, n0, 1, N, sn, inside)
+    x2 = _load_slice(base, n0, 2, N, sn, inside)
+    x3 = _load_slice(base, n0, 3, N, sn, inside)
+    x4 = _load_slice(base, n0, 4, N, sn, inside)
+    x5 = _load_slice(base, n0, 5, N, sn, inside)
+    x6 = _load_slice(base, n0, 6, N, sn, inside)
+    x7 = _load_slice(base, n0, 7, N, sn, inside)
+    x8 = _load_slice(base, n0, 8, N, sn, inside)
+    x9 = _load_slice(base, n0, 9, N, sn, inside)
+    x10 = _load_slice(base, n0, 10, N, sn, inside)
+    x11 = _load_slice(base, n0, 11, N, sn, inside)
+    x12 = _load_slice(base, n0, 12, N, sn, inside)
+    x13 = _load_slice(base, n0, 13, N, sn, inside)
+    x14 = _load_slice(base, n0, 14, N, sn, inside)
+    x15 = _load_slice(base, n0, 15, N, sn, inside)
+    if ROTATE:
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _fwht16(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, SIGNS
+        )
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
+def _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """max|x| over 16 tiles, elementwise, NaN if any is NaN (explicitly: Triton's maximum need not
+    propagate NaN)."""
+    m, nan = _nan_to_flag(x0)
+    a, f = _nan_to_flag(x1)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x2)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x3)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x4)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x5)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x6)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x7)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x8)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x9)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x10)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x11)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x12)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x13)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x14)
+    m, nan = tl.maximum(m, a), nan | f
+    a, f = _nan_to_flag(x15)
+    m, nan = tl.maximum(m, a), nan | f
+    return tl.where(nan > 0, float("nan"), m)
+
+
+@triton.jit
+def _nvfp4_blocks_kernel(
+    x_ptr, v_ptr, s_ptr, u_ptr, s_enc_ptr, P, N, Q,
+    sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq, sup, sun, suq,
+    ROTATE: tl.constexpr, SIGNS: tl.constexpr, STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr,
+    BP: tl.constexpr, NBK: tl.constexpr, BQ: tl.constexpr,
+):
+    """x viewed as [P, N, Q], NVFP4 16-blocks along N (Hadamard-transformed first if ROTATE), one
+    [BP, 16 * NBK, BQ] tile per program, read as 16 slices (element i of every block). Writes the values
+    (float32, or E4M3 bytes) and the E4M3 block scales ([P, ceil(N/16), Q], as bytes); STOCHASTIC reads
+    its uniform draws from u ([P, N, Q] strides)."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
+    n0 = (tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]) * 16
+    q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
+    inside = (p < P) & (q < Q)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
+        x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, inside, ROTATE, SIGNS
+    )
+    amax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))
+    tl.store(s_ptr + p * ssp + (n0 // 16) * ssn + q * ssq, fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+             mask=inside & (n0 < N))
+    v_base = v_ptr + p * svp + n0 * svn + q * svq
+    u_base = u_ptr + p * sup + n0 * sun + q * suq
+    _store_value(v_base, u_base, x0, enc, n0, 0, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x1, enc, n0, 1, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x2, enc, n0, 2, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x3, enc, n0, 3, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x4, enc, n0, 4, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x5, enc, n0, 5, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x6, enc, n0, 6, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x7, enc, n0, 7, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x8, enc, n0, 8, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x9, enc, n0, 9, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x10, enc, n0, 10, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x11, enc, n0, 11, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x12, enc, n0, 12, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x13, enc, n0, 13, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x14, enc, n0, 14, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+    _store_value(v_base, u_base, x15, enc, n0, 15, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr, out_ptr, P, N, Q, sxp, sxn, sxq,
+    ROTATE: tl.constexpr, SIGNS: tl.constexpr, BP: tl.constexpr, NBK: tl.constexpr, BQ: tl.constexpr,
+):
+    """One partial max|x| per program (NaN if its tile holds one) of x viewed as [P, N, Q], of the
+    Hadamard-transformed tensor (16-blocks along N) if ROTATE; the caller reduces the partials."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
+    n0 = (tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]) * 16
+    q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
+        x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, (p < P) & (q < Q), ROTATE, SIGNS
+    )
+    amax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    magnitude, nan = _nan_to_flag(amax)
+    amax = tl.max(tl.max(tl.max(magnitude, axis=2), axis=1), axis=0)
+    any_nan = tl.max(tl.max(tl.max(nan, axis=2), axis=1), axis=0)
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    tl.store(out_ptr + pid, tl.where(any_nan > 0, float("nan"), amax))
+
+
+
+@triton.jit
+def _nvfp4_squares_kernel(
+    x_ptr, v_ptr, s_ptr, u_ptr, s_enc_ptr, R, C,
+    sxr, sxc, svr, svc, ssr, ssc, sur, suc,
+    STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):
+    """A 2-D x [R, C] in NVFP4 16x16 blocks, one [BR, BC] tile per program (multiples of 16): values
+    (float32, or E4M3 bytes) and E4M3 block scales [ceil(R/16), ceil(C/16)] as bytes."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+    inside = (r < R) & (c < C)
+    x = tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0.0).to(tl.float32)
+    magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // 16, 16, BC // 16, 16)))
+    any_nan = tl.max(tl.max(nan, axis=3), axis=1)
+    amax = tl.where(any_nan > 0, float("nan"), tl.max(tl.max(magnitude, axis=3), axis=1))
+    s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))  # [BR/16, BC/16]
+    enc = tl.reshape(tl.broadcast_to(enc[:, None, :, None], (BR // 16, 16, BC // 16, 16)), (BR, BC))
+    u = 0.0
+    if STOCHASTIC:
+        u = tl.load(u_ptr + r * sur + c * suc, mask=inside, other=0.0)
+    value = _nvfp4_value(x, enc, u, STOCHASTIC)
+    if OUT_FP8:
+        tl.store(v_ptr + r * svr + c * svc, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
+    else:
+        tl.store(v_ptr + r * svr + c * svc, value, mask=inside)
+    rb = tl.program_id(0) * (BR // 16) + tl.arange(0, BR // 16)[:, None]
+    cb = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)[None, :]
+    tl.store(s_ptr + rb * ssr + cb * ssc, fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+             mask=(rb * 16 < R) & (cb * 16 < C))
+
+
 # ---- launch helpers ------------------------------------------------------------------------------------
 
 # Elements per program: Triton's interpreter (CPU tensors) runs each program as numpy code, so few
 # large tiles run fastest there; a GPU wants tiles that fit its registers.
-_TILE_INTERPRETED = 1 << 17
+_TILE_INTERPRETED = 1 << 20
 _TILE_DEVICE = 1 << 12
 
 
@@ -283,7 +564,7 @@ def _tiles_3d(x: torch.Tensor, p: int, n: int, q: int, block: int) -> tuple[int,
     when Q is 1 (blocks along the contiguous dimension), else over Q."""
     tile = _tile_elements(x)
     if q == 1:
-        bn = max(block, min(_pow2_at_least(n), 128))
+        bn = max(block, min(_pow2_at_least(n), 128 if x.device.type == "cuda" else tile))
         return max(1, min(_pow2_at_least(p), tile // bn)), bn, 1
     bq = max(1, min(_pow2_at_least(q), tile // block))
     return 1, max(block, min(_pow2_at_least(n), tile // bq)), bq
@@ -359,7 +640,9 @@ def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, colum
         sr = torch.empty(rb, cb, dtype=torch.uint8, device=xf.device)
     else:
         vr, sr = _moved_empty(xf, 1, c, torch.uint8), _moved_empty(xf, 1, cb, torch.uint8)
-    vc, sc = (_moved_empty(xf, 0, r, torch.uint8), _moved_empty(xf, 0, rb, torch.uint8)) if columnwise else (vr, sr)
+    vc, sc = vr, sr  # unwritten unless columnwise
+    if columnwise:
+        vc, sc = _moved_empty(xf, 0, r, torch.uint8), _moved_empty(xf, 0, rb, torch.uint8)
     if xf.numel():
         side = max(block, _pow2_at_least(int(_tile_elements(xf) ** 0.5)))
         br = max(block, min(side, _pow2_at_least(r)))
@@ -372,3 +655,144 @@ def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, colum
         )  # fmt: skip
     dtype = _FP8_DTYPES[encoding]
     return vr.view(dtype), sr, vc.view(dtype), sc
+
+
+# ---- NVFP4 ---------------------------------------------------------------------------------------------
+
+_VALUE_DTYPES = (torch.float32, torch.float8_e4m3fn)
+
+
+def _signs_mask(signs: tuple[int, ...]) -> int:
+    """The RHT signs as a 16-bit constant: bit i set where sign i is -1."""
+    if len(signs) != NVFP4_BLOCK or any(s not in (1, -1) for s in signs):
+        raise ValueError(f"the Triton RHT takes {NVFP4_BLOCK} signs of +-1, got {tuple(signs)}")
+    return sum(1 << i for i, s in enumerate(signs) if s == -1)
+
+
+def _check_rotatable(x: torch.Tensor, dim: int) -> None:
+    if x.shape[dim] % NVFP4_BLOCK:
+        raise ValueError(
+            f"the Hadamard transform works in blocks of {NVFP4_BLOCK}; dimension {dim} has {x.shape[dim]}"
+        )
+
+
+def nvfp4_amax(x: torch.Tensor, dim: int = -1, signs: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """max|x| (float32, 0-d; NaN if x holds one; 0 for an empty x) in one read, of x itself or, with
+    `signs`, of `random_hadamard_transform(x, signs, dim)` (computed in the kernel's butterfly order,
+    see `nvfp4_quantize_rotated`): the global amax `nvfp4_quantize` starts from."""
+    xf = _as_float(x.detach())
+    if xf.numel() == 0:
+        return torch.zeros((), device=xf.device)
+    dim = dim % xf.dim()
+    if signs is not None:
+        _check_rotatable(xf, dim)
+    p, n, q = _blocks_3d(xf, dim)
+    x3 = xf.reshape(p, n, q)
+    bp, bn, bq = _tiles_3d(xf, p, n, q, NVFP4_BLOCK)
+    grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
+    partials = torch.empty(grid[0] * grid[1] * grid[2], device=xf.device)
+    _amax_kernel[grid](
+        x3, partials, p, n, q, *x3.stride(), ROTATE=signs is not None,
+        SIGNS=0 if signs is None else _signs_mask(signs), BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
+    )  # fmt: skip
+    return partials.amax()
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    dim: int,
+    global_amax: Optional[Amax] = None,
+    two_d: bool = False,
+    stochastic: bool = False,
+    generator: Optional[torch.Generator] = None,
+    values_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`microscaling.nvfp4_quantize` in one pass over x (two without `global_amax`: the amax first):
+    (values of x's shape, E4M3 block scales, S_enc), bit for bit. `values_dtype` float32 (the torch
+    function's) or float8_e4m3fn (what the NVFP4 operand stores: every E2M1 value is an E4M3 value; a
+    quarter of the bytes). Stochastic rounding draws its uniforms with torch.rand exactly as the torch
+    path does (same shape, generator and order), and the kernel reads them: one more read."""
+    return _nvfp4(x, dim, global_amax, two_d, stochastic, generator, values_dtype, None)
+
+
+def nvfp4_quantize_rotated(
+    x: torch.Tensor,
+    dim: int,
+    signs: tuple[int, ...] = RHT_SIGNS,
+    global_amax: Optional[Amax] = None,
+    stochastic: bool = False,
+    generator: Optional[torch.Generator] = None,
+    values_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`nvfp4_quantize(random_hadamard_transform(x.float(), signs, dim), dim, ...)` with the transform in
+    the kernel (16-blocks along `dim`, a multiple of 16, else ValueError): nothing transformed is
+    written. Bit for bit wherever the transform's float32 sums are exact whatever their order; in
+    general the transform's 16-term sums are added in a fixed butterfly order (`_fwht16`) where the
+    torch path leaves the order to the matmul, so a value may differ from it by the sums' rounding."""
+    return _nvfp4(x, dim, global_amax, False, stochastic, generator, values_dtype, tuple(signs))
+
+
+def _nvfp4(x, dim, global_amax, two_d, stochastic, generator, values_dtype, signs):
+    if values_dtype not in _VALUE_DTYPES:
+        raise ValueError(f"NVFP4 values_dtype is one of {_VALUE_DTYPES}, got {values_dtype}")
+    out_fp8 = values_dtype == torch.float8_e4m3fn
+    xf = _as_float(x.detach())
+    if two_d and xf.dim() != 2:
+        raise ValueError(f"2D blocks need a 2-D tensor, got shape {tuple(x.shape)}")
+    if not two_d:
+        dim = dim % xf.dim()
+        if signs is not None:
+            _check_rotatable(xf, dim)
+    if global_amax is None:
+        global_amax = nvfp4_amax(xf, dim, signs)
+    s_enc = nvfp4_tensor_scale(global_amax).to(xf.device)
+    stored = torch.uint8 if out_fp8 else torch.float32
+    if two_d:
+        values, scales, u = _nvfp4_squares(xf, s_enc, stochastic, generator, stored, out_fp8)
+    else:
+        values, scales = _nvfp4_blocks(xf, dim, s_enc, stochastic, generator, stored, out_fp8, signs)
+    return (values.view(torch.float8_e4m3fn) if out_fp8 else values), scales.view(torch.float8_e4m3fn), s_enc
+
+
+def _nvfp4_blocks(xf, dim, s_enc, stochastic, generator, stored, out_fp8, signs):
+    p, n, q = _blocks_3d(xf, dim)
+    nb = -(-n // NVFP4_BLOCK)
+    values = _moved_empty(xf, dim, n, stored)
+    scales = _moved_empty(xf, dim, nb, torch.uint8)
+    if xf.numel() == 0:
+        return values, scales
+    x3, v3, s3 = xf.reshape(p, n, q), values.view(p, n, q), scales.view(p, nb, q)
+    u3 = x3  # unread without stochastic rounding
+    if stochastic:  # the torch path's draw: torch.rand of the zero-padded blocks [..., nb, 16], dim last
+        moved = list(xf.shape[:dim]) + list(xf.shape[dim + 1 :]) + [nb, NVFP4_BLOCK]
+        u = torch.rand(moved, generator=generator, device=xf.device)
+        u3 = u.flatten(-2)[..., :n].movedim(-1, dim).reshape(p, n, q)
+    bp, bn, bq = _tiles_3d(xf, p, n, q, NVFP4_BLOCK)
+    grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
+    _nvfp4_blocks_kernel[grid](
+        x3, v3, s3, u3, s_enc.reshape(1), p, n, q, *x3.stride(), *v3.stride(), *s3.stride(), *u3.stride(),
+        ROTATE=signs is not None, SIGNS=0 if signs is None else _signs_mask(signs), STOCHASTIC=stochastic,
+        OUT_FP8=out_fp8, BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
+    )  # fmt: skip
+    return values, scales
+
+
+def _nvfp4_squares(xf, s_enc, stochastic, generator, stored, out_fp8):
+    r, c = xf.shape
+    rb, cb = -(-r // NVFP4_BLOCK), -(-c // NVFP4_BLOCK)
+    values = torch.empty(r, c, dtype=stored, device=xf.device)
+    scales = torch.empty(rb, cb, dtype=torch.uint8, device=xf.device)
+    u = xf
+    if stochastic:  # the torch path's draw: [R/16, 16, C/16, 16] of the zero-padded x
+        u = torch.rand(rb, NVFP4_BLOCK, cb, NVFP4_BLOCK, generator=generator, device=xf.device)
+        u = u.view(rb * NVFP4_BLOCK, cb * NVFP4_BLOCK)[:r, :c]
+    if xf.numel():
+        side = _pow2_at_least(int(_tile_elements(xf) ** 0.5))
+        br = max(NVFP4_BLOCK, min(side, _pow2_at_least(r)))
+        bc = max(NVFP4_BLOCK, min(_tile_elements(xf) // br, _pow2_at_least(c)))
+        grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
+        _nvfp4_squares_kernel[grid](
+            xf, values, scales, u, s_enc.reshape(1), r, c, *xf.stride(), *values.stride(), *scales.stride(),
+            *u.stride(), STOCHASTIC=stochastic, OUT_FP8=out_fp8, BR=br, BC=bc,
+        )  # fmt: skip
+    return values, scales, u
