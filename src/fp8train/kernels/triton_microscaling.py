@@ -114,6 +114,17 @@ def fp8_code(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _as_float32(x, IN_BF16: tl.constexpr):
+    """Loaded input as float32: bf16 arrives as its int16 bits and is widened by a shift (exact, bf16
+    subnormals included; Triton 3.9's interpreter converts bf16 subnormals wrongly); float32 and
+    float16 by conversion (exact)."""
+    if IN_BF16:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _correctly_rounded_div(a, b):
     """a / b of float32 tensors, correctly rounded to float32 (through one IEEE float64 division)."""
     return (a.to(tl.float64) / b.to(tl.float64)).to(tl.float32)
@@ -146,6 +157,16 @@ def mx_multiplier(byte):
 
 
 @triton.jit
+def _max_along(x, AXIS: tl.constexpr):
+    """The max reduction of `tl.max` (its own combine function, which Triton's interpreter maps to numpy
+    by identity), called through the core `tl.reduce`: `tl.max` itself is a @triton.jit function of
+    Triton's standard library, compiled or interpreted as Triton was imported, so an interpreted kernel
+    could not call it in a process that imported triton without TRITON_INTERPRET. NaN is not
+    propagated (the callers track it)."""
+    return tl.reduce(x, AXIS, tl.standard._elementwise_max)
+
+
+@triton.jit
 def _nan_to_flag(x):
     """(|x| with NaN as 0, 1 where x is NaN else 0): a block's amax and its NaN flag reduce with
     Triton's max, which need not propagate NaN on a GPU."""
@@ -154,8 +175,9 @@ def _nan_to_flag(x):
 
 
 @triton.jit
-def _mx_codes(x, multiplier, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
-              BIAS: tl.constexpr):
+def _mx_codes(
+    x, multiplier, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr
+):
     """fp8(saturate(x * multiplier)) as FP8 bytes: the product of a power of two is exact (an
     underflow only touches values far below the FP8 subnormals); the clamp is a select (NaN kept)."""
     p = x * multiplier
@@ -168,10 +190,30 @@ def _mx_codes(x, multiplier, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: t
 
 @triton.jit
 def _mx_blocks_kernel(
-    x_ptr, v_ptr, s_ptr, P, N, Q,
-    sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq,
-    LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr,
-    B: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+    x_ptr,
+    v_ptr,
+    s_ptr,
+    P,
+    N,
+    Q,
+    sxp,
+    sxn,
+    sxq,
+    svp,
+    svn,
+    svq,
+    ssp,
+    ssn,
+    ssq,
+    LIMIT: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    BIAS: tl.constexpr,
+    B: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+    BQ: tl.constexpr,
+    IN_BF16: tl.constexpr,
 ):
     """x viewed as [P, N, Q], blocks of B along N: one [BP, BN, BQ] tile per program (BN a multiple of
     B), zero-padded past the edges (a partial block is scaled from its own elements, as padding with
@@ -180,26 +222,49 @@ def _mx_blocks_kernel(
     n = tl.program_id(1) * BN + tl.arange(0, BN)[None, :, None]
     q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
     inside = (p < P) & (n < N) & (q < Q)
-    x = tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0.0).to(tl.float32)
+    x = _as_float32(tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0), IN_BF16)
     magnitude, nan = _nan_to_flag(tl.reshape(x, (BP, BN // B, B, BQ)))
-    amax = tl.where(tl.max(nan, axis=2) > 0, float("nan"), tl.max(magnitude, axis=2))  # [BP, BN/B, BQ]
+    amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BP, BN/B, BQ]
     byte = e8m0_byte(amax, LIMIT)
-    multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, :, None, :], (BP, BN // B, B, BQ)),
-                            (BP, BN, BQ))
+    multiplier = tl.reshape(
+        tl.broadcast_to(mx_multiplier(byte)[:, :, None, :], (BP, BN // B, B, BQ)), (BP, BN, BQ)
+    )
     codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
     tl.store(v_ptr + p * svp + n * svn + q * svq, codes.to(tl.uint8), mask=inside)
     nb = tl.program_id(1) * (BN // B) + tl.arange(0, BN // B)[None, :, None]
-    tl.store(s_ptr + p * ssp + nb * ssn + q * ssq, byte.to(tl.uint8),
-             mask=(p < P) & (nb * B < N) & (q < Q))
+    tl.store(s_ptr + p * ssp + nb * ssn + q * ssq, byte.to(tl.uint8), mask=(p < P) & (nb * B < N) & (q < Q))
 
 
 @triton.jit
 def _mx_matrix_kernel(
-    x_ptr, vr_ptr, sr_ptr, vc_ptr, sc_ptr, R, C,
-    sxr, sxc, svr_r, svr_c, ssr_r, ssr_c, svc_r, svc_c, ssc_r, ssc_c,
-    LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr,
-    B: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, TWO_D: tl.constexpr,
+    x_ptr,
+    vr_ptr,
+    sr_ptr,
+    vc_ptr,
+    sc_ptr,
+    R,
+    C,
+    sxr,
+    sxc,
+    svr_r,
+    svr_c,
+    ssr_r,
+    ssr_c,
+    svc_r,
+    svc_c,
+    ssc_r,
+    ssc_c,
+    LIMIT: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    BIAS: tl.constexpr,
+    B: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    TWO_D: tl.constexpr,
 ):
     """A 2-D x [R, C], one [BR, BC] tile per program (multiples of B), read once. ROWWISE: 1xB blocks
     (along C) into (vr, sr [R, ceil(C/B)]); COLUMNWISE: Bx1 blocks (along R) into (vc, sc
@@ -207,10 +272,10 @@ def _mx_matrix_kernel(
     r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
     c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
     inside = (r < R) & (c < C)
-    x = tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0.0).to(tl.float32)
+    x = _as_float32(tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0), IN_BF16)
     if ROWWISE:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR, BC // B, B)))
-        amax = tl.where(tl.max(nan, axis=2) > 0, float("nan"), tl.max(magnitude, axis=2))  # [BR, BC/B]
+        amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BR, BC/B]
         byte = e8m0_byte(amax, LIMIT)
         multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, :, None], (BR, BC // B, B)), (BR, BC))
         codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
@@ -219,7 +284,7 @@ def _mx_matrix_kernel(
         tl.store(sr_ptr + r * ssr_r + cb * ssr_c, byte.to(tl.uint8), mask=(r < R) & (cb * B < C))
     if COLUMNWISE:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // B, B, BC)))
-        amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(magnitude, axis=1))  # [BR/B, BC]
+        amax = tl.where(_max_along(nan, 1) > 0, float("nan"), _max_along(magnitude, 1))  # [BR/B, BC]
         byte = e8m0_byte(amax, LIMIT)
         multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, None, :], (BR // B, B, BC)), (BR, BC))
         codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
@@ -228,8 +293,8 @@ def _mx_matrix_kernel(
         tl.store(sc_ptr + rb * ssc_r + c * ssc_c, byte.to(tl.uint8), mask=(rb * B < R) & (c < C))
     if TWO_D:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // B, B, BC // B, B)))
-        any_nan = tl.max(tl.max(nan, axis=3), axis=1)
-        amax = tl.where(any_nan > 0, float("nan"), tl.max(tl.max(magnitude, axis=3), axis=1))
+        any_nan = _max_along(_max_along(nan, 3), 1)
+        amax = tl.where(any_nan > 0, float("nan"), _max_along(_max_along(magnitude, 3), 1))
         byte = e8m0_byte(amax, LIMIT)  # [BR/B, BC/B]
         multiplier = tl.broadcast_to(mx_multiplier(byte)[:, None, :, None], (BR // B, B, BC // B, B))
         codes = _mx_codes(x, tl.reshape(multiplier, (BR, BC)), LIMIT, MANT, MIN_EXP, BIAS)
@@ -239,11 +304,8 @@ def _mx_matrix_kernel(
         tl.store(sr_ptr + rb * ssr_r + cb * ssr_c, byte.to(tl.uint8), mask=(rb * B < R) & (cb * B < C))
 
 
-
 @triton.jit
-def _fwht16(
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, SIGNS: tl.constexpr
-):
+def _fwht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, SIGNS: tl.constexpr):
     """16 float32 tensors (the elements of 16-blocks) times M = diag(signs) H16 / 4 (H16 Sylvester;
     bit i of SIGNS set: sign i is -1): z_i = x_i * (+-1/4), each exact, then the fast Walsh-Hadamard
     butterflies, index bit 0 first: y_j = sum_i H_ij z_i added in a fixed pairwise order, each addition
@@ -296,8 +358,24 @@ def _fwht16(
     s3_5, s3_13 = s2_5 + s2_13, s2_5 - s2_13
     s3_6, s3_14 = s2_6 + s2_14, s2_6 - s2_14
     s3_7, s3_15 = s2_7 + s2_15, s2_7 - s2_15
+    # + 0.0: a sum that is exactly zero is +0.0, as from an accumulator that starts at +0.0 (the matmul's)
     return (
-        s3_0, s3_1, s3_2, s3_3, s3_4, s3_5, s3_6, s3_7, s3_8, s3_9, s3_10, s3_11, s3_12, s3_13, s3_14, s3_15
+        s3_0 + 0.0,
+        s3_1 + 0.0,
+        s3_2 + 0.0,
+        s3_3 + 0.0,
+        s3_4 + 0.0,
+        s3_5 + 0.0,
+        s3_6 + 0.0,
+        s3_7 + 0.0,
+        s3_8 + 0.0,
+        s3_9 + 0.0,
+        s3_10 + 0.0,
+        s3_11 + 0.0,
+        s3_12 + 0.0,
+        s3_13 + 0.0,
+        s3_14 + 0.0,
+        s3_15 + 0.0,
     )
 
 
@@ -340,15 +418,27 @@ def _nvfp4_value(x, enc, u, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def _load_slice(base, n0, ELEMENT: tl.constexpr, N, sn, inside):
+def _load_slice(base, n0, ELEMENT: tl.constexpr, N, sn, inside, IN_BF16: tl.constexpr):
     """Element ELEMENT of each 16-block along N (block starts n0, addresses base): a [BP, NBK, BQ] tile,
     0 past the edges (`inside`: the tile's (p, q) within the tensor)."""
-    return tl.load(base + ELEMENT * sn, mask=inside & (n0 + ELEMENT < N), other=0.0).to(tl.float32)
+    return _as_float32(tl.load(base + ELEMENT * sn, mask=inside & (n0 + ELEMENT < N), other=0), IN_BF16)
 
 
 @triton.jit
-def _store_value(v_base, u_base, x, enc, n0, ELEMENT: tl.constexpr, N, svn, sun, inside,
-                 STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr):
+def _store_value(
+    v_base,
+    u_base,
+    x,
+    enc,
+    n0,
+    ELEMENT: tl.constexpr,
+    N,
+    svn,
+    sun,
+    inside,
+    STOCHASTIC: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+):
     """Element ELEMENT of each 16-block: its NVFP4 value, stored as float32 or (OUT_FP8) an E4M3 byte."""
     inside = inside & (n0 + ELEMENT < N)
     u = 0.0
@@ -362,24 +452,24 @@ def _store_value(v_base, u_base, x, enc, n0, ELEMENT: tl.constexpr, N, svn, sun,
 
 
 @triton.jit
-def _load16(base, n0, N, sn, inside, ROTATE: tl.constexpr, SIGNS: tl.constexpr):
+def _load16(base, n0, N, sn, inside, ROTATE: tl.constexpr, SIGNS: tl.constexpr, IN_BF16: tl.constexpr):
     """The 16 elements of the 16-blocks of a tile (see `_load_slice`), Hadamard-transformed if ROTATE."""
-    x0 = _load_slice(base, n0, 0, N, sn, inside)
-    x1 = _load_slice(base, n0, 1, N, sn, inside)
-    x2 = _load_slice(base, n0, 2, N, sn, inside)
-    x3 = _load_slice(base, n0, 3, N, sn, inside)
-    x4 = _load_slice(base, n0, 4, N, sn, inside)
-    x5 = _load_slice(base, n0, 5, N, sn, inside)
-    x6 = _load_slice(base, n0, 6, N, sn, inside)
-    x7 = _load_slice(base, n0, 7, N, sn, inside)
-    x8 = _load_slice(base, n0, 8, N, sn, inside)
-    x9 = _load_slice(base, n0, 9, N, sn, inside)
-    x10 = _load_slice(base, n0, 10, N, sn, inside)
-    x11 = _load_slice(base, n0, 11, N, sn, inside)
-    x12 = _load_slice(base, n0, 12, N, sn, inside)
-    x13 = _load_slice(base, n0, 13, N, sn, inside)
-    x14 = _load_slice(base, n0, 14, N, sn, inside)
-    x15 = _load_slice(base, n0, 15, N, sn, inside)
+    x0 = _load_slice(base, n0, 0, N, sn, inside, IN_BF16)
+    x1 = _load_slice(base, n0, 1, N, sn, inside, IN_BF16)
+    x2 = _load_slice(base, n0, 2, N, sn, inside, IN_BF16)
+    x3 = _load_slice(base, n0, 3, N, sn, inside, IN_BF16)
+    x4 = _load_slice(base, n0, 4, N, sn, inside, IN_BF16)
+    x5 = _load_slice(base, n0, 5, N, sn, inside, IN_BF16)
+    x6 = _load_slice(base, n0, 6, N, sn, inside, IN_BF16)
+    x7 = _load_slice(base, n0, 7, N, sn, inside, IN_BF16)
+    x8 = _load_slice(base, n0, 8, N, sn, inside, IN_BF16)
+    x9 = _load_slice(base, n0, 9, N, sn, inside, IN_BF16)
+    x10 = _load_slice(base, n0, 10, N, sn, inside, IN_BF16)
+    x11 = _load_slice(base, n0, 11, N, sn, inside, IN_BF16)
+    x12 = _load_slice(base, n0, 12, N, sn, inside, IN_BF16)
+    x13 = _load_slice(base, n0, 13, N, sn, inside, IN_BF16)
+    x14 = _load_slice(base, n0, 14, N, sn, inside, IN_BF16)
+    x15 = _load_slice(base, n0, 15, N, sn, inside, IN_BF16)
     if ROTATE:
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _fwht16(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, SIGNS
@@ -426,27 +516,109 @@ def _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
 
 
 @triton.jit
-def _nvfp4_blocks_kernel(
-    x_ptr, v_ptr, s_ptr, u_ptr, s_enc_ptr, P, N, Q,
-    sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq, sup, sun, suq,
-    ROTATE: tl.constexpr, SIGNS: tl.constexpr, STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr,
-    BP: tl.constexpr, NBK: tl.constexpr, BQ: tl.constexpr,
+def _nvfp4_plain_kernel(
+    x_ptr,
+    v_ptr,
+    s_ptr,
+    u_ptr,
+    s_enc_ptr,
+    P,
+    N,
+    Q,
+    sxp,
+    sxn,
+    sxq,
+    svp,
+    svn,
+    svq,
+    ssp,
+    ssn,
+    ssq,
+    sup,
+    sun,
+    suq,
+    STOCHASTIC: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    BP: tl.constexpr,
+    NBK: tl.constexpr,
+    BQ: tl.constexpr,
 ):
-    """x viewed as [P, N, Q], NVFP4 16-blocks along N (Hadamard-transformed first if ROTATE), one
-    [BP, 16 * NBK, BQ] tile per program, read as 16 slices (element i of every block). Writes the values
-    (float32, or E4M3 bytes) and the E4M3 block scales ([P, ceil(N/16), Q], as bytes); STOCHASTIC reads
-    its uniform draws from u ([P, N, Q] strides)."""
+    """x viewed as [P, N, Q], NVFP4 16-blocks along N, one [BP, 16 * NBK, BQ] tile per program,
+    zero-padded past the edges. Writes the values (float32, or E4M3 bytes) and the E4M3 block scales
+    ([P, ceil(N/16), Q], as bytes); STOCHASTIC reads its uniform draws from u ([P, N, Q] strides)."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
+    n = tl.program_id(1) * NBK * 16 + tl.arange(0, NBK * 16)[None, :, None]
+    q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
+    inside = (p < P) & (n < N) & (q < Q)
+    x = _as_float32(tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0), IN_BF16)
+    magnitude, nan = _nan_to_flag(tl.reshape(x, (BP, NBK, 16, BQ)))
+    amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BP, NBK, BQ]
+    s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))
+    enc = tl.reshape(tl.broadcast_to(enc[:, :, None, :], (BP, NBK, 16, BQ)), (BP, NBK * 16, BQ))
+    u = 0.0
+    if STOCHASTIC:
+        u = tl.load(u_ptr + p * sup + n * sun + q * suq, mask=inside, other=0.0)
+    value = _nvfp4_value(x, enc, u, STOCHASTIC)
+    if OUT_FP8:
+        tl.store(v_ptr + p * svp + n * svn + q * svq, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
+    else:
+        tl.store(v_ptr + p * svp + n * svn + q * svq, value, mask=inside)
+    nb = tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]
+    tl.store(
+        s_ptr + p * ssp + nb * ssn + q * ssq,
+        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+        mask=(p < P) & (nb * 16 < N) & (q < Q),
+    )
+
+
+@triton.jit
+def _nvfp4_rotated_kernel(
+    x_ptr,
+    v_ptr,
+    s_ptr,
+    u_ptr,
+    s_enc_ptr,
+    P,
+    N,
+    Q,
+    sxp,
+    sxn,
+    sxq,
+    svp,
+    svn,
+    svq,
+    ssp,
+    ssn,
+    ssq,
+    sup,
+    sun,
+    suq,
+    SIGNS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    IN_BF16: tl.constexpr,
+    BP: tl.constexpr,
+    NBK: tl.constexpr,
+    BQ: tl.constexpr,
+):
+    """`_nvfp4_plain_kernel` with the Hadamard transform of each 16-block along N first: one
+    [BP, 16 * NBK, BQ] tile per program, read as 16 slices (element i of every block), which the
+    butterflies combine elementwise (`_fwht16`)."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
     n0 = (tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]) * 16
     q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
     inside = (p < P) & (q < Q)
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
-        x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, inside, ROTATE, SIGNS
+        x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, inside, True, SIGNS, IN_BF16
     )
     amax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))
-    tl.store(s_ptr + p * ssp + (n0 // 16) * ssn + q * ssq, fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
-             mask=inside & (n0 < N))
+    tl.store(
+        s_ptr + p * ssp + (n0 // 16) * ssn + q * ssq,
+        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+        mask=inside & (n0 < N),
+    )
     v_base = v_ptr + p * svp + n0 * svn + q * svq
     u_base = u_ptr + p * sup + n0 * sun + q * suq
     _store_value(v_base, u_base, x0, enc, n0, 0, N, svn, sun, inside, STOCHASTIC, OUT_FP8)
@@ -469,41 +641,77 @@ def _nvfp4_blocks_kernel(
 
 @triton.jit
 def _amax_kernel(
-    x_ptr, out_ptr, P, N, Q, sxp, sxn, sxq,
-    ROTATE: tl.constexpr, SIGNS: tl.constexpr, BP: tl.constexpr, NBK: tl.constexpr, BQ: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    P,
+    N,
+    Q,
+    sxp,
+    sxn,
+    sxq,
+    ROTATE: tl.constexpr,
+    SIGNS: tl.constexpr,
+    BP: tl.constexpr,
+    NBK: tl.constexpr,
+    BQ: tl.constexpr,
+    IN_BF16: tl.constexpr,
 ):
     """One partial max|x| per program (NaN if its tile holds one) of x viewed as [P, N, Q], of the
     Hadamard-transformed tensor (16-blocks along N) if ROTATE; the caller reduces the partials."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
-    n0 = (tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]) * 16
     q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
-        x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, (p < P) & (q < Q), ROTATE, SIGNS
-    )
-    amax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-    magnitude, nan = _nan_to_flag(amax)
-    amax = tl.max(tl.max(tl.max(magnitude, axis=2), axis=1), axis=0)
-    any_nan = tl.max(tl.max(tl.max(nan, axis=2), axis=1), axis=0)
+    if ROTATE:
+        n0 = (tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]) * 16
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
+            x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, (p < P) & (q < Q), True, SIGNS, IN_BF16
+        )
+        magnitude, nan = _nan_to_flag(
+            _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        )
+    else:
+        n = tl.program_id(1) * NBK * 16 + tl.arange(0, NBK * 16)[None, :, None]
+        inside = (p < P) & (n < N) & (q < Q)
+        magnitude, nan = _nan_to_flag(
+            _as_float32(tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0), IN_BF16)
+        )
+    amax = _max_along(_max_along(_max_along(magnitude, 2), 1), 0)
+    any_nan = _max_along(_max_along(_max_along(nan, 2), 1), 0)
     pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     tl.store(out_ptr + pid, tl.where(any_nan > 0, float("nan"), amax))
 
 
-
 @triton.jit
 def _nvfp4_squares_kernel(
-    x_ptr, v_ptr, s_ptr, u_ptr, s_enc_ptr, R, C,
-    sxr, sxc, svr, svc, ssr, ssc, sur, suc,
-    STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    x_ptr,
+    v_ptr,
+    s_ptr,
+    u_ptr,
+    s_enc_ptr,
+    R,
+    C,
+    sxr,
+    sxc,
+    svr,
+    svc,
+    ssr,
+    ssc,
+    sur,
+    suc,
+    STOCHASTIC: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    IN_BF16: tl.constexpr,
 ):
     """A 2-D x [R, C] in NVFP4 16x16 blocks, one [BR, BC] tile per program (multiples of 16): values
     (float32, or E4M3 bytes) and E4M3 block scales [ceil(R/16), ceil(C/16)] as bytes."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
     c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
     inside = (r < R) & (c < C)
-    x = tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0.0).to(tl.float32)
+    x = _as_float32(tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0), IN_BF16)
     magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // 16, 16, BC // 16, 16)))
-    any_nan = tl.max(tl.max(nan, axis=3), axis=1)
-    amax = tl.where(any_nan > 0, float("nan"), tl.max(tl.max(magnitude, axis=3), axis=1))
+    any_nan = _max_along(_max_along(nan, 3), 1)
+    amax = tl.where(any_nan > 0, float("nan"), _max_along(_max_along(magnitude, 3), 1))
     s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))  # [BR/16, BC/16]
     enc = tl.reshape(tl.broadcast_to(enc[:, None, :, None], (BR // 16, 16, BC // 16, 16)), (BR, BC))
     u = 0.0
@@ -516,8 +724,11 @@ def _nvfp4_squares_kernel(
         tl.store(v_ptr + r * svr + c * svc, value, mask=inside)
     rb = tl.program_id(0) * (BR // 16) + tl.arange(0, BR // 16)[:, None]
     cb = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)[None, :]
-    tl.store(s_ptr + rb * ssr + cb * ssc, fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
-             mask=(rb * 16 < R) & (cb * 16 < C))
+    tl.store(
+        s_ptr + rb * ssr + cb * ssc,
+        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+        mask=(rb * 16 < R) & (cb * 16 < C),
+    )
 
 
 # ---- launch helpers ------------------------------------------------------------------------------------
@@ -542,6 +753,11 @@ def _as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else x.float()
 
 
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels are handed it: bf16 as its int16 bits (see `_as_float32`)."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
 def _check_block(block: int) -> None:
     if block <= 0 or block & (block - 1):
         raise ValueError(f"the Triton kernels take power-of-2 block sizes, got {block}: use microscaling.py")
@@ -560,14 +776,15 @@ def _blocks_3d(x: torch.Tensor, dim: int) -> tuple[int, int, int]:
 
 
 def _tiles_3d(x: torch.Tensor, p: int, n: int, q: int, block: int) -> tuple[int, int, int]:
-    """(BP, BN, BQ) of a [P, N, Q] kernel: along N a multiple of the block; the tile spreads over P
-    when Q is 1 (blocks along the contiguous dimension), else over Q."""
+    """(BP, BN, BQ) of a [P, N, Q] kernel: along N a multiple of the block; the tile spreads over N and
+    P when Q is 1 (blocks along the contiguous dimension), else over Q first."""
     tile = _tile_elements(x)
     if q == 1:
         bn = max(block, min(_pow2_at_least(n), 128 if x.device.type == "cuda" else tile))
         return max(1, min(_pow2_at_least(p), tile // bn)), bn, 1
     bq = max(1, min(_pow2_at_least(q), tile // block))
-    return 1, max(block, min(_pow2_at_least(n), tile // bq)), bq
+    bn = max(block, min(_pow2_at_least(n), tile // bq))
+    return max(1, min(_pow2_at_least(p), tile // (bn * bq))), bn, bq
 
 
 def _moved_empty(x: torch.Tensor, dim: int, last: int, dtype: torch.dtype) -> torch.Tensor:
@@ -608,8 +825,9 @@ def mx_quantize(
         bp, bn, bq = _tiles_3d(xf, p, n, q, block)
         grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
         _mx_blocks_kernel[grid](
-            x3, v3, s3, p, n, q, *x3.stride(), *v3.stride(), *s3.stride(),
+            _readable(x3), v3, s3, p, n, q, *x3.stride(), *v3.stride(), *s3.stride(),
             LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BP=bp, BN=bn, BQ=bq,
+            IN_BF16=x3.dtype == torch.bfloat16,
         )  # fmt: skip
     return values.view(_FP8_DTYPES[encoding]), scales
 
@@ -649,9 +867,10 @@ def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, colum
         bc = max(block, min(_tile_elements(xf) // br, _pow2_at_least(c)))
         grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
         _mx_matrix_kernel[grid](
-            xf, vr, sr, vc, sc, r, c, *xf.stride(), *vr.stride(), *sr.stride(), *vc.stride(), *sc.stride(),
+            _readable(xf), vr, sr, vc, sc, r, c,
+            *xf.stride(), *vr.stride(), *sr.stride(), *vc.stride(), *sc.stride(),
             LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BR=br, BC=bc,
-            ROWWISE=rowwise, COLUMNWISE=columnwise, TWO_D=two_d,
+            ROWWISE=rowwise, COLUMNWISE=columnwise, TWO_D=two_d, IN_BF16=xf.dtype == torch.bfloat16,
         )  # fmt: skip
     dtype = _FP8_DTYPES[encoding]
     return vr.view(dtype), sr, vc.view(dtype), sc
@@ -692,8 +911,9 @@ def nvfp4_amax(x: torch.Tensor, dim: int = -1, signs: Optional[tuple[int, ...]] 
     grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
     partials = torch.empty(grid[0] * grid[1] * grid[2], device=xf.device)
     _amax_kernel[grid](
-        x3, partials, p, n, q, *x3.stride(), ROTATE=signs is not None,
+        _readable(x3), partials, p, n, q, *x3.stride(), ROTATE=signs is not None,
         SIGNS=0 if signs is None else _signs_mask(signs), BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
+        IN_BF16=x3.dtype == torch.bfloat16,
     )  # fmt: skip
     return partials.amax()
 
@@ -769,10 +989,14 @@ def _nvfp4_blocks(xf, dim, s_enc, stochastic, generator, stored, out_fp8, signs)
         u3 = u.flatten(-2)[..., :n].movedim(-1, dim).reshape(p, n, q)
     bp, bn, bq = _tiles_3d(xf, p, n, q, NVFP4_BLOCK)
     grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
-    _nvfp4_blocks_kernel[grid](
-        x3, v3, s3, u3, s_enc.reshape(1), p, n, q, *x3.stride(), *v3.stride(), *s3.stride(), *u3.stride(),
-        ROTATE=signs is not None, SIGNS=0 if signs is None else _signs_mask(signs), STOCHASTIC=stochastic,
-        OUT_FP8=out_fp8, BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
+    kernel, rotation = _nvfp4_plain_kernel, {}
+    if signs is not None:
+        kernel, rotation = _nvfp4_rotated_kernel, {"SIGNS": _signs_mask(signs)}
+    kernel[grid](
+        _readable(x3), v3, s3, u3, s_enc.reshape(1), p, n, q,
+        *x3.stride(), *v3.stride(), *s3.stride(), *u3.stride(), **rotation,
+        STOCHASTIC=stochastic, OUT_FP8=out_fp8, BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
+        IN_BF16=x3.dtype == torch.bfloat16,
     )  # fmt: skip
     return values, scales
 
@@ -792,7 +1016,8 @@ def _nvfp4_squares(xf, s_enc, stochastic, generator, stored, out_fp8):
         bc = max(NVFP4_BLOCK, min(_tile_elements(xf) // br, _pow2_at_least(c)))
         grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
         _nvfp4_squares_kernel[grid](
-            xf, values, scales, u, s_enc.reshape(1), r, c, *xf.stride(), *values.stride(), *scales.stride(),
-            *u.stride(), STOCHASTIC=stochastic, OUT_FP8=out_fp8, BR=br, BC=bc,
+            _readable(xf), values, scales, u, s_enc.reshape(1), r, c,
+            *xf.stride(), *values.stride(), *scales.stride(), *u.stride(),
+            STOCHASTIC=stochastic, OUT_FP8=out_fp8, BR=br, BC=bc, IN_BF16=xf.dtype == torch.bfloat16,
         )  # fmt: skip
     return values, scales, u
