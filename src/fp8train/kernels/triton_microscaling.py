@@ -49,7 +49,10 @@ Amax = Union[torch.Tensor, float]
 _FP8 = {"e4m3": (448.0, 3, -6, 7), "e5m2": (57344.0, 2, -14, 15)}
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT32_MAX = 3.4028234663852886e38
-_SIGN_BIT = -2147483648  # 0x80000000 as an int32
+# Compile options of every launch: no fused multiply-adds, so that each float32 operation rounds once on
+# the device as it does in the interpreter (numpy); the interpreter ignores the option.
+_OPTIONS = {"enable_fp_fusion": False}
+_SIGN_BIT = tl.constexpr(-2147483648)  # 0x80000000 as an int32 (a constexpr: jit code may read it)
 
 
 # ---- rounding helpers ----------------------------------------------------------------------------------
@@ -828,6 +831,7 @@ def mx_quantize(
             _readable(x3), v3, s3, p, n, q, *x3.stride(), *v3.stride(), *s3.stride(),
             LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BP=bp, BN=bn, BQ=bq,
             IN_BF16=x3.dtype == torch.bfloat16,
+        **_OPTIONS,
         )  # fmt: skip
     return values.view(_FP8_DTYPES[encoding]), scales
 
@@ -871,6 +875,7 @@ def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, colum
             *xf.stride(), *vr.stride(), *sr.stride(), *vc.stride(), *sc.stride(),
             LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BR=br, BC=bc,
             ROWWISE=rowwise, COLUMNWISE=columnwise, TWO_D=two_d, IN_BF16=xf.dtype == torch.bfloat16,
+        **_OPTIONS,
         )  # fmt: skip
     dtype = _FP8_DTYPES[encoding]
     return vr.view(dtype), sr, vc.view(dtype), sc
@@ -914,6 +919,7 @@ def nvfp4_amax(x: torch.Tensor, dim: int = -1, signs: Optional[tuple[int, ...]] 
         _readable(x3), partials, p, n, q, *x3.stride(), ROTATE=signs is not None,
         SIGNS=0 if signs is None else _signs_mask(signs), BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
         IN_BF16=x3.dtype == torch.bfloat16,
+        **_OPTIONS,
     )  # fmt: skip
     return partials.amax()
 
@@ -997,6 +1003,7 @@ def _nvfp4_blocks(xf, dim, s_enc, stochastic, generator, stored, out_fp8, signs)
         *x3.stride(), *v3.stride(), *s3.stride(), *u3.stride(), **rotation,
         STOCHASTIC=stochastic, OUT_FP8=out_fp8, BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
         IN_BF16=x3.dtype == torch.bfloat16,
+        **_OPTIONS,
     )  # fmt: skip
     return values, scales
 
@@ -1019,5 +1026,6 @@ def _nvfp4_squares(xf, s_enc, stochastic, generator, stored, out_fp8):
             _readable(xf), values, scales, u, s_enc.reshape(1), r, c,
             *xf.stride(), *values.stride(), *scales.stride(), *u.stride(),
             STOCHASTIC=stochastic, OUT_FP8=out_fp8, BR=br, BC=bc, IN_BF16=xf.dtype == torch.bfloat16,
+        **_OPTIONS,
         )  # fmt: skip
     return values, scales, u
