@@ -12,6 +12,7 @@ nothing outside this file sees the setting. Skipped only where triton cannot be 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 from pathlib import Path
 
@@ -443,3 +444,61 @@ def test_the_kernels_run_in_the_interpreter() -> None:
     """The module under test is the interpreted copy (so the tests above ran the kernels' code)."""
     assert isinstance(tm._mx_blocks_kernel, InterpretedFunction)
     assert isinstance(tm._nvfp4_rotated_kernel, InterpretedFunction)
+
+
+# ---- compiled for a GPU (no GPU needed) ------------------------------------------------------------------
+
+
+def _compiled_ptx(module, name: str, pointers: dict[str, str], constants: dict, options=None) -> str:
+    """PTX of one kernel compiled for sm_90 with the launch options (Triton's frontend, LLVM, ptxas)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(module, name)
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in constants else pointers.get(p, "i32") for p in params}
+    source = ASTSource(fn, signature, {(params.index(k),): v for k, v in constants.items()})
+    options = module._OPTIONS if options is None else options
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_a_gpu_with_exact_arithmetic() -> None:
+    """Every kernel compiles for an NVIDIA GPU (sm_90, no device needed) with the launch options, and
+    its PTX has no fused multiply-add (each float32 operation rounds once, as in the interpreter) and
+    no approximate division (quotients are IEEE float64 divisions): the interpreter's results are the
+    device's."""
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        compiled = _load_interpreted()  # the same file, decorated for compilation
+    assert not isinstance(compiled._mx_blocks_kernel, InterpretedFunction)
+    mx = {"LIMIT": 448.0, "MANT": 3, "MIN_EXP": -6, "BIAS": 7, "B": 32}
+    nv = {"x_ptr": "*i16", "v_ptr": "*fp32", "s_ptr": "*u8", "u_ptr": "*fp32", "s_enc_ptr": "*fp32"}
+    mx_ptrs = {"x_ptr": "*i16", "v_ptr": "*u8", "s_ptr": "*u8", "vr_ptr": "*u8", "sr_ptr": "*u8"}
+    plain = {"STOCHASTIC": True, "OUT_FP8": False, "IN_BF16": True}
+    rotated = {"SIGNS": 0x1234, "STOCHASTIC": False, "OUT_FP8": True, "IN_BF16": True, "BP": 1, "NBK": 4}
+    cases = [
+        ("_mx_blocks_kernel", mx_ptrs, {**mx, "BP": 32, "BN": 128, "BQ": 1, "IN_BF16": True}),
+        (
+            "_mx_matrix_kernel",
+            {**mx_ptrs, "x_ptr": "*fp32", "vc_ptr": "*u8", "sc_ptr": "*u8"},
+            {**mx, "BR": 64, "BC": 64, "IN_BF16": False, "ROWWISE": True, "COLUMNWISE": True, "TWO_D": False},
+        ),
+        ("_nvfp4_plain_kernel", nv, {**plain, "BP": 32, "NBK": 8, "BQ": 1}),
+        ("_nvfp4_rotated_kernel", {**nv, "v_ptr": "*u8"}, {**rotated, "BQ": 64}),
+        ("_nvfp4_squares_kernel", nv, {**plain, "BR": 64, "BC": 64}),
+        (
+            "_amax_kernel",
+            {"x_ptr": "*i16", "out_ptr": "*fp32"},
+            {"ROTATE": True, "SIGNS": 5, "BP": 1, "NBK": 4, "BQ": 64, "IN_BF16": True},
+        ),
+    ]
+    for name, pointers, constants in cases:
+        ptx = _compiled_ptx(compiled, name, pointers, constants)
+        assert "mul.rn.f32" in ptx and "div.rn.f64" in ptx or name == "_amax_kernel", name
+        for forbidden in ("fma.rn.f32", "div.full.f32", "div.approx", "add.ftz.f32", "mul.ftz.f32"):
+            assert forbidden not in ptx, f"{name}: {forbidden}"
+    fused = _compiled_ptx(compiled, *cases[3], options={"enable_fp_fusion": True})
+    assert "fma.rn.f32" in fused, "negative control: Triton's default fuses the butterflies' products"
