@@ -367,6 +367,28 @@ def test_nvfp4_stochastic_rounding_reads_the_torch_paths_draws() -> None:
     assert bool((out[0] != nearest).any()), "negative control: stochastic rounding moved some values"
 
 
+def test_nvfp4_quantize_both_equals_two_torch_calls() -> None:
+    """Both NVFP4 copies of a 2-D x from one read: equal to nvfp4_quantize along dim 1 then dim 0, with
+    the per-tensor amax, a given one, stochastic draws in the torch path's order, E4M3 bytes, and a
+    transposed bf16 input; full-block shapes keep the torch path's strides."""
+    x = _nvfp4_input()
+    rows, columns = tm.nvfp4_quantize_both(x)
+    _assert_same_nvfp4(rows, ms.nvfp4_quantize(x, 1), "row-wise")
+    _assert_same_nvfp4(columns, ms.nvfp4_quantize(x, 0), "column-wise")
+    whole = x[:64, :96]
+    torch.manual_seed(8)
+    rows, columns = tm.nvfp4_quantize_both(whole, 2688.0, stochastic=True, values_dtype=torch.float8_e4m3fn)
+    torch.manual_seed(8)
+    for out, dim in ((rows, 1), (columns, 0)):
+        values, scales, s_enc = ms.nvfp4_quantize(whole, dim, 2688.0, stochastic=True)
+        _assert_same_nvfp4(out, (values.to(torch.float8_e4m3fn), scales, s_enc), f"stochastic, dim {dim}")
+        assert out[0].stride() == values.stride() and out[1].stride() == scales.stride(), f"layout, dim {dim}"
+    t = whole.t().to(torch.bfloat16)
+    rows, columns = tm.nvfp4_quantize_both(t)
+    _assert_same_nvfp4(rows, ms.nvfp4_quantize(t, 1), "bf16 transposed, row-wise")
+    _assert_same_nvfp4(columns, ms.nvfp4_quantize(t, 0), "bf16 transposed, column-wise")
+
+
 def _butterfly_rht(x: torch.Tensor, dim: int, signs=ms.RHT_SIGNS) -> torch.Tensor:
     """random_hadamard_transform with the kernel's order of additions (`_fwht16`), in torch."""
     moved = x.float().movedim(dim, -1)
@@ -488,7 +510,27 @@ def test_the_kernels_compile_for_a_gpu_with_exact_arithmetic() -> None:
         ),
         ("_nvfp4_plain_kernel", nv, {**plain, "BP": 32, "NBK": 8, "BQ": 1}),
         ("_nvfp4_rotated_kernel", {**nv, "v_ptr": "*u8"}, {**rotated, "BQ": 64}),
-        ("_nvfp4_squares_kernel", nv, {**plain, "BR": 64, "BC": 64}),
+        (
+            "_nvfp4_matrix_kernel",
+            {
+                **nv,
+                "vr_ptr": "*u8",
+                "sr_ptr": "*u8",
+                "ur_ptr": "*fp32",
+                "vc_ptr": "*u8",
+                "sc_ptr": "*u8",
+                "uc_ptr": "*fp32",
+            },
+            {
+                **plain,
+                "OUT_FP8": True,
+                "BR": 64,
+                "BC": 64,
+                "ROWWISE": True,
+                "COLUMNWISE": True,
+                "TWO_D": False,
+            },
+        ),
         (
             "_amax_kernel",
             {"x_ptr": "*i16", "out_ptr": "*fp32"},

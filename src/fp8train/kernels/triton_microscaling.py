@@ -11,6 +11,8 @@ Every function here returns what its torch counterpart in `microscaling.py` retu
                                                            microscaling.nvfp4_quantize
     nvfp4_quantize_rotated(x, dim, signs, global_amax, stochastic, generator, values_dtype)
                                                            nvfp4_quantize(random_hadamard_transform(x, ...))
+    nvfp4_quantize_both(x2d, global_amax, stochastic, generator, values_dtype)
+                                                      (nvfp4_quantize(x, 1, ...), nvfp4_quantize(x, 0, ...))
     nvfp4_amax(x, dim, signs)                              the per-tensor amax nvfp4_quantize starts from
 
 Rounding is integer and float32 arithmetic that is exact both in the interpreter and on a GPU: no
@@ -40,6 +42,7 @@ __all__ = [
     "mx_quantize_both",
     "nvfp4_quantize",
     "nvfp4_quantize_rotated",
+    "nvfp4_quantize_both",
     "nvfp4_amax",
 ]
 
@@ -684,54 +687,123 @@ def _amax_kernel(
 
 
 @triton.jit
-def _nvfp4_squares_kernel(
+def _nvfp4_write(v_ptr, u_ptr, x, enc, inside, STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr):
+    """Values of a tile (x and its per-element enc) stored as float32 or (OUT_FP8) E4M3 bytes; the
+    STOCHASTIC draws read from u_ptr (the same offsets' pointers into the draws)."""
+    u = 0.0
+    if STOCHASTIC:
+        u = tl.load(u_ptr, mask=inside, other=0.0)
+    value = _nvfp4_value(x, enc, u, STOCHASTIC)
+    if OUT_FP8:
+        tl.store(v_ptr, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
+    else:
+        tl.store(v_ptr, value, mask=inside)
+
+
+@triton.jit
+def _nvfp4_matrix_kernel(
     x_ptr,
-    v_ptr,
-    s_ptr,
-    u_ptr,
+    vr_ptr,
+    sr_ptr,
+    ur_ptr,
+    vc_ptr,
+    sc_ptr,
+    uc_ptr,
     s_enc_ptr,
     R,
     C,
     sxr,
     sxc,
-    svr,
-    svc,
-    ssr,
-    ssc,
-    sur,
-    suc,
+    svr_r,
+    svr_c,
+    ssr_r,
+    ssr_c,
+    sur_r,
+    sur_c,
+    svc_r,
+    svc_c,
+    ssc_r,
+    ssc_c,
+    suc_r,
+    suc_c,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    TWO_D: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     OUT_FP8: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
     IN_BF16: tl.constexpr,
 ):
-    """A 2-D x [R, C] in NVFP4 16x16 blocks, one [BR, BC] tile per program (multiples of 16): values
-    (float32, or E4M3 bytes) and E4M3 block scales [ceil(R/16), ceil(C/16)] as bytes."""
+    """A 2-D x [R, C] in NVFP4, one [BR, BC] tile per program (multiples of 16), read once, one
+    per-tensor scale: ROWWISE 1x16 blocks (along C) into (vr, sr [R, ceil(C/16)], draws ur);
+    COLUMNWISE 16x1 blocks (along R) into (vc, sc [ceil(R/16), C], draws uc); TWO_D 16x16 blocks into
+    (vr, sr [ceil(R/16), ceil(C/16)], draws ur). Values float32 or E4M3 bytes, scales E4M3 bytes."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
     c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
     inside = (r < R) & (c < C)
     x = _as_float32(tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0), IN_BF16)
-    magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // 16, 16, BC // 16, 16)))
-    any_nan = _max_along(_max_along(nan, 3), 1)
-    amax = tl.where(any_nan > 0, float("nan"), _max_along(_max_along(magnitude, 3), 1))
-    s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))  # [BR/16, BC/16]
-    enc = tl.reshape(tl.broadcast_to(enc[:, None, :, None], (BR // 16, 16, BC // 16, 16)), (BR, BC))
-    u = 0.0
-    if STOCHASTIC:
-        u = tl.load(u_ptr + r * sur + c * suc, mask=inside, other=0.0)
-    value = _nvfp4_value(x, enc, u, STOCHASTIC)
-    if OUT_FP8:
-        tl.store(v_ptr + r * svr + c * svc, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
-    else:
-        tl.store(v_ptr + r * svr + c * svc, value, mask=inside)
+    s_enc = tl.load(s_enc_ptr)
     rb = tl.program_id(0) * (BR // 16) + tl.arange(0, BR // 16)[:, None]
     cb = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)[None, :]
-    tl.store(
-        s_ptr + rb * ssr + cb * ssc,
-        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
-        mask=(rb * 16 < R) & (cb * 16 < C),
-    )
+    if ROWWISE:
+        magnitude, nan = _nan_to_flag(tl.reshape(x, (BR, BC // 16, 16)))
+        amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BR, BC/16]
+        s_dec, enc = _nvfp4_block_scales(amax, s_enc)
+        enc = tl.reshape(tl.broadcast_to(enc[:, :, None], (BR, BC // 16, 16)), (BR, BC))
+        _nvfp4_write(
+            vr_ptr + r * svr_r + c * svr_c,
+            ur_ptr + r * sur_r + c * sur_c,
+            x,
+            enc,
+            inside,
+            STOCHASTIC,
+            OUT_FP8,
+        )
+        tl.store(
+            sr_ptr + r * ssr_r + cb * ssr_c,
+            fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+            mask=(r < R) & (cb * 16 < C),
+        )
+    if COLUMNWISE:
+        magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // 16, 16, BC)))
+        amax = tl.where(_max_along(nan, 1) > 0, float("nan"), _max_along(magnitude, 1))  # [BR/16, BC]
+        s_dec, enc = _nvfp4_block_scales(amax, s_enc)
+        enc = tl.reshape(tl.broadcast_to(enc[:, None, :], (BR // 16, 16, BC)), (BR, BC))
+        _nvfp4_write(
+            vc_ptr + r * svc_r + c * svc_c,
+            uc_ptr + r * suc_r + c * suc_c,
+            x,
+            enc,
+            inside,
+            STOCHASTIC,
+            OUT_FP8,
+        )
+        tl.store(
+            sc_ptr + rb * ssc_r + c * ssc_c,
+            fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+            mask=(rb * 16 < R) & (c < C),
+        )
+    if TWO_D:
+        magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // 16, 16, BC // 16, 16)))
+        any_nan = _max_along(_max_along(nan, 3), 1)
+        amax = tl.where(any_nan > 0, float("nan"), _max_along(_max_along(magnitude, 3), 1))
+        s_dec, enc = _nvfp4_block_scales(amax, s_enc)  # [BR/16, BC/16]
+        enc = tl.reshape(tl.broadcast_to(enc[:, None, :, None], (BR // 16, 16, BC // 16, 16)), (BR, BC))
+        _nvfp4_write(
+            vr_ptr + r * svr_r + c * svr_c,
+            ur_ptr + r * sur_r + c * sur_c,
+            x,
+            enc,
+            inside,
+            STOCHASTIC,
+            OUT_FP8,
+        )
+        tl.store(
+            sr_ptr + rb * ssr_r + cb * ssr_c,
+            fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+            mask=(rb * 16 < R) & (cb * 16 < C),
+        )
 
 
 # ---- launch helpers ------------------------------------------------------------------------------------
@@ -958,6 +1030,33 @@ def nvfp4_quantize_rotated(
     return _nvfp4(x, dim, global_amax, False, stochastic, generator, values_dtype, tuple(signs))
 
 
+def nvfp4_quantize_both(
+    x: torch.Tensor,
+    global_amax: Optional[Amax] = None,
+    stochastic: bool = False,
+    generator: Optional[torch.Generator] = None,
+    values_dtype: torch.dtype = torch.float32,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The row-wise (1x16, along dim 1) and the column-wise (16x1, along dim 0) NVFP4 copies of a 2-D x
+    without Hadamard transform, from one read after the amax's: equal to (nvfp4_quantize(x, 1, ...),
+    nvfp4_quantize(x, 0, ...)) called in that order (stochastic draws included), layouts included.
+    For the recipe's weights with `disable_2d_quantization`, and its inputs and gradients with
+    `disable_rht` (with the RHT, the column-wise copy is `nvfp4_quantize_rotated`'s)."""
+    if values_dtype not in _VALUE_DTYPES:
+        raise ValueError(f"NVFP4 values_dtype is one of {_VALUE_DTYPES}, got {values_dtype}")
+    xf = _as_float(x.detach())
+    if xf.dim() != 2:
+        raise ValueError(f"nvfp4_quantize_both takes a 2-D tensor, got shape {tuple(x.shape)}")
+    out_fp8 = values_dtype == torch.float8_e4m3fn
+    s_enc = nvfp4_tensor_scale(nvfp4_amax(xf) if global_amax is None else global_amax).to(xf.device)
+    stored = torch.uint8 if out_fp8 else torch.float32
+    rows, columns = _nvfp4_matrix(xf, s_enc, stochastic, generator, stored, out_fp8, True, True, False)
+    return tuple(
+        ((v.view(torch.float8_e4m3fn) if out_fp8 else v), s.view(torch.float8_e4m3fn), s_enc)
+        for v, s in (rows, columns)
+    )
+
+
 def _nvfp4(x, dim, global_amax, two_d, stochastic, generator, values_dtype, signs):
     if values_dtype not in _VALUE_DTYPES:
         raise ValueError(f"NVFP4 values_dtype is one of {_VALUE_DTYPES}, got {values_dtype}")
@@ -974,7 +1073,9 @@ def _nvfp4(x, dim, global_amax, two_d, stochastic, generator, values_dtype, sign
     s_enc = nvfp4_tensor_scale(global_amax).to(xf.device)
     stored = torch.uint8 if out_fp8 else torch.float32
     if two_d:
-        values, scales, u = _nvfp4_squares(xf, s_enc, stochastic, generator, stored, out_fp8)
+        (values, scales), _ = _nvfp4_matrix(
+            xf, s_enc, stochastic, generator, stored, out_fp8, False, False, True
+        )
     else:
         values, scales = _nvfp4_blocks(xf, dim, s_enc, stochastic, generator, stored, out_fp8, signs)
     return (values.view(torch.float8_e4m3fn) if out_fp8 else values), scales.view(torch.float8_e4m3fn), s_enc
@@ -1008,24 +1109,37 @@ def _nvfp4_blocks(xf, dim, s_enc, stochastic, generator, stored, out_fp8, signs)
     return values, scales
 
 
-def _nvfp4_squares(xf, s_enc, stochastic, generator, stored, out_fp8):
+def _nvfp4_matrix(xf, s_enc, stochastic, generator, stored, out_fp8, rowwise, columnwise, two_d):
+    """The outputs of `_nvfp4_matrix_kernel` ((row-wise or 16x16 values, scales), (column-wise values,
+    scales) or None), the draws made as the torch path makes them, in its order (row-wise first)."""
     r, c = xf.shape
     rb, cb = -(-r // NVFP4_BLOCK), -(-c // NVFP4_BLOCK)
-    values = torch.empty(r, c, dtype=stored, device=xf.device)
-    scales = torch.empty(rb, cb, dtype=torch.uint8, device=xf.device)
-    u = xf
-    if stochastic:  # the torch path's draw: [R/16, 16, C/16, 16] of the zero-padded x
-        u = torch.rand(rb, NVFP4_BLOCK, cb, NVFP4_BLOCK, generator=generator, device=xf.device)
-        u = u.view(rb * NVFP4_BLOCK, cb * NVFP4_BLOCK)[:r, :c]
+    outputs, draws = [], []
+    if two_d:
+        outputs.append((torch.empty(r, c, dtype=stored, device=xf.device),
+                        torch.empty(rb, cb, dtype=torch.uint8, device=xf.device)))  # fmt: skip
+        if stochastic:  # [R/16, 16, C/16, 16] of the zero-padded x
+            u = torch.rand(rb, NVFP4_BLOCK, cb, NVFP4_BLOCK, generator=generator, device=xf.device)
+            draws.append(u.view(rb * NVFP4_BLOCK, cb * NVFP4_BLOCK)[:r, :c])
+    for dim, wanted in ((1, rowwise), (0, columnwise)):
+        if not wanted:
+            continue
+        n, nb = xf.shape[dim], (rb, cb)[dim]
+        outputs.append((_moved_empty(xf, dim, n, stored), _moved_empty(xf, dim, nb, torch.uint8)))
+        if stochastic:  # [other, nb, 16] of the zero-padded x with dim last
+            u = torch.rand(xf.shape[1 - dim], nb, NVFP4_BLOCK, generator=generator, device=xf.device)
+            draws.append(u.flatten(-2)[:, :n].movedim(-1, dim))
+    (vr, sr), (vc, sc) = outputs[0], outputs[-1]
+    ur, uc = (draws[0], draws[-1]) if stochastic else (xf, xf)  # unread without stochastic rounding
     if xf.numel():
         side = _pow2_at_least(int(_tile_elements(xf) ** 0.5))
         br = max(NVFP4_BLOCK, min(side, _pow2_at_least(r)))
         bc = max(NVFP4_BLOCK, min(_tile_elements(xf) // br, _pow2_at_least(c)))
         grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
-        _nvfp4_squares_kernel[grid](
-            _readable(xf), values, scales, u, s_enc.reshape(1), r, c,
-            *xf.stride(), *values.stride(), *scales.stride(), *u.stride(),
-            STOCHASTIC=stochastic, OUT_FP8=out_fp8, BR=br, BC=bc, IN_BF16=xf.dtype == torch.bfloat16,
-        **_OPTIONS,
+        _nvfp4_matrix_kernel[grid](
+            _readable(xf), vr, sr, ur, vc, sc, uc, s_enc.reshape(1), r, c, *xf.stride(),
+            *vr.stride(), *sr.stride(), *ur.stride(), *vc.stride(), *sc.stride(), *uc.stride(),
+            ROWWISE=rowwise, COLUMNWISE=columnwise, TWO_D=two_d, STOCHASTIC=stochastic, OUT_FP8=out_fp8,
+            BR=br, BC=bc, IN_BF16=xf.dtype == torch.bfloat16, **_OPTIONS,
         )  # fmt: skip
-    return values, scales, u
+    return outputs[0], (outputs[1] if len(outputs) > 1 else None)
