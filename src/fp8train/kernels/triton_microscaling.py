@@ -23,8 +23,14 @@ rounded are taken in float64 and rounded once to float32 (Triton's float32 `/` i
 division on NVIDIA GPUs; a float64 one is IEEE, and rounding an IEEE float64 quotient of two float32
 numbers to float32 gives the correctly rounded float32 quotient: 53 >= 2 * 24 + 2). Triton's min, max
 and max-reductions need not propagate NaN on a GPU: NaN is tracked explicitly (a flag per block) and
-clamps are written as selects, which keep NaN as torch's clamp does. No float32 product feeds an
-addition directly except where the product is exact (fma contraction then changes nothing).
+clamps are written as selects, which keep NaN as torch's clamp does. Every launch disables fp fusion
+(`_OPTIONS`): no multiply-add is contracted, each float32 operation rounds once, as numpy does in the
+interpreter. bf16 inputs are read as their bits and widened by a shift. The kernels use only Triton's
+core builtins and their own @triton.jit helpers (see `_max_along`), so an interpreted copy of this
+module runs in a process that imported triton without TRITON_INTERPRET (the tests load one).
+
+Triton is optional for fp8train: this module imports it, so dispatch to it only where it imports (and
+only for CUDA tensors; CPU tensors run here only in the interpreter).
 """
 
 from __future__ import annotations
@@ -51,7 +57,6 @@ Amax = Union[torch.Tensor, float]
 # (largest finite value, mantissa bits, smallest normal exponent, exponent bias) of each encoding
 _FP8 = {"e4m3": (448.0, 3, -6, 7), "e5m2": (57344.0, 2, -14, 15)}
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_FLOAT32_MAX = 3.4028234663852886e38
 # Compile options of every launch: no fused multiply-adds, so that each float32 operation rounds once on
 # the device as it does in the interpreter (numpy); the interpreter ignores the option.
 _OPTIONS = {"enable_fp_fusion": False}
