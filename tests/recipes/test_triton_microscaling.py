@@ -389,6 +389,31 @@ def test_nvfp4_quantize_both_equals_two_torch_calls() -> None:
     _assert_same_nvfp4(columns, ms.nvfp4_quantize(t, 0), "bf16 transposed, column-wise")
 
 
+def test_nvfp4_quantize_both_rotated_equals_two_torch_calls() -> None:
+    """The recipe's NVFP4 input and gradient: the plain row-wise copy and the Hadamard-transformed
+    column-wise one from one amax read and one quantizing read, equal to nvfp4_quantize(x, 1) and
+    nvfp4_quantize_rotated(x, 0) (itself checked against the torch path above), stochastic draws in
+    that order, E4M3 bytes, a bf16 input with a partial last row-wise block, NaN data."""
+    x = _nvfp4_input()[:64]
+    rows, columns = tm.nvfp4_quantize_both_rotated(x)
+    _assert_same_nvfp4(rows, ms.nvfp4_quantize(x, 1), "row-wise")
+    _assert_same_nvfp4(columns, tm.nvfp4_quantize_rotated(x, 0), "column-wise")
+    t = x[:, :40].to(torch.bfloat16)
+    torch.manual_seed(3)
+    rows, columns = tm.nvfp4_quantize_both_rotated(t, stochastic=True, values_dtype=torch.float8_e4m3fn)
+    torch.manual_seed(3)
+    values, scales, s_enc = ms.nvfp4_quantize(t, 1, stochastic=True)
+    _assert_same_nvfp4(rows, (values.to(torch.float8_e4m3fn), scales, s_enc), "stochastic row-wise")
+    expected = tm.nvfp4_quantize_rotated(t, 0, stochastic=True, values_dtype=torch.float8_e4m3fn)
+    _assert_same_nvfp4(columns, expected, "stochastic column-wise")
+    x[3, 7] = NAN
+    rows, columns = tm.nvfp4_quantize_both_rotated(x)
+    _assert_same_nvfp4(rows, ms.nvfp4_quantize(x, 1), "NaN, row-wise")
+    _assert_same_nvfp4(columns, tm.nvfp4_quantize_rotated(x, 0), "NaN, column-wise")
+    with pytest.raises(ValueError, match="blocks of 16; dimension 0 has 72"):
+        tm.nvfp4_quantize_both_rotated(_nvfp4_input())
+
+
 def _butterfly_rht(x: torch.Tensor, dim: int, signs=ms.RHT_SIGNS) -> torch.Tensor:
     """random_hadamard_transform with the kernel's order of additions (`_fwht16`), in torch."""
     moved = x.float().movedim(dim, -1)
@@ -509,7 +534,18 @@ def test_the_kernels_compile_for_a_gpu_with_exact_arithmetic() -> None:
             {**mx, "BR": 64, "BC": 64, "IN_BF16": False, "ROWWISE": True, "COLUMNWISE": True, "TWO_D": False},
         ),
         ("_nvfp4_plain_kernel", nv, {**plain, "BP": 32, "NBK": 8, "BQ": 1}),
-        ("_nvfp4_rotated_kernel", {**nv, "v_ptr": "*u8"}, {**rotated, "BQ": 64}),
+        (
+            "_nvfp4_rotated_kernel",
+            {
+                **nv,
+                "v_ptr": "*u8",
+                "vr_ptr": "*u8",
+                "sr_ptr": "*u8",
+                "ur_ptr": "*fp32",
+                "s_enc_r_ptr": "*fp32",
+            },
+            {**rotated, "BQ": 64, "ROWWISE": True},
+        ),
         (
             "_nvfp4_matrix_kernel",
             {
@@ -533,8 +569,8 @@ def test_the_kernels_compile_for_a_gpu_with_exact_arithmetic() -> None:
         ),
         (
             "_amax_kernel",
-            {"x_ptr": "*i16", "out_ptr": "*fp32"},
-            {"ROTATE": True, "SIGNS": 5, "BP": 1, "NBK": 4, "BQ": 64, "IN_BF16": True},
+            {"x_ptr": "*i16", "out_ptr": "*fp32", "out_plain_ptr": "*fp32"},
+            {"ROTATE": True, "PLAIN_TOO": True, "SIGNS": 5, "BP": 1, "NBK": 4, "BQ": 64, "IN_BF16": True},
         ),
     ]
     for name, pointers, constants in cases:

@@ -13,6 +13,8 @@ Every function here returns what its torch counterpart in `microscaling.py` retu
                                                            nvfp4_quantize(random_hadamard_transform(x, ...))
     nvfp4_quantize_both(x2d, global_amax, stochastic, generator, values_dtype)
                                                       (nvfp4_quantize(x, 1, ...), nvfp4_quantize(x, 0, ...))
+    nvfp4_quantize_both_rotated(x2d, signs, stochastic, generator, values_dtype)
+                                      (nvfp4_quantize(x, 1, ...), nvfp4_quantize_rotated(x, 0, signs, ...))
     nvfp4_amax(x, dim, signs)                              the per-tensor amax nvfp4_quantize starts from
 
 Rounding is integer and float32 arithmetic that is exact both in the interpreter and on a GPU: no
@@ -49,6 +51,7 @@ __all__ = [
     "nvfp4_quantize",
     "nvfp4_quantize_rotated",
     "nvfp4_quantize_both",
+    "nvfp4_quantize_both_rotated",
     "nvfp4_amax",
 ]
 
@@ -63,6 +66,7 @@ _OPTIONS = {"enable_fp_fusion": False}
 _SIGN_BIT = tl.constexpr(-2147483648)  # 0x80000000 as an int32 (a constexpr: jit code may read it)
 
 
+# fmt: off
 # ---- rounding helpers ----------------------------------------------------------------------------------
 
 
@@ -201,30 +205,9 @@ def _mx_codes(
 
 @triton.jit
 def _mx_blocks_kernel(
-    x_ptr,
-    v_ptr,
-    s_ptr,
-    P,
-    N,
-    Q,
-    sxp,
-    sxn,
-    sxq,
-    svp,
-    svn,
-    svq,
-    ssp,
-    ssn,
-    ssq,
-    LIMIT: tl.constexpr,
-    MANT: tl.constexpr,
-    MIN_EXP: tl.constexpr,
-    BIAS: tl.constexpr,
-    B: tl.constexpr,
-    BP: tl.constexpr,
-    BN: tl.constexpr,
-    BQ: tl.constexpr,
-    IN_BF16: tl.constexpr,
+    x_ptr, v_ptr, s_ptr, P, N, Q, sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq, LIMIT: tl.constexpr,
+    MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr, B: tl.constexpr, BP: tl.constexpr,
+    BN: tl.constexpr, BQ: tl.constexpr, IN_BF16: tl.constexpr,
 ):
     """x viewed as [P, N, Q], blocks of B along N: one [BP, BN, BQ] tile per program (BN a multiple of
     B), zero-padded past the edges (a partial block is scaled from its own elements, as padding with
@@ -248,34 +231,10 @@ def _mx_blocks_kernel(
 
 @triton.jit
 def _mx_matrix_kernel(
-    x_ptr,
-    vr_ptr,
-    sr_ptr,
-    vc_ptr,
-    sc_ptr,
-    R,
-    C,
-    sxr,
-    sxc,
-    svr_r,
-    svr_c,
-    ssr_r,
-    ssr_c,
-    svc_r,
-    svc_c,
-    ssc_r,
-    ssc_c,
-    LIMIT: tl.constexpr,
-    MANT: tl.constexpr,
-    MIN_EXP: tl.constexpr,
-    BIAS: tl.constexpr,
-    B: tl.constexpr,
-    BR: tl.constexpr,
-    BC: tl.constexpr,
-    IN_BF16: tl.constexpr,
-    ROWWISE: tl.constexpr,
-    COLUMNWISE: tl.constexpr,
-    TWO_D: tl.constexpr,
+    x_ptr, vr_ptr, sr_ptr, vc_ptr, sc_ptr, R, C, sxr, sxc, svr_r, svr_c, ssr_r, ssr_c, svc_r, svc_c, ssc_r,
+    ssc_c, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr,
+    B: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, IN_BF16: tl.constexpr, ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr, TWO_D: tl.constexpr,
 ):
     """A 2-D x [R, C], one [BR, BC] tile per program (multiples of B), read once. ROWWISE: 1xB blocks
     (along C) into (vr, sr [R, ceil(C/B)]); COLUMNWISE: Bx1 blocks (along R) into (vc, sc
@@ -371,22 +330,8 @@ def _fwht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
     s3_7, s3_15 = s2_7 + s2_15, s2_7 - s2_15
     # + 0.0: a sum that is exactly zero is +0.0, as from an accumulator that starts at +0.0 (the matmul's)
     return (
-        s3_0 + 0.0,
-        s3_1 + 0.0,
-        s3_2 + 0.0,
-        s3_3 + 0.0,
-        s3_4 + 0.0,
-        s3_5 + 0.0,
-        s3_6 + 0.0,
-        s3_7 + 0.0,
-        s3_8 + 0.0,
-        s3_9 + 0.0,
-        s3_10 + 0.0,
-        s3_11 + 0.0,
-        s3_12 + 0.0,
-        s3_13 + 0.0,
-        s3_14 + 0.0,
-        s3_15 + 0.0,
+        s3_0 + 0.0, s3_1 + 0.0, s3_2 + 0.0, s3_3 + 0.0, s3_4 + 0.0, s3_5 + 0.0, s3_6 + 0.0, s3_7 + 0.0,
+        s3_8 + 0.0, s3_9 + 0.0, s3_10 + 0.0, s3_11 + 0.0, s3_12 + 0.0, s3_13 + 0.0, s3_14 + 0.0, s3_15 + 0.0,
     )
 
 
@@ -437,17 +382,7 @@ def _load_slice(base, n0, ELEMENT: tl.constexpr, N, sn, inside, IN_BF16: tl.cons
 
 @triton.jit
 def _store_value(
-    v_base,
-    u_base,
-    x,
-    enc,
-    n0,
-    ELEMENT: tl.constexpr,
-    N,
-    svn,
-    sun,
-    inside,
-    STOCHASTIC: tl.constexpr,
+    v_base, u_base, x, enc, n0, ELEMENT: tl.constexpr, N, svn, sun, inside, STOCHASTIC: tl.constexpr,
     OUT_FP8: tl.constexpr,
 ):
     """Element ELEMENT of each 16-block: its NVFP4 value, stored as float32 or (OUT_FP8) an E4M3 byte."""
@@ -528,32 +463,9 @@ def _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
 
 @triton.jit
 def _nvfp4_plain_kernel(
-    x_ptr,
-    v_ptr,
-    s_ptr,
-    u_ptr,
-    s_enc_ptr,
-    P,
-    N,
-    Q,
-    sxp,
-    sxn,
-    sxq,
-    svp,
-    svn,
-    svq,
-    ssp,
-    ssn,
-    ssq,
-    sup,
-    sun,
-    suq,
-    STOCHASTIC: tl.constexpr,
-    OUT_FP8: tl.constexpr,
-    IN_BF16: tl.constexpr,
-    BP: tl.constexpr,
-    NBK: tl.constexpr,
-    BQ: tl.constexpr,
+    x_ptr, v_ptr, s_ptr, u_ptr, s_enc_ptr, P, N, Q, sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq, sup, sun,
+    suq, STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr, IN_BF16: tl.constexpr, BP: tl.constexpr,
+    NBK: tl.constexpr, BQ: tl.constexpr,
 ):
     """x viewed as [P, N, Q], NVFP4 16-blocks along N, one [BP, 16 * NBK, BQ] tile per program,
     zero-padded past the edges. Writes the values (float32, or E4M3 bytes) and the E4M3 block scales
@@ -584,44 +496,116 @@ def _nvfp4_plain_kernel(
 
 
 @triton.jit
-def _nvfp4_rotated_kernel(
-    x_ptr,
-    v_ptr,
-    s_ptr,
-    u_ptr,
-    s_enc_ptr,
-    P,
-    N,
-    Q,
-    sxp,
-    sxn,
-    sxq,
-    svp,
-    svn,
-    svq,
-    ssp,
-    ssn,
-    ssq,
-    sup,
-    sun,
-    suq,
-    SIGNS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    OUT_FP8: tl.constexpr,
-    IN_BF16: tl.constexpr,
-    BP: tl.constexpr,
-    NBK: tl.constexpr,
+def _rowwise_slice(
+    x, p, n, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n, ssr_q, sur_p,
+    sur_n, sur_q, STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr, BP: tl.constexpr, NBK: tl.constexpr,
     BQ: tl.constexpr,
+):
+    """The plain NVFP4 copy of one slice x [BP, NBK, BQ] (rows n of a [P, N, Q] tensor) in 16-blocks
+    along Q: its values into vr and its block scales ([P, N, ceil(Q/16)]) into sr."""
+    inside = (p < P) & (n < N) & (q < Q)
+    magnitude, nan = _nan_to_flag(tl.reshape(x, (BP, NBK, BQ // 16, 16)))
+    amax = tl.where(_max_along(nan, 3) > 0, float("nan"), _max_along(magnitude, 3))  # [BP, NBK, BQ/16]
+    s_dec, enc = _nvfp4_block_scales(amax, s_enc_r)
+    enc = tl.reshape(tl.broadcast_to(enc[:, :, :, None], (BP, NBK, BQ // 16, 16)), (BP, NBK, BQ))
+    _nvfp4_write(
+        vr_ptr + p * svr_p + n * svr_n + q * svr_q, ur_ptr + p * sur_p + n * sur_n + q * sur_q, x, enc,
+        inside, STOCHASTIC, OUT_FP8,
+    )
+    qb = tl.program_id(2) * (BQ // 16) + tl.arange(0, BQ // 16)[None, None, :]
+    tl.store(
+        sr_ptr + p * ssr_p + n * ssr_n + qb * ssr_q,
+        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+        mask=(p < P) & (n < N) & (qb * 16 < Q),
+    )
+
+
+@triton.jit
+def _nvfp4_rotated_kernel(
+    x_ptr, v_ptr, s_ptr, u_ptr, s_enc_ptr, P, N, Q, sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq, sup, sun,
+    suq, vr_ptr, sr_ptr, ur_ptr, s_enc_r_ptr, svr_p, svr_n, svr_q, ssr_p, ssr_n, ssr_q, sur_p, sur_n, sur_q,
+    SIGNS: tl.constexpr, ROWWISE: tl.constexpr, STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr,
+    IN_BF16: tl.constexpr, BP: tl.constexpr, NBK: tl.constexpr, BQ: tl.constexpr,
 ):
     """`_nvfp4_plain_kernel` with the Hadamard transform of each 16-block along N first: one
     [BP, 16 * NBK, BQ] tile per program, read as 16 slices (element i of every block), which the
-    butterflies combine elementwise (`_fwht16`)."""
+    butterflies combine elementwise (`_fwht16`). ROWWISE: from the same read, the plain copy of x in
+    16-blocks along Q (BQ a multiple of 16) into (vr, sr, draws ur) under its own S_enc (s_enc_r)."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
     n0 = (tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]) * 16
     q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
     inside = (p < P) & (q < Q)
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
-        x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, inside, True, SIGNS, IN_BF16
+        x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, inside, False, SIGNS, IN_BF16
+    )
+    if ROWWISE:
+        s_enc_r = tl.load(s_enc_r_ptr)
+        _rowwise_slice(
+            x0, p, n0 + 0, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x1, p, n0 + 1, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x2, p, n0 + 2, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x3, p, n0 + 3, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x4, p, n0 + 4, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x5, p, n0 + 5, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x6, p, n0 + 6, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x7, p, n0 + 7, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x8, p, n0 + 8, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x9, p, n0 + 9, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x10, p, n0 + 10, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x11, p, n0 + 11, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x12, p, n0 + 12, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x13, p, n0 + 13, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x14, p, n0 + 14, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+        _rowwise_slice(
+            x15, p, n0 + 15, q, P, N, Q, vr_ptr, sr_ptr, ur_ptr, s_enc_r, svr_p, svr_n, svr_q, ssr_p, ssr_n,
+            ssr_q, sur_p, sur_n, sur_q, STOCHASTIC, OUT_FP8, BP, NBK, BQ,
+        )
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _fwht16(
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, SIGNS
     )
     amax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))
@@ -651,30 +635,36 @@ def _nvfp4_rotated_kernel(
 
 
 @triton.jit
+def _tile_amax(magnitude, nan):
+    """max over a 3-D tile of |x| (NaN as 0) and of its NaN flags: the tile's amax, NaN if any."""
+    amax = _max_along(_max_along(_max_along(magnitude, 2), 1), 0)
+    any_nan = _max_along(_max_along(_max_along(nan, 2), 1), 0)
+    return tl.where(any_nan > 0, float("nan"), amax)
+
+
+@triton.jit
 def _amax_kernel(
-    x_ptr,
-    out_ptr,
-    P,
-    N,
-    Q,
-    sxp,
-    sxn,
-    sxq,
-    ROTATE: tl.constexpr,
-    SIGNS: tl.constexpr,
-    BP: tl.constexpr,
-    NBK: tl.constexpr,
-    BQ: tl.constexpr,
-    IN_BF16: tl.constexpr,
+    x_ptr, out_ptr, out_plain_ptr, P, N, Q, sxp, sxn, sxq, ROTATE: tl.constexpr, PLAIN_TOO: tl.constexpr,
+    SIGNS: tl.constexpr, BP: tl.constexpr, NBK: tl.constexpr, BQ: tl.constexpr, IN_BF16: tl.constexpr,
 ):
     """One partial max|x| per program (NaN if its tile holds one) of x viewed as [P, N, Q], of the
-    Hadamard-transformed tensor (16-blocks along N) if ROTATE; the caller reduces the partials."""
+    Hadamard-transformed tensor (16-blocks along N) if ROTATE, and with PLAIN_TOO that of x itself
+    too (into out_plain), from the same read; the caller reduces the partials."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None, None]
     q = tl.program_id(2) * BQ + tl.arange(0, BQ)[None, None, :]
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     if ROTATE:
         n0 = (tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]) * 16
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _load16(
-            x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, (p < P) & (q < Q), True, SIGNS, IN_BF16
+            x_ptr + p * sxp + n0 * sxn + q * sxq, n0, N, sxn, (p < P) & (q < Q), False, SIGNS, IN_BF16
+        )
+        if PLAIN_TOO:
+            magnitude, nan = _nan_to_flag(
+                _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+            )
+            tl.store(out_plain_ptr + pid, _tile_amax(magnitude, nan))
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _fwht16(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, SIGNS
         )
         magnitude, nan = _nan_to_flag(
             _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
@@ -685,10 +675,7 @@ def _amax_kernel(
         magnitude, nan = _nan_to_flag(
             _as_float32(tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0), IN_BF16)
         )
-    amax = _max_along(_max_along(_max_along(magnitude, 2), 1), 0)
-    any_nan = _max_along(_max_along(_max_along(nan, 2), 1), 0)
-    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    tl.store(out_ptr + pid, tl.where(any_nan > 0, float("nan"), amax))
+    tl.store(out_ptr + pid, _tile_amax(magnitude, nan))
 
 
 @triton.jit
@@ -707,38 +694,10 @@ def _nvfp4_write(v_ptr, u_ptr, x, enc, inside, STOCHASTIC: tl.constexpr, OUT_FP8
 
 @triton.jit
 def _nvfp4_matrix_kernel(
-    x_ptr,
-    vr_ptr,
-    sr_ptr,
-    ur_ptr,
-    vc_ptr,
-    sc_ptr,
-    uc_ptr,
-    s_enc_ptr,
-    R,
-    C,
-    sxr,
-    sxc,
-    svr_r,
-    svr_c,
-    ssr_r,
-    ssr_c,
-    sur_r,
-    sur_c,
-    svc_r,
-    svc_c,
-    ssc_r,
-    ssc_c,
-    suc_r,
-    suc_c,
-    ROWWISE: tl.constexpr,
-    COLUMNWISE: tl.constexpr,
-    TWO_D: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    OUT_FP8: tl.constexpr,
-    BR: tl.constexpr,
-    BC: tl.constexpr,
-    IN_BF16: tl.constexpr,
+    x_ptr, vr_ptr, sr_ptr, ur_ptr, vc_ptr, sc_ptr, uc_ptr, s_enc_ptr, R, C, sxr, sxc, svr_r, svr_c, ssr_r,
+    ssr_c, sur_r, sur_c, svc_r, svc_c, ssc_r, ssc_c, suc_r, suc_c, ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr, TWO_D: tl.constexpr, STOCHASTIC: tl.constexpr, OUT_FP8: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, IN_BF16: tl.constexpr,
 ):
     """A 2-D x [R, C] in NVFP4, one [BR, BC] tile per program (multiples of 16), read once, one
     per-tensor scale: ROWWISE 1x16 blocks (along C) into (vr, sr [R, ceil(C/16)], draws ur);
@@ -757,12 +716,7 @@ def _nvfp4_matrix_kernel(
         s_dec, enc = _nvfp4_block_scales(amax, s_enc)
         enc = tl.reshape(tl.broadcast_to(enc[:, :, None], (BR, BC // 16, 16)), (BR, BC))
         _nvfp4_write(
-            vr_ptr + r * svr_r + c * svr_c,
-            ur_ptr + r * sur_r + c * sur_c,
-            x,
-            enc,
-            inside,
-            STOCHASTIC,
+            vr_ptr + r * svr_r + c * svr_c, ur_ptr + r * sur_r + c * sur_c, x, enc, inside, STOCHASTIC,
             OUT_FP8,
         )
         tl.store(
@@ -776,12 +730,7 @@ def _nvfp4_matrix_kernel(
         s_dec, enc = _nvfp4_block_scales(amax, s_enc)
         enc = tl.reshape(tl.broadcast_to(enc[:, None, :], (BR // 16, 16, BC)), (BR, BC))
         _nvfp4_write(
-            vc_ptr + r * svc_r + c * svc_c,
-            uc_ptr + r * suc_r + c * suc_c,
-            x,
-            enc,
-            inside,
-            STOCHASTIC,
+            vc_ptr + r * svc_r + c * svc_c, uc_ptr + r * suc_r + c * suc_c, x, enc, inside, STOCHASTIC,
             OUT_FP8,
         )
         tl.store(
@@ -796,12 +745,7 @@ def _nvfp4_matrix_kernel(
         s_dec, enc = _nvfp4_block_scales(amax, s_enc)  # [BR/16, BC/16]
         enc = tl.reshape(tl.broadcast_to(enc[:, None, :, None], (BR // 16, 16, BC // 16, 16)), (BR, BC))
         _nvfp4_write(
-            vr_ptr + r * svr_r + c * svr_c,
-            ur_ptr + r * sur_r + c * sur_c,
-            x,
-            enc,
-            inside,
-            STOCHASTIC,
+            vr_ptr + r * svr_r + c * svr_c, ur_ptr + r * sur_r + c * sur_c, x, enc, inside, STOCHASTIC,
             OUT_FP8,
         )
         tl.store(
@@ -809,6 +753,7 @@ def _nvfp4_matrix_kernel(
             fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
             mask=(rb * 16 < R) & (cb * 16 < C),
         )
+# fmt: on
 
 
 # ---- launch helpers ------------------------------------------------------------------------------------
@@ -961,6 +906,10 @@ def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, colum
 # ---- NVFP4 ---------------------------------------------------------------------------------------------
 
 _VALUE_DTYPES = (torch.float32, torch.float8_e4m3fn)
+# the row-wise copy's arguments of `_nvfp4_rotated_kernel`
+_ROWWISE_ARGS = tuple(
+    "vr_ptr sr_ptr ur_ptr s_enc_r_ptr svr_p svr_n svr_q ssr_p ssr_n ssr_q sur_p sur_n sur_q".split()
+)
 
 
 def _signs_mask(signs: tuple[int, ...]) -> int:
@@ -993,7 +942,7 @@ def nvfp4_amax(x: torch.Tensor, dim: int = -1, signs: Optional[tuple[int, ...]] 
     grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
     partials = torch.empty(grid[0] * grid[1] * grid[2], device=xf.device)
     _amax_kernel[grid](
-        _readable(x3), partials, p, n, q, *x3.stride(), ROTATE=signs is not None,
+        _readable(x3), partials, partials, p, n, q, *x3.stride(), ROTATE=signs is not None, PLAIN_TOO=False,
         SIGNS=0 if signs is None else _signs_mask(signs), BP=bp, NBK=bn // NVFP4_BLOCK, BQ=bq,
         IN_BF16=x3.dtype == torch.bfloat16,
         **_OPTIONS,
@@ -1062,6 +1011,62 @@ def nvfp4_quantize_both(
     )
 
 
+def nvfp4_quantize_both_rotated(
+    x: torch.Tensor,
+    signs: tuple[int, ...] = RHT_SIGNS,
+    stochastic: bool = False,
+    generator: Optional[torch.Generator] = None,
+    values_dtype: torch.dtype = torch.float32,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The two NVFP4 copies the recipe makes of an input or output gradient x [tokens, features] with
+    the RHT: the row-wise copy (1x16 along dim 1, plain) and the column-wise one (16x1 along dim 0, the
+    tokens, Hadamard-transformed), equal to (nvfp4_quantize(x, 1, ...), nvfp4_quantize_rotated(x, 0,
+    signs, ...)) called in that order (stochastic draws included), each with its own per-tensor amax.
+    Two reads: one amax pass computing both amaxes, one pass writing both copies. The token count must
+    be a multiple of 16 (ValueError; the recipe does not rotate otherwise: use nvfp4_quantize_both)."""
+    if values_dtype not in _VALUE_DTYPES:
+        raise ValueError(f"NVFP4 values_dtype is one of {_VALUE_DTYPES}, got {values_dtype}")
+    xf = _as_float(x.detach())
+    if xf.dim() != 2:
+        raise ValueError(f"nvfp4_quantize_both_rotated takes a 2-D tensor, got shape {tuple(x.shape)}")
+    _check_rotatable(xf, 0)
+    out_fp8, signs_mask = values_dtype == torch.float8_e4m3fn, _signs_mask(tuple(signs))
+    stored = torch.uint8 if out_fp8 else torch.float32
+    r, c = xf.shape
+    rb, cb = r // NVFP4_BLOCK, -(-c // NVFP4_BLOCK)
+    vr, sr = _moved_empty(xf, 1, c, stored), _moved_empty(xf, 1, cb, torch.uint8)
+    vc, sc = _moved_empty(xf, 0, r, stored), _moved_empty(xf, 0, rb, torch.uint8)
+    ur = uc = xf  # unread without stochastic rounding
+    if stochastic:  # the torch path's draws, row-wise copy first
+        ur = torch.rand(r, cb, NVFP4_BLOCK, generator=generator, device=xf.device).flatten(-2)[:, :c]
+        uc = torch.rand(c, rb, NVFP4_BLOCK, generator=generator, device=xf.device).flatten(-2).t()
+    s_enc_r = s_enc_c = torch.ones((), device=xf.device)
+    if xf.numel():
+        x3 = xf.view(1, r, c)
+        bp, bn, bq = _tiles_3d(xf, 1, r, c, NVFP4_BLOCK)
+        bq = max(bq, NVFP4_BLOCK)  # whole row-wise blocks in a tile
+        grid = (1, triton.cdiv(r, bn), triton.cdiv(c, bq))
+        partials = torch.empty(2, grid[1] * grid[2], device=xf.device)
+        _amax_kernel[grid](
+            _readable(x3), partials[0], partials[1], 1, r, c, *x3.stride(), ROTATE=True, PLAIN_TOO=True,
+            SIGNS=signs_mask, BP=1, NBK=bn // NVFP4_BLOCK, BQ=bq, IN_BF16=x3.dtype == torch.bfloat16,
+            **_OPTIONS,
+        )  # fmt: skip
+        s_enc_c, s_enc_r = (nvfp4_tensor_scale(amax) for amax in partials.amax(dim=1))
+        rows = (vr.view(1, r, c), sr.view(1, r, cb), ur.view(1, r, c), s_enc_r.reshape(1))
+        _nvfp4_rotated_kernel[grid](
+            _readable(x3), vc.view(1, r, c), sc.view(1, rb, c), uc.view(1, r, c), s_enc_c.reshape(1), 1, r, c,
+            *x3.stride(), *vc.view(1, r, c).stride(), *sc.view(1, rb, c).stride(), *uc.view(1, r, c).stride(),
+            **dict(zip(_ROWWISE_ARGS, (*rows, *rows[0].stride(), *rows[1].stride(), *rows[2].stride()))),
+            SIGNS=signs_mask, ROWWISE=True, STOCHASTIC=stochastic, OUT_FP8=out_fp8,
+            IN_BF16=x3.dtype == torch.bfloat16, BP=1, NBK=bn // NVFP4_BLOCK, BQ=bq, **_OPTIONS,
+        )  # fmt: skip
+    return tuple(
+        ((v.view(torch.float8_e4m3fn) if out_fp8 else v), s.view(torch.float8_e4m3fn), s_enc)
+        for v, s, s_enc in ((vr, sr, s_enc_r), (vc, sc, s_enc_c))
+    )
+
+
 def _nvfp4(x, dim, global_amax, two_d, stochastic, generator, values_dtype, signs):
     if values_dtype not in _VALUE_DTYPES:
         raise ValueError(f"NVFP4 values_dtype is one of {_VALUE_DTYPES}, got {values_dtype}")
@@ -1102,8 +1107,12 @@ def _nvfp4_blocks(xf, dim, s_enc, stochastic, generator, stored, out_fp8, signs)
     bp, bn, bq = _tiles_3d(xf, p, n, q, NVFP4_BLOCK)
     grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
     kernel, rotation = _nvfp4_plain_kernel, {}
-    if signs is not None:
-        kernel, rotation = _nvfp4_rotated_kernel, {"SIGNS": _signs_mask(signs)}
+    if signs is not None:  # no row-wise copy: its arguments are placeholders
+        kernel = _nvfp4_rotated_kernel
+        rotation = {"SIGNS": _signs_mask(signs), "ROWWISE": False}
+        rotation.update(
+            zip(_ROWWISE_ARGS, (v3, s3, u3, s_enc.reshape(1), *v3.stride(), *s3.stride(), *u3.stride()))
+        )
     kernel[grid](
         _readable(x3), v3, s3, u3, s_enc.reshape(1), p, n, q,
         *x3.stride(), *v3.stride(), *s3.stride(), *u3.stride(), **rotation,
