@@ -319,8 +319,39 @@ KEY = "model.layers.1.mlp.up_proj.weight"
         ),
         (lambda t, c: t.update({KEY: t[KEY][None]}), "fused or grouped expert tensors are not supported"),
         (lambda t, c: t.pop("model.norm.weight"), "has no tensor for model.norm.weight"),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((1, 0), float("nan")),
+            f"{KEY}_scale_inv has a scale of nan in block (1, 0)",
+        ),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((0, 1), float("inf")),
+            f"{KEY}_scale_inv has a scale of inf in block (0, 1)",
+        ),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((1, 1), 0.0),
+            f"{KEY}_scale_inv has a scale of 0.0 in block (1, 1)",
+        ),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((0, 0), -0.5),
+            f"{KEY}_scale_inv has a scale of -0.5 in block (0, 0)",
+        ),
+        (
+            lambda t, c: t.update({KEY: t[KEY].float().to(torch.float8_e5m2)}),
+            f"{KEY} is torch.float8_e5m2, a block-FP8 weight is torch.float8_e4m3fn",
+        ),
     ],
-    ids=["scale-shape", "missing-scale", "block-size", "3d-experts", "missing-tensor"],
+    ids=[
+        "scale-shape",
+        "missing-scale",
+        "block-size",
+        "3d-experts",
+        "missing-tensor",
+        "nan-scale",
+        "inf-scale",
+        "zero-scale",
+        "negative-scale",
+        "e5m2-weight",
+    ],  # fmt: skip
 )
 def test_bad_checkpoint_is_a_clear_error_and_nothing_is_loaded(checkpoint, tmp_path, edit, message) -> None:
     from transformers import AutoConfig, LlamaForCausalLM
@@ -341,6 +372,32 @@ def test_bad_checkpoint_is_a_clear_error_and_nothing_is_loaded(checkpoint, tmp_p
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not any(isinstance(m, fp8train.StoredFP8Linear) for m in model.modules())
+
+
+def test_stored_layer_takes_e8m0_scales_and_refuses_bad_ones_at_construction() -> None:
+    """The scale dtypes the loader takes (float32, float8_e8m0fnu, uint8 exponent bytes) are taken
+    by the layer itself, converted at construction (the same forward as float32 scales); a scale of
+    another dtype, or a non-finite or non-positive one, is refused there, not at the first forward."""
+    torch.manual_seed(0)
+    q, s = deepseek_quantize(torch.randn(200, 300) * 0.05, ue8m0=True)
+    x = torch.randn(6, 300)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+        expected = fp8train.StoredFP8Linear(q, s)(x)
+    for stored in (s.to(torch.float8_e8m0fnu), s.to(torch.float8_e8m0fnu).view(torch.uint8)):
+        layer = fp8train.StoredFP8Linear(q, stored)
+        assert layer.weight_scale_inv.dtype == torch.float32 and torch.equal(layer.weight_scale_inv, s)
+        with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+            assert torch.equal(layer(x), expected)
+        with torch.no_grad():
+            assert torch.equal(layer(x), x @ dequantize_ref(q, s).t())
+    from fp8train.block_format import BlockFormatError
+
+    with pytest.raises(BlockFormatError, match="weight_scale_inv is torch.bfloat16"):
+        fp8train.StoredFP8Linear(q, s.bfloat16())
+    bad = s.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(BlockFormatError, match=r"up.weight_scale_inv has a scale of nan in block \(1, 2\)"):
+        fp8train.StoredFP8Linear(q, bad, name="up.weight")
 
 
 # ---- adapters, export -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from ..block_format import (
     BLOCK,
     DEFAULT_RECIPE,
     BlockFormatError,
+    check_scale_values,
     check_stored_weight,
     quantize_block_weight,
     scales_to_float32,
@@ -108,10 +109,13 @@ def _stored_layers(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> 
     {module name: (weight, float32 scale_inv, bias)}. Checks all before anything is changed."""
     layers = {}
     for key, weight in tensors.items():
-        if weight.dtype != torch.float8_e4m3fn:
-            if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] not in tensors:
+        if key.endswith(SCALE_SUFFIX):
+            if key[: -len(SCALE_SUFFIX)] not in tensors:
                 raise BlockFormatError(f"{key} has no weight {key[: -len(SCALE_SUFFIX)]} to scale")
             continue
+        one_byte_float = weight.is_floating_point() and weight.element_size() == 1
+        if not one_byte_float and key + SCALE_SUFFIX not in tensors:
+            continue  # a high-precision tensor (an embedding, a norm, modules_to_not_convert)
         if not key.endswith(".weight"):
             raise BlockFormatError(f"{key} is FP8 but is not a linear layer's weight")
         name = key[: -len(".weight")]
@@ -129,7 +133,9 @@ def _stored_layers(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> 
                 f"{key} {tuple(weight.shape)} does not fit the model's {name} ({type(module).__name__} "
                 f"{tuple(shape.shape) if shape is not None else ''}): not a linear layer of that shape"
             )
-        layers[name] = (weight, scales_to_float32(scale, key + SCALE_SUFFIX), tensors.get(name + ".bias"))
+        scale = scales_to_float32(scale, key + SCALE_SUFFIX)
+        check_scale_values(scale, key + SCALE_SUFFIX)
+        layers[name] = (weight, scale, tensors.get(name + ".bias"))
     return layers
 
 

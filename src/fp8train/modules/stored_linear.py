@@ -15,9 +15,11 @@ import torch
 
 from ..block_format import (
     DEFAULT_RECIPE,
+    check_scale_values,
     check_stored_weight,
     dequantize_block_weight,
     quantize_block_weight,
+    scales_to_float32,
     stored_operand,
 )
 from ..gemm import Operand
@@ -34,9 +36,11 @@ __all__ = ["StoredFP8Linear", "BlockFP8Linear", "exclude_stored_from_ddp"]
 class StoredFP8Linear(FP8Module):
     """y = x @ W.T + bias with W = weight * weight_scale_inv (128x128 blocks), stored as loaded.
 
-    `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (float32, one per block) are frozen
-    parameters, so state dicts, meta-device builds (`to_empty` then `load_state_dict`) and
-    `requires_grad` work as for any layer; `bias` (high precision) is frozen too unless set trainable.
+    `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (one per block: float32, or E8M0 as
+    float8_e8m0fnu or uint8 exponent bytes, converted to float32 here; every scale finite and
+    positive, else a BlockFormatError naming the block) are frozen parameters, so state dicts,
+    meta-device builds (`to_empty` then `load_state_dict`) and `requires_grad` work as for any
+    layer; `bias` (high precision) is frozen too unless set trainable.
     `compute_dtype` is the high-precision dtype of the model around the layer (its output takes the
     input's dtype); PEFT gives adapters on the layer this dtype.
     `recipe` is the block recipe whose weight quantizer writes a new weight into the layer
@@ -53,6 +57,8 @@ class StoredFP8Linear(FP8Module):
     ) -> None:
         super().__init__()
         check_stored_weight(name, weight, weight_scale_inv)
+        weight_scale_inv = scales_to_float32(weight_scale_inv, f"{name}_scale_inv")
+        check_scale_values(weight_scale_inv, f"{name}_scale_inv")
         self.out_features, self.in_features = weight.shape
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = torch.nn.Parameter(weight_scale_inv, requires_grad=False)
