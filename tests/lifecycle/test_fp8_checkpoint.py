@@ -400,6 +400,57 @@ def test_stored_layer_takes_e8m0_scales_and_refuses_bad_ones_at_construction() -
         fp8train.StoredFP8Linear(q, bad, name="up.weight")
 
 
+def _hand_built_checkpoint(directory: str, ue8m0: bool) -> tuple[torch.nn.Module, dict]:
+    """TinyMoE's expert linears quantized into `directory` with a config.json that holds only the
+    quantization_config (a hand-built module has no transformers config). Returns the float32
+    reference (dequantized weights) and the stored tensors."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = TinyMoE()
+    tensors = {}
+    for name, module in reference.named_modules():
+        if name.startswith("experts.") and isinstance(module, torch.nn.Linear):
+            q, s = deepseek_quantize(module.weight.detach(), ue8m0)
+            tensors[f"{name}.weight"] = q
+            tensors[f"{name}.weight_scale_inv"] = s.to(torch.float8_e8m0fnu) if ue8m0 else s
+            module.weight.data = dequantize_ref(q, s)
+    tensors.update({k: v for k, v in reference.state_dict().items() if k not in tensors})
+    os.makedirs(directory, exist_ok=True)
+    quantization = dict(QUANT, **({"scale_fmt": "ue8m0"} if ue8m0 else {}))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"quantization_config": quantization}, f)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    return reference, tensors
+
+
+def test_hand_built_model_without_a_config_loads_and_exports(tmp_path) -> None:
+    """model= may be a module without a transformers `.config`: it is filled (nothing is written into
+    a config it does not have), remembers the checkpoint's quantization_config, and exports to a
+    directory the same call loads again, bit for bit."""
+    from fp8train.integrations.fp8_checkpoint import (
+        export_fp8_checkpoint,
+        load_fp8_checkpoint,
+        quantization_config_of,
+    )
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    reference, stored = _hand_built_checkpoint(src, ue8m0=True)
+    model = load_fp8_checkpoint(src, model=TinyMoE())
+    assert not hasattr(model, "config")
+    assert all(isinstance(e[k], fp8train.StoredFP8Linear) for e in model.experts for k in ("up", "down"))
+    assert quantization_config_of(model)["scale_fmt"] == "ue8m0"
+    x = torch.randn(32, 128)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x), atol=1e-5, rtol=1e-5)
+    export_fp8_checkpoint(model, out)
+    exported = read(out)
+    assert stored.keys() == exported.keys() and all(same_bytes(stored[k], exported[k]) for k in stored)
+    again = load_fp8_checkpoint(out, model=TinyMoE())
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
+
+
 # ---- adapters, export -----------------------------------------------------------------------------
 def test_lora_trains_base_bytes_unchanged_export_read_by_transformers(aligned, tmp_path) -> None:
     import peft
