@@ -635,3 +635,38 @@ def test_ddp_lora_on_two_ranks(checkpoint) -> None:
     assert r0["adapters"].keys() == r1["adapters"].keys() and r0["adapters"]
     assert all(torch.equal(r0["adapters"][k], r1["adapters"][k]) for k in r0["adapters"])
     assert r0["losses"] != r1["losses"]  # different data per rank, the same adapters
+
+
+def test_a_model_of_stored_fp8_layers_pickles(tmp_path) -> None:
+    """pickle cannot rebuild a float8 tensor (torch's own limitation: pickle.loads of any float8
+    tensor fails); a StoredFP8Linear carries its stored weight as bytes through pickle, deepcopy and
+    torch.save, and the copy holds the same bytes as the same frozen float8 parameter."""
+    import copy
+    import io
+    import pickle
+
+    from fp8train.integrations.fp8_checkpoint import load_fp8_checkpoint
+
+    src = str(tmp_path / "src")
+    _hand_built_checkpoint(src, ue8m0=False)
+    model = load_fp8_checkpoint(src, model=TinyMoE())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [
+        pickle.loads(pickle.dumps(model)),
+        copy.deepcopy(model),
+        torch.load(buffer, weights_only=False),
+    ]
+    x = torch.randn(32, 128)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+        expected = model(x)
+    for other in copies:
+        for name, layer in model.named_modules():
+            if isinstance(layer, fp8train.StoredFP8Linear):
+                copied = other.get_submodule(name)
+                assert isinstance(copied.weight, torch.nn.Parameter) and not copied.weight.requires_grad
+                assert same_bytes(copied.weight, layer.weight)
+                assert torch.equal(copied.weight_scale_inv, layer.weight_scale_inv)
+        with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+            assert torch.equal(other(x), expected)

@@ -66,6 +66,26 @@ class StoredFP8Linear(FP8Module):
         self.compute_dtype = compute_dtype
         self.recipe = recipe
 
+    # ---- copies: pickle cannot rebuild a float8 tensor (torch's limitation), so the stored FP8
+    # parameters travel as their bytes (a uint8 view) and are viewed back on arrival
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        parameters, as_bytes = dict(state["_parameters"]), {}
+        for name, p in parameters.items():
+            if p is not None and p.is_floating_point() and p.element_size() == 1:
+                as_bytes[name] = (p.dtype, p.requires_grad)
+                parameters[name] = p.detach().view(torch.uint8)
+        state.update(_parameters=parameters, _fp8_parameters_as_bytes=as_bytes)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        parameters = dict(state["_parameters"])
+        for name, (dtype, requires_grad) in state.pop("_fp8_parameters_as_bytes", {}).items():
+            parameters[name] = torch.nn.Parameter(parameters[name].view(dtype), requires_grad=requires_grad)
+        state["_parameters"] = parameters
+        super().__setstate__(state)
+
     @property
     def operand(self) -> Operand:
         """The stored weight as the GEMM operand (views of the parameters)."""
