@@ -320,6 +320,10 @@ KEY = "model.layers.1.mlp.up_proj.weight"
         (lambda t, c: t.update({KEY: t[KEY][None]}), "fused or grouped expert tensors are not supported"),
         (lambda t, c: t.pop("model.norm.weight"), "has no tensor for model.norm.weight"),
         (
+            lambda t, c: t.update({"model.norm.weight": t["model.norm.weight"][:-1].clone()}),
+            "model.norm.weight has shape (191,), the model's is (192,)",
+        ),
+        (
             lambda t, c: t[KEY + "_scale_inv"].__setitem__((1, 0), float("nan")),
             f"{KEY}_scale_inv has a scale of nan in block (1, 0)",
         ),
@@ -346,6 +350,7 @@ KEY = "model.layers.1.mlp.up_proj.weight"
         "block-size",
         "3d-experts",
         "missing-tensor",
+        "tensor-shape",
         "nan-scale",
         "inf-scale",
         "zero-scale",

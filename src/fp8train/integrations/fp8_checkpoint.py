@@ -205,6 +205,14 @@ def load_fp8_checkpoint(
     missing = sorted(expected - set(plain) - set(getattr(model, "all_tied_weights_keys", None) or {}))
     if missing:  # tied weights (lm_head to the embedding) are tied again below
         raise BlockFormatError(f"{directory} has no tensor for {', '.join(missing[:4])}")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    misfit = [k for k, v in plain.items() if k in shapes and tuple(v.shape) != shapes[k]]
+    if misfit:  # load_state_dict would refuse them after the FP8 layers were swapped in
+        k = misfit[0]
+        raise BlockFormatError(
+            f"{directory}: {k} has shape {tuple(plain[k].shape)}, the model's is {shapes[k]}"
+            + (f" (and {len(misfit) - 1} more)" if len(misfit) > 1 else "")
+        )
     floats = [v.dtype for v in plain.values() if v.is_floating_point()]
     compute_dtype = dtype or (floats[0] if floats else torch.float32)
     _check_buffers(model, layers)  # the last check: the model changes from here on
