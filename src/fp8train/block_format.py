@@ -25,6 +25,7 @@ __all__ = [
     "stored_operand",
     "check_stored_weight",
     "scales_to_float32",
+    "check_scale_values",
     "scales_to_format",
     "quantize_block_weight",
     "dequantize_block_weight",
@@ -52,10 +53,29 @@ def scales_to_float32(scale_inv: torch.Tensor, name: str) -> torch.Tensor:
     if scale_inv.dtype == torch.float8_e8m0fnu:
         return scale_inv.float()
     if scale_inv.dtype == torch.uint8:
-        return torch.ldexp(torch.ones(scale_inv.shape), scale_inv.to(torch.int32) - 127)
+        return torch.ldexp(
+            torch.ones(scale_inv.shape, device=scale_inv.device), scale_inv.to(torch.int32) - 127
+        )
     raise BlockFormatError(
         f"{name} is {scale_inv.dtype}: block-FP8 scales are float32 or E8M0 (float8_e8m0fnu / uint8)"
     )
+
+
+def check_scale_values(scale_inv: torch.Tensor, name: str) -> None:
+    """Raise a BlockFormatError naming `name` and the first bad block unless every scale (float32)
+    is finite and positive: a NaN, infinite, zero or negative scale makes its whole block of the
+    weight (and every output it reaches) wrong, found otherwise only at the loss. A tensor on the
+    meta device has no values to check (its values are checked where they are loaded)."""
+    if scale_inv.is_meta:
+        return
+    bad = ~(torch.isfinite(scale_inv) & (scale_inv > 0))
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise BlockFormatError(
+            f"{name} has a scale of {float(scale_inv[first])} in block {first} ({int(bad.sum())} of "
+            f"{bad.numel()} blocks are not finite and positive): the checkpoint is corrupt; a "
+            "block's scale_inv is its amax / 448, a finite positive number"
+        )
 
 
 def scales_to_format(scale_inv: torch.Tensor, scale_fmt: str, name: str) -> torch.Tensor:

@@ -10,12 +10,19 @@ steps taken since the first switch was applied (`torch.optim`'s global step hook
 several optimizers, the most any live one has taken), so step 0 is the first. Telemetry records
 which layers ran in high precision in each logged step (layer_coverage.StepCoverage). Eager calls
 only: a compiled graph keeps the precision it was traced with.
+
+A pattern that matches no FP8 layer of the model is an error on both paths (a typo in a bisection
+would otherwise leave the whole model in FP8), checked before any rule is applied; the one exception
+is the variable read while a pipeline stage is prepared (`pipeline.prepare_stage`), whose module
+holds only some of the layers: a pattern may name another stage's, so there it is a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -78,6 +85,17 @@ class Switches:
         self._rules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> rules
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> steps taken
         self._hook = None
+        self._stages = 0  # > 0 while a pipeline stage is prepared (`converting_a_stage`)
+
+    @contextlib.contextmanager
+    def converting_a_stage(self):
+        """While a pipeline stage is prepared: an environment pattern matching none of its layers is
+        a warning (another stage may hold them), not an error."""
+        self._stages += 1
+        try:
+            yield
+        finally:
+            self._stages -= 1
 
     def apply(self, model: torch.nn.Module, rules: tuple[Rule, ...]) -> list[str]:
         """Hold the FP8 modules of `model` whose names match `rules` (replacing their earlier rules);
@@ -122,23 +140,45 @@ class Switches:
 SWITCHES = Switches()
 
 
+def _unmatched(model: torch.nn.Module, rules: tuple[Rule, ...]) -> list[str]:
+    """The patterns of `rules` that match the name of no FP8 layer of `model` (as `Switches.apply`
+    names them)."""
+    names = [fqn for fqn, module in model.named_modules() if "fp8_handle" in vars(module)]
+    return [r.pattern for r in rules if not any(fnmatch.fnmatchcase(n, r.pattern) for n in names)]
+
+
+def _no_match_message(where: str, unmatched: list[str], model: torch.nn.Module) -> str:
+    return (
+        f"{where}: pattern(s) {unmatched} match no FP8 layer of this {type(model).__name__}; "
+        "fp8train.coverage(model).table() lists the layers by name"
+    )
+
+
 def high_precision(model: torch.nn.Module, rules: str) -> list[str]:
     """Run the FP8 layers of `model` that `rules` name ("blocks.3.*:100-200,...") in high precision
-    for those steps; returns the names of the layers matched (a pattern matching none raises)."""
+    for those steps; returns the names of the layers matched (a pattern matching none raises, and
+    then no rule is applied)."""
     parsed = parse_rules(rules)
-    matched = SWITCHES.apply(model, parsed)
-    unmatched = [r.pattern for r in parsed if not any(fnmatch.fnmatchcase(n, r.pattern) for n in matched)]
+    unmatched = _unmatched(model, parsed)
     if unmatched:
-        raise ValueError(
-            f"high-precision rule pattern(s) {unmatched} match no FP8 layer of this "
-            f"{type(model).__name__}; fp8train.coverage(model).table() lists the layers by name"
-        )
-    return matched
+        raise ValueError(_no_match_message("high-precision rules", unmatched, model))
+    return SWITCHES.apply(model, parsed)
 
 
 def apply_environment(model: torch.nn.Module) -> list[str]:
-    """`high_precision(model, $FP8TRAIN_HIGH_PRECISION)` when the variable is set (convert_to_fp8)."""
+    """`high_precision(model, $FP8TRAIN_HIGH_PRECISION)` when the variable is set (convert_to_fp8,
+    prepare): a pattern matching no FP8 layer raises as there, except while a pipeline stage is
+    prepared (`Switches.converting_a_stage`), where it warns."""
     spec = os.environ.get(ENV_HIGH_PRECISION, "").strip()
     if not spec:
         return []
-    return SWITCHES.apply(model, parse_rules(spec, ENV_HIGH_PRECISION))
+    parsed = parse_rules(spec, ENV_HIGH_PRECISION)
+    unmatched = _unmatched(model, parsed)
+    if unmatched:
+        message = _no_match_message(ENV_HIGH_PRECISION, unmatched, model)
+        if not SWITCHES._stages:
+            raise ValueError(message)
+        warnings.warn(
+            f"{message} (this pipeline stage's: another stage may hold them)", UserWarning, stacklevel=2
+        )
+    return SWITCHES.apply(model, parsed)

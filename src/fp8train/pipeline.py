@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .amax import check_stage_group
+from .debug_switches import SWITCHES
 
 __all__ = ["check_stage", "prepare_stage"]
 
@@ -31,5 +32,6 @@ def prepare_stage(stage, recipe=None, amax_reduction_group=None, **kwargs):
     from .prepare import prepare
 
     check_stage(stage, amax_reduction_group)
-    prepare(stage.submod, recipe=recipe, amax_reduction_group=amax_reduction_group, **kwargs)
+    with SWITCHES.converting_a_stage():  # FP8TRAIN_HIGH_PRECISION may name another stage's layers
+        prepare(stage.submod, recipe=recipe, amax_reduction_group=amax_reduction_group, **kwargs)
     return stage

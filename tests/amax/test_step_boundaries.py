@@ -9,8 +9,10 @@ no microbatch in a step, and a mid-step checkpoint saved by rank 0 alone.
   nothing, so a rank without microbatches in a step pairs its collectives with the others' (before:
   gloo aborted the process); the FP8 state equals the naive reference fed with the amaxes the layers
   saw, MAX over microbatches and ranks.
-- A checkpoint saved mid-step holds the saving rank's amaxes of the step only: loading it is refused
-  on every rank, naming the fix (before: it resumed silently with rank 0's partial MAX as the group's).
+- A checkpoint saved mid-step holds the saving rank's amaxes of the step only: loading it on another
+  rank is refused, naming the fix (before: it resumed silently with rank 0's partial MAX as the
+  group's); each rank's own mid-step state resumes on that rank, in that group, bit for bit (before
+  the record of who saved it, that was refused too); into another group it is refused.
 """
 
 from __future__ import annotations
@@ -171,7 +173,8 @@ def test_a_rank_without_microbatches_in_a_step_pairs_its_collectives(empty: str)
 def _mid_step_save(rank: int, world: int) -> dict:
     """2 microbatches a step, gradients synchronised after each, rank 1's data larger. Rank 0 saves
     after microbatch 0 of step 2 (and, as a control, at the boundary after step 1's optimizer step);
-    both ranks load the file and finish the step."""
+    both ranks load the boundary file and finish the run; both load the mid-step file into a new
+    model: rank 1 is refused (rank 0's partial amaxes are not its own), rank 0 takes its own."""
 
     def batch(step: int, micro: int) -> torch.Tensor:
         return _batch(0, step, micro) * (4.0 if rank == 1 else 1.0)
@@ -213,24 +216,100 @@ def _mid_step_save(rank: int, world: int) -> dict:
     out = {"uninterrupted": uninterrupted, "warnings": {p: w for p, (_, w) in saved.items()}}
     out["boundary"] = run(load_at="after step 1", blobs=blobs[0])[0]
     try:
-        out["mid_step"] = run(load_at=(2, 0), blobs=blobs[0])[0]
+        fp8_mlp(0, WIDTHS).load_state_dict(torch.load(io.BytesIO(blobs[0][(2, 0)]), weights_only=True))
+        out["mid_step"] = "loaded"
     except ValueError as exc:
         out["mid_step"] = str(exc)
     return out
 
 
-def test_a_mid_step_checkpoint_saved_by_rank_0_is_refused_on_every_rank() -> None:
+def test_a_mid_step_checkpoint_saved_by_rank_0_is_refused_on_the_other_ranks() -> None:
     outs = run_ranks(_mid_step_save, 2, timeout_s=180, pg_timeout_s=30)
     for out in outs:
         assert out["boundary"] == out["uninterrupted"]  # saved at the boundary: resumes exactly
-        assert isinstance(out["mid_step"], str), out["mid_step"]  # never silently other scales
-        assert "saved in the middle of an optimizer step" in out["mid_step"]
-        assert "Resume from a checkpoint saved at a step boundary" in out["mid_step"]
+    refused = outs[1]["mid_step"]  # never silently other scales
+    assert "saved in the middle of an optimizer step" in refused and "loaded by global rank 1" in refused
+    assert "resume from a checkpoint saved at a step boundary" in refused
+    assert outs[0]["mid_step"] == "loaded"  # rank 0's own partial, on rank 0
     assert outs[0]["uninterrupted"] == outs[1]["uninterrupted"]
     assert (
         outs[0]["warnings"]["after step 1"] == []
         and "middle of an optimizer step" in outs[0]["warnings"][(2, 0)][0]
     )
+
+
+# ---- a mid-step checkpoint that every rank saves for itself -------------------------------------------
+def _every_rank_saves_mid_step(rank: int, world: int) -> dict:
+    """2 microbatches a step, gradients synchronised after each, rank 1's data larger. Every rank
+    saves its own state after microbatch 0 of step 2, then "restarts" (fp8train's state reset, a new
+    model loaded from its file) and finishes the run from microbatch 1 of step 2: its own mid-step
+    state resumes bit for bit. A rank loading the other's file, or its own into another amax group,
+    is refused (on every rank alike here, since every rank does the same)."""
+
+    def batch(step: int, micro: int) -> torch.Tensor:
+        return _batch(0, step, micro) * (4.0 if rank == 1 else 1.0)
+
+    def train(model, start, stop, save_at=None, group=None):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        fp8train.end_step_on(opt)
+        inputs, saved = [], None
+        for step, micro in [(s, m) for s in range(STEPS) for m in range(2)]:
+            if not start <= (step, micro) < stop:
+                continue
+            with fp8train.fp8_autocast(fp8_recipe=STEP, fp8_group=group):
+                y = model(batch(step, micro))
+            (y.square().mean() / 2).backward()
+            _sync_grads(model)
+            if (step, micro) == save_at:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the warning says where it resumes
+                    buffer = io.BytesIO()
+                    torch.save(model.state_dict(), buffer)
+                saved = buffer.getvalue()
+            if micro == 1:
+                opt.step()
+                opt.zero_grad()
+                inputs.append(model[0].fp8_meta["scaling_fwd"].amax_history[0, 0].item())
+        return inputs, saved, digest(fp8_state(model))
+
+    def restarted(blob: bytes, group=None) -> tuple:
+        fp8train.inspection.reset()
+        model = fp8_mlp(0, WIDTHS)
+        model.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        return train(model, (2, 1), (STEPS, 0), group=group)
+
+    fp8train.inspection.reset()
+    uninterrupted, _, final = train(fp8_mlp(0, WIDTHS), (0, 0), (STEPS, 0))
+    fp8train.inspection.reset()
+    before, blob, _ = train(fp8_mlp(0, WIDTHS), (0, 0), (2, 1), save_at=(2, 0))
+    blobs: list = [None] * world
+    dist.all_gather_object(blobs, blob)
+    out = {"uninterrupted": uninterrupted, "final": final}
+    after, _, out["resumed_final"] = restarted(blobs[rank])
+    out["resumed"] = before + after
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank makes both
+    for name, other, group in (("other rank's", blobs[1 - rank], None), ("other group", blobs[rank], alone)):
+        try:
+            restarted(other, group)
+            out[name] = "resumed"
+        except ValueError as error:
+            out[name] = str(error)
+        dist.barrier()
+    return out
+
+
+def test_a_mid_step_checkpoint_every_rank_saves_for_itself_resumes_on_that_rank() -> None:
+    outs = run_ranks(_every_rank_saves_mid_step, 2, timeout_s=180, pg_timeout_s=30)
+    for rank, out in enumerate(outs):
+        assert out["resumed"] == out["uninterrupted"], out  # the reduced input amax of every step
+        assert out["resumed_final"] == out["final"]  # and the whole FP8 state, bit for bit
+        assert "saved in the middle of an optimizer step" in out["other rank's"], out
+        assert (
+            f"global rank {1 - rank}" in out["other rank's"]
+            and f"loaded by global rank {rank}" in (out["other rank's"])
+        )
+        assert f"loaded into the amax group of ranks [{rank}]" in out["other group"], out
+    assert outs[0]["uninterrupted"] == outs[1]["uninterrupted"]
 
 
 # ---- which modules FSDP2 manages (their boundary is the user's: check_step_open skips them) ----------------

@@ -6,9 +6,12 @@ Lightning's automatic optimization runs the step's last microbatch inside the cl
 accumulation the run raised at its second optimizer step, without it every step was reduced one step
 late. Checked here with no fp8train code in the LightningModule (accumulate_grad_batches=1), with the
 LightningModule's own `fp8train.end_step_on(optimizer)` (accumulate_grad_batches=2, which must not
-add a second boundary), and in manual optimization (2 microbatches per `optimizer.step()`): 2 amax
-collectives per optimizer step, one history row per step, and each row's input amax the MAX over
-the step's microbatches and both ranks of what the first layer saw.
+add a second boundary), with a callback that still calls `fp8train.end_step()` in
+`on_before_optimizer_step` (the way the guide taught before the plugin marked the boundary: it must
+not add a second one either, and is named once as no longer needed), and in manual optimization
+(2 microbatches per `optimizer.step()`): 2 amax collectives per optimizer step, one history row per
+step, and each row's input amax the MAX over the step's microbatches and both ranks of what the
+first layer saw.
 """
 
 from __future__ import annotations
@@ -32,14 +35,19 @@ pytestmark = [
 
 WORLD, STEPS, BATCH, HISTORY = 2, 3, 4, 8
 RECIPE = fp8train.DelayedScaling(amax_history_len=HISTORY, amax_reduction="step")
-SCENARIOS = {  # name -> (accumulate_grad_batches, end_step_on in configure_optimizers, manual optimization)
-    "accumulate=1, no fp8train code": (1, False, False),
-    "accumulate=2, end_step_on": (2, True, False),
-    "manual optimization, accumulate=2": (2, False, True),
+SCENARIOS = {  # name -> (accumulate_grad_batches, end_step_on in configure_optimizers, manual optimization,
+    #                   a callback calling fp8train.end_step() in on_before_optimizer_step)
+    "accumulate=1, no fp8train code": (1, False, False, False),
+    "accumulate=2, end_step_on": (2, True, False, False),
+    "manual optimization, accumulate=2": (2, False, True, False),
+    "accumulate=1, a callback's end_step": (1, False, False, True),
+    "accumulate=2, a callback's end_step": (2, False, False, True),
 }
 
 
-def _run(accum: int, user_hook: bool, manual: bool = False) -> dict:
+def _run(accum: int, user_hook: bool, manual: bool = False, user_end_step: bool = False) -> dict:
+    import warnings
+
     import lightning.pytorch as pl
 
     from fp8train.integrations.lightning import FP8Precision
@@ -72,9 +80,13 @@ def _run(accum: int, user_hook: bool, manual: bool = False) -> dict:
 
     wire, per_step = AmaxWire(), []
 
-    class Count(pl.Callback):
+    class Count(pl.Callback):  # amax collectives counted after each optimizer step
+        def on_train_start(self, trainer, pl_module):
+            trainer.optimizers[0].register_step_post_hook(lambda *_: per_step.append(wire.amax_calls))
+
+    class EndStep(pl.Callback):  # what the guide taught before the plugin marked the boundary
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            per_step.append(wire.amax_calls)
+            fp8train.end_step()
 
     g = torch.Generator().manual_seed(1)
     data = (
@@ -87,11 +99,13 @@ def _run(accum: int, user_hook: bool, manual: bool = False) -> dict:
         accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[FP8Precision(RECIPE)],
         accumulate_grad_batches=1 if manual else accum, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Count()],
+        callbacks=[Count()] + ([EndStep()] if user_end_step else []),
     )  # fmt: skip
-    with wire:
+    with wire, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(model, loader)
         fp8train.synchronize()
+    named = [w for w in caught if "no longer needed" in str(w.message)]
     expected = torch.zeros(STEPS)
     for step, value in seen:
         expected[step] = max(expected[step], value)
@@ -102,6 +116,7 @@ def _run(accum: int, user_hook: bool, manual: bool = False) -> dict:
         "steps": fp8train.inspection.amax_group(RECIPE).training_regions,
         "history": history.tolist(),
         "expected": expected.flip(0).tolist() + [0.0] * (HISTORY - STEPS),  # newest row first
+        "named": len(named),
     }
 
 
@@ -122,4 +137,5 @@ def test_fp8_precision_marks_the_step_boundary_in_per_step_mode() -> None:
         for out in outs:
             assert out["per_step"] == [2] * STEPS and out["steps"] == STEPS, (name, out)
             assert out["history"] == out["expected"], (name, out)
+            assert out["named"] == (1 if SCENARIOS[name][3] else 0), (name, out)
         assert outs[0]["history"] == outs[1]["history"]

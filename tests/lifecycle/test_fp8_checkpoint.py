@@ -319,8 +319,44 @@ KEY = "model.layers.1.mlp.up_proj.weight"
         ),
         (lambda t, c: t.update({KEY: t[KEY][None]}), "fused or grouped expert tensors are not supported"),
         (lambda t, c: t.pop("model.norm.weight"), "has no tensor for model.norm.weight"),
+        (
+            lambda t, c: t.update({"model.norm.weight": t["model.norm.weight"][:-1].clone()}),
+            "model.norm.weight has shape (191,), the model's is (192,)",
+        ),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((1, 0), float("nan")),
+            f"{KEY}_scale_inv has a scale of nan in block (1, 0)",
+        ),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((0, 1), float("inf")),
+            f"{KEY}_scale_inv has a scale of inf in block (0, 1)",
+        ),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((1, 1), 0.0),
+            f"{KEY}_scale_inv has a scale of 0.0 in block (1, 1)",
+        ),
+        (
+            lambda t, c: t[KEY + "_scale_inv"].__setitem__((0, 0), -0.5),
+            f"{KEY}_scale_inv has a scale of -0.5 in block (0, 0)",
+        ),
+        (
+            lambda t, c: t.update({KEY: t[KEY].float().to(torch.float8_e5m2)}),
+            f"{KEY} is torch.float8_e5m2, a block-FP8 weight is torch.float8_e4m3fn",
+        ),
     ],
-    ids=["scale-shape", "missing-scale", "block-size", "3d-experts", "missing-tensor"],
+    ids=[
+        "scale-shape",
+        "missing-scale",
+        "block-size",
+        "3d-experts",
+        "missing-tensor",
+        "tensor-shape",
+        "nan-scale",
+        "inf-scale",
+        "zero-scale",
+        "negative-scale",
+        "e5m2-weight",
+    ],  # fmt: skip
 )
 def test_bad_checkpoint_is_a_clear_error_and_nothing_is_loaded(checkpoint, tmp_path, edit, message) -> None:
     from transformers import AutoConfig, LlamaForCausalLM
@@ -341,6 +377,83 @@ def test_bad_checkpoint_is_a_clear_error_and_nothing_is_loaded(checkpoint, tmp_p
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not any(isinstance(m, fp8train.StoredFP8Linear) for m in model.modules())
+
+
+def test_stored_layer_takes_e8m0_scales_and_refuses_bad_ones_at_construction() -> None:
+    """The scale dtypes the loader takes (float32, float8_e8m0fnu, uint8 exponent bytes) are taken
+    by the layer itself, converted at construction (the same forward as float32 scales); a scale of
+    another dtype, or a non-finite or non-positive one, is refused there, not at the first forward."""
+    torch.manual_seed(0)
+    q, s = deepseek_quantize(torch.randn(200, 300) * 0.05, ue8m0=True)
+    x = torch.randn(6, 300)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+        expected = fp8train.StoredFP8Linear(q, s)(x)
+    for stored in (s.to(torch.float8_e8m0fnu), s.to(torch.float8_e8m0fnu).view(torch.uint8)):
+        layer = fp8train.StoredFP8Linear(q, stored)
+        assert layer.weight_scale_inv.dtype == torch.float32 and torch.equal(layer.weight_scale_inv, s)
+        with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+            assert torch.equal(layer(x), expected)
+        with torch.no_grad():
+            assert torch.equal(layer(x), x @ dequantize_ref(q, s).t())
+    from fp8train.block_format import BlockFormatError
+
+    with pytest.raises(BlockFormatError, match="weight_scale_inv is torch.bfloat16"):
+        fp8train.StoredFP8Linear(q, s.bfloat16())
+    bad = s.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(BlockFormatError, match=r"up.weight_scale_inv has a scale of nan in block \(1, 2\)"):
+        fp8train.StoredFP8Linear(q, bad, name="up.weight")
+
+
+def _hand_built_checkpoint(directory: str, ue8m0: bool) -> tuple[torch.nn.Module, dict]:
+    """TinyMoE's expert linears quantized into `directory` with a config.json that holds only the
+    quantization_config (a hand-built module has no transformers config). Returns the float32
+    reference (dequantized weights) and the stored tensors."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = TinyMoE()
+    tensors = {}
+    for name, module in reference.named_modules():
+        if name.startswith("experts.") and isinstance(module, torch.nn.Linear):
+            q, s = deepseek_quantize(module.weight.detach(), ue8m0)
+            tensors[f"{name}.weight"] = q
+            tensors[f"{name}.weight_scale_inv"] = s.to(torch.float8_e8m0fnu) if ue8m0 else s
+            module.weight.data = dequantize_ref(q, s)
+    tensors.update({k: v for k, v in reference.state_dict().items() if k not in tensors})
+    os.makedirs(directory, exist_ok=True)
+    quantization = dict(QUANT, **({"scale_fmt": "ue8m0"} if ue8m0 else {}))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"quantization_config": quantization}, f)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    return reference, tensors
+
+
+def test_hand_built_model_without_a_config_loads_and_exports(tmp_path) -> None:
+    """model= may be a module without a transformers `.config`: it is filled (nothing is written into
+    a config it does not have), remembers the checkpoint's quantization_config, and exports to a
+    directory the same call loads again, bit for bit."""
+    from fp8train.integrations.fp8_checkpoint import (
+        export_fp8_checkpoint,
+        load_fp8_checkpoint,
+        quantization_config_of,
+    )
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    reference, stored = _hand_built_checkpoint(src, ue8m0=True)
+    model = load_fp8_checkpoint(src, model=TinyMoE())
+    assert not hasattr(model, "config")
+    assert all(isinstance(e[k], fp8train.StoredFP8Linear) for e in model.experts for k in ("up", "down"))
+    assert quantization_config_of(model)["scale_fmt"] == "ue8m0"
+    x = torch.randn(32, 128)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x), atol=1e-5, rtol=1e-5)
+    export_fp8_checkpoint(model, out)
+    exported = read(out)
+    assert stored.keys() == exported.keys() and all(same_bytes(stored[k], exported[k]) for k in stored)
+    again = load_fp8_checkpoint(out, model=TinyMoE())
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
 
 
 # ---- adapters, export -----------------------------------------------------------------------------
@@ -527,3 +640,38 @@ def test_ddp_lora_on_two_ranks(checkpoint) -> None:
     assert r0["adapters"].keys() == r1["adapters"].keys() and r0["adapters"]
     assert all(torch.equal(r0["adapters"][k], r1["adapters"][k]) for k in r0["adapters"])
     assert r0["losses"] != r1["losses"]  # different data per rank, the same adapters
+
+
+def test_a_model_of_stored_fp8_layers_pickles(tmp_path) -> None:
+    """pickle cannot rebuild a float8 tensor (torch's own limitation: pickle.loads of any float8
+    tensor fails); a StoredFP8Linear carries its stored weight as bytes through pickle, deepcopy and
+    torch.save, and the copy holds the same bytes as the same frozen float8 parameter."""
+    import copy
+    import io
+    import pickle
+
+    from fp8train.integrations.fp8_checkpoint import load_fp8_checkpoint
+
+    src = str(tmp_path / "src")
+    _hand_built_checkpoint(src, ue8m0=False)
+    model = load_fp8_checkpoint(src, model=TinyMoE())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [
+        pickle.loads(pickle.dumps(model)),
+        copy.deepcopy(model),
+        torch.load(buffer, weights_only=False),
+    ]
+    x = torch.randn(32, 128)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+        expected = model(x)
+    for other in copies:
+        for name, layer in model.named_modules():
+            if isinstance(layer, fp8train.StoredFP8Linear):
+                copied = other.get_submodule(name)
+                assert isinstance(copied.weight, torch.nn.Parameter) and not copied.weight.requires_grad
+                assert same_bytes(copied.weight, layer.weight)
+                assert torch.equal(copied.weight_scale_inv, layer.weight_scale_inv)
+        with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
+            assert torch.equal(other(x), expected)

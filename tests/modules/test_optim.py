@@ -203,8 +203,39 @@ def test_bad_input_is_refused_by_name() -> None:
     w.grad = torch.ones(300)
     opt.step()
     other = AdamW([torch.nn.Parameter(torch.zeros(300))], second_moment="sqrt")
-    with pytest.raises(ValueError, match="expects"):
+    with pytest.raises(ValueError, match="saved with second_moment=.expanded."):
         other.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        (dict(second_moment="sqrt"), dict(second_moment="linear")),
+        (dict(second_moment="linear"), dict(second_moment="sqrt")),
+        (dict(second_moment="expanded"), dict(second_moment="sqrt")),
+        (dict(master="bf16"), dict(master="fp32")),
+    ],
+)
+def test_a_state_saved_with_other_options_is_refused_naming_the_option(saved: dict, loaded: dict) -> None:
+    """sqrt(v) and v are stored with the same keys, dtypes and shapes: only the recorded options tell
+    them apart (read as the other, the next step would move the parameters several times less)."""
+    dtype = torch.bfloat16 if saved.get("master") == "bf16" else torch.float32
+    w = torch.nn.Parameter(torch.zeros(300, dtype=dtype))
+    opt = AdamW([w], **saved)
+    w.grad = torch.ones(300, dtype=dtype)
+    opt.step()
+    other = AdamW([torch.nn.Parameter(torch.zeros(300, dtype=dtype))], **loaded)
+    (option,) = saved
+    with pytest.raises(
+        ValueError, match=f"saved with {option}={saved[option]!r}.*{option}={loaded[option]!r}"
+    ):
+        other.load_state_dict(opt.state_dict())
+    same = AdamW([torch.nn.Parameter(torch.zeros(300, dtype=dtype))], **saved)
+    same.load_state_dict(opt.state_dict())  # the options it was saved with: loads
+    assert torch.equal(
+        same.state[same.param_groups[0]["params"][0]]["exp_avg_sq"].view(torch.uint8),
+        opt.state[w]["exp_avg_sq"].view(torch.uint8),
+    )
 
 
 # ---- DDP and FSDP2 --------------------------------------------------------------------------------------

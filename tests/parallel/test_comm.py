@@ -750,3 +750,63 @@ def test_a_rank_that_stops_is_an_error_on_the_others_never_a_hang() -> None:
     (ok, message), (ok1, _) = run_ranks_outcomes(_dies_mid_step, 2, timeout_s=120, pg_timeout_s=10)
     assert ok and not ok1
     assert message.startswith("RuntimeError") and "peer" in message, message  # gloo's cause, via DDP
+
+
+# ---- a rank that stalls past the timeout ---------------------------------------------------------------
+STALL_TIMEOUT = datetime.timedelta(seconds=3)
+
+
+def _stalls_past_the_timeout(rank: int, world: int, directory: str, where: str) -> str:
+    """Rank 1 stops, alive, outside any collective (it polls for a file rank 0 writes once its step
+    returned or raised, for up to 600 s, then exits without joining): rank 0's verdict is what it
+    raised while rank 1 slept. "backward": after two steps (DDP's bucket rebuild done), rank 1 stalls
+    before its backward: the hook's own timeout ends rank 0's backward. "forward": rank 1 stalls
+    before the second forward, where DDP rebuilds its buckets on DDP's process group: bounded by that
+    group's timeout, here one created with it (what the guide says to do)."""
+    import os
+    import time
+
+    ddp_group = dist.new_group(timeout=STALL_TIMEOUT) if where == "forward" else None
+    model = DDP(_net(), process_group=ddp_group)
+    state = FP8CommState(chunk_size=CHUNK, timeout=STALL_TIMEOUT)
+    try:  # the timeout of a group passed in is that group's: one given here too is refused
+        FP8CommState(process_group=state.group, timeout=STALL_TIMEOUT)
+        refused = "not refused"
+    except ValueError as error:
+        refused = str(error)
+    model.register_comm_hook(state, fp8_allreduce_hook)
+    for step in range(2 if where == "backward" else 1):
+        model(_batch(rank, step)).square().mean().backward()
+    release = os.path.join(directory, "release")
+    if rank == 1:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
+    try:
+        model(_batch(rank, 2)).square().mean().backward()
+        verdict = "step returned"
+    except Exception as error:  # noqa: BLE001 (the verdict is the message)
+        verdict = f"{type(error).__name__}: {error}"
+    finally:
+        open(release, "w").close()
+    return f"{refused}\n{verdict}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("where", ["backward", "forward"])
+def test_a_peer_that_stalls_past_the_timeout_is_an_error_within_it(tmp_path, where) -> None:
+    """The world group's timeout is 300 s and the stalled rank sleeps up to 600 s: only the bounds
+    under test (3 s) can end rank 0's step before the harness gives up (150 s, a TimeoutError)."""
+    from multirank import run_ranks_outcomes
+
+    (ok, message), (ok1, _) = run_ranks_outcomes(
+        _stalls_past_the_timeout, 2, str(tmp_path), where, timeout_s=150, pg_timeout_s=300
+    )
+    assert ok and not ok1, message
+    refused, verdict = message.split("\n", 1)
+    assert "a group passed in keeps its own" in refused, refused
+    assert "Timed out" in verdict, verdict  # gloo's cause: the 3 s bound, not the peer leaving
+    if where == "backward":
+        assert "fp8_allreduce_hook: the all_to_all of bucket" in verdict, verdict
+        assert "timeout 0:00:03" in verdict, verdict

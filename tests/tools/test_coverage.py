@@ -179,6 +179,40 @@ def test_high_precision_rules_from_a_config_must_match_a_layer() -> None:
         fp8train.debug_switches.high_precision(model, "blocks.*")
 
 
+@pytest.mark.parametrize("how", ["prepare", "convert_to_fp8", "apply_environment"])
+def test_high_precision_rules_from_the_environment_must_match_a_layer(monkeypatch, how) -> None:
+    """The same rule as from a config: a pattern of FP8TRAIN_HIGH_PRECISION that matches no FP8 layer
+    (a typo in a bisection) raises, naming the pattern and the variable; the rules that match are
+    applied as before."""
+    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1,blokcs.3.*:10-20")
+    with pytest.raises(ValueError, match=r"FP8TRAIN_HIGH_PRECISION.*\['blokcs.3.\*'\] match no FP8 layer"):
+        if how == "prepare":
+            fp8train.prepare(_switch_model())
+        elif how == "convert_to_fp8":
+            fp8train.convert_to_fp8(_switch_model(), log=False)
+        else:
+            model = torch.nn.Sequential(*(fp8train.Linear(32, 32) for _ in range(3)))
+            fp8train.debug_switches.apply_environment(model)
+    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1")
+    model = fp8train.convert_to_fp8(_switch_model(), log=False)
+    assert [x.reason for x in fp8train.coverage(model).layers] == ["fp8", "switched", "fp8"]
+
+
+def test_a_pipeline_stage_warns_for_an_environment_rule_its_layers_do_not_match(monkeypatch) -> None:
+    """A pipeline stage converts only its own layers (prepare_stage), so an environment pattern may
+    name layers of another stage: there it is a warning naming the pattern, not an error."""
+    from types import SimpleNamespace
+
+    import fp8train.pipeline
+
+    monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1,blocks.7.*")
+    monkeypatch.setattr(fp8train.pipeline, "check_stage", lambda stage, group=None: None)
+    stage = SimpleNamespace(submod=_switch_model(), stage_index=0)
+    with pytest.warns(UserWarning, match=r"FP8TRAIN_HIGH_PRECISION.*\['blocks.7.\*'\].*pipeline stage"):
+        fp8train.pipeline.prepare_stage(stage)
+    assert [x.reason for x in fp8train.coverage(stage.submod).layers] == ["fp8", "switched", "fp8"]
+
+
 def test_a_rule_names_the_fp8_layer_not_a_wrapper_that_forwards_its_attributes() -> None:
     """checkpoint_wrapper forwards unknown attributes to the layer it wraps: the rule must name the
     inner FP8 layer (which the switch then really holds), never match the wrapper."""

@@ -20,21 +20,41 @@ __all__ = ["ScalingMeta", "decode_extra_state"]
 
 # A per-step group's amaxes of the open step are rank-local until the boundary reduces them, and
 # reducing them for a save would be a collective, which rank 0 saving alone cannot issue: such a
-# checkpoint is flagged when saved and refused when loaded, on every rank alike (the decision is the
-# file's, not the rank's), instead of resuming with the saving rank's amaxes as the group's.
+# checkpoint records the rank that saved it and its group's ranks, and resumes on that rank of that
+# group only (each rank saving and loading its own file); loaded by another rank or into another
+# group it is refused, instead of resuming with the saving rank's amaxes as the group's.
 PARTIAL_STEP_SAVED = (
     "fp8train: this FP8 state is saved in the middle of an optimizer step of a multi-rank "
-    "DelayedScaling(amax_reduction='step') group; it holds this rank's amaxes of the step only, and "
-    "loading it will be refused. Save at a step boundary (after fp8train.end_step() or the optimizer "
-    "step) to get a checkpoint that resumes"
+    "DelayedScaling(amax_reduction='step') group; it holds this rank's amaxes of the step only: it "
+    "resumes on this rank of this group (each rank loading the file it saved), and is refused "
+    "elsewhere. Save at a step boundary (after fp8train.end_step() or the optimizer step) to get a "
+    "checkpoint that any rank can load"
 )
 PARTIAL_STEP_REFUSED = (
     "checkpoint saved in the middle of an optimizer step under DelayedScaling(amax_reduction='step') "
-    "by one rank of a {ranks}-rank amax group: it holds that rank's amaxes of the step so far, not the "
-    "group's (they are reduced only at the step boundary), so resuming from it would silently give the "
-    "step other scales than the uninterrupted run. Resume from a checkpoint saved at a step boundary "
-    "(after fp8train.end_step() or the optimizer step: rank 0 alone may save then)"
+    "by {saver} of a {ranks}-rank amax group{where_loaded}: it holds that rank's amaxes of the step so "
+    "far, not the group's (they are reduced only at the step boundary), so resuming from it elsewhere "
+    "would silently give the step other scales than the uninterrupted run. Each rank may resume from "
+    "the mid-step state it saved itself, in the same group; otherwise resume from a checkpoint saved "
+    "at a step boundary (after fp8train.end_step() or the optimizer step: rank 0 alone may save then)"
 )
+
+
+def _global_rank() -> Optional[int]:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def _group_ranks(direction: Optional[Direction]) -> Optional[list[int]]:
+    """The global ranks of `direction`'s amax group; None for a group of one rank (no channel)."""
+    channel = None if direction is None else direction.channel
+    return None if channel is None else list(dist.get_process_group_ranks(channel.process_group))
+
+
+def _refused(ranks, saved_by, group, where_loaded: str) -> ValueError:
+    saver = "one rank" if saved_by is None else f"global rank {saved_by}"
+    if group is not None:
+        saver += f" (group ranks {group})"
+    return ValueError(PARTIAL_STEP_REFUSED.format(saver=saver, ranks=ranks, where_loaded=where_loaded))
 
 
 class ScalingMeta:
@@ -51,6 +71,7 @@ class ScalingMeta:
         self.offset = 0
         self.own_history: Optional[torch.Tensor] = None  # set by load_state_dict before joining
         self.own_step_amax: Optional[torch.Tensor] = None  # likewise: a per-step checkpoint saved mid-step
+        self.own_step_group: Optional[list[int]] = None  # the global ranks of the group that saved it
         # host tensors, whatever device is in effect (a module built under torch.device("meta") too):
         # they are copied to the module's device when it joins its amax group
         self.own_scale = torch.ones(num_roles, device="cpu")
@@ -119,6 +140,13 @@ class ScalingMeta:
         return self.own_scale_inv if self.direction is None else self._settled("scale_inv")
 
     def join(self, direction: Direction, signature: str, device: torch.device) -> None:
+        saved_group = self.own_step_group
+        if self.own_step_amax is not None and direction.recipe.per_step and saved_group is not None:
+            group = _group_ranks(direction)
+            if group != saved_group:  # refused before the module joins
+                loaded = f", loaded into the amax group of ranks {group or [_global_rank()]}"
+                error = _refused(len(saved_group), _global_rank(), saved_group, loaded)
+                raise ValueError(f"{signature}: {error}")
         history = self.own_history
         if history is None:
             history = torch.zeros(direction.recipe.amax_history_len, self.num_roles)
@@ -127,6 +155,7 @@ class ScalingMeta:
         )
         self.direction = direction
         self.own_history = None
+        self.own_step_group = None
         if self.own_step_amax is not None and direction.recipe.per_step:
             direction.restore_accumulated(self.offset, self.own_step_amax.to(device))
         self.own_step_amax = None
@@ -146,6 +175,8 @@ class ScalingMeta:
             channel = self.direction.channel if self.direction is not None else None
             if channel is not None:  # this rank's amaxes only: the others' are reduced at the boundary
                 state["step_amax_ranks"] = dist.get_world_size(channel.process_group)
+                state["step_amax_saved_by"] = dist.get_rank()  # global ranks: what a restart keeps
+                state["step_amax_group"] = _group_ranks(self.direction)
                 if bool(step_amax.any()):
                     warnings.warn(PARTIAL_STEP_SAVED, stacklevel=4)
         return state
@@ -157,6 +188,19 @@ class ScalingMeta:
             return None
         self.direction.accumulate()
         return self._columns(self.direction.storage.accumulated).clone()
+
+    def _own_partial(self, state: dict, ranks, where: str) -> list[int]:
+        """The group (global ranks) of a mid-step partial of a multi-rank group, if this rank saved
+        it (and, for a module in its group already, into this group); else the refusal."""
+        saved_by, group = state.get("step_amax_saved_by"), state.get("step_amax_group")
+        rank = _global_rank()
+        if not isinstance(saved_by, int) or not isinstance(group, list) or rank != saved_by:
+            loaded = "" if not isinstance(saved_by, int) else f", loaded by global rank {rank}"
+            raise ValueError(f"{where}: {_refused(ranks, saved_by, group, loaded)}")
+        if self.direction is not None and _group_ranks(self.direction) != group:
+            loaded = f", loaded into the amax group of ranks {_group_ranks(self.direction) or [rank]}"
+            raise ValueError(f"{where}: {_refused(ranks, saved_by, group, loaded)}")
+        return group
 
     def load(self, state: dict, where: str) -> None:
         history, scale, scale_inv = _checked_state(state, where)
@@ -175,8 +219,9 @@ class ScalingMeta:
                 f"{where}: checkpoint step_amax is not {n} amaxes >= 0; the checkpoint file is corrupted"
             )
         ranks = state.get("step_amax_ranks", 1)
+        saved_group = None
         if step_amax is not None and (not isinstance(ranks, int) or ranks > 1) and bool(step_amax.any()):
-            raise ValueError(f"{where}: {PARTIAL_STEP_REFUSED.format(ranks=ranks)}")
+            saved_group = self._own_partial(state, ranks, where)
         if history.shape[0] == 0:  # saved before the module ever trained: no history yet
             history = None if self.direction is None else torch.zeros_like(self._settled("history"))
         if self.direction is None:
@@ -184,6 +229,7 @@ class ScalingMeta:
             self.own_scale = scale.clone().float()
             self.own_scale_inv = scale_inv.clone().float()
             self.own_step_amax = None if step_amax is None else step_amax.clone().float()
+            self.own_step_group = saved_group  # checked when the module joins its group
             self._own_on_device.clear()
             return
         if history.shape[0] != self.direction.recipe.amax_history_len:

@@ -20,7 +20,7 @@ step's last forward and backward. A missing boundary is detected: a module whose
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -43,9 +43,12 @@ def end_step() -> None:
         group.bwd.launch_step(async_op, index)
 
 
-def ending_step(closure: Callable[..., Any]) -> Callable[..., Any]:
-    """`closure` followed by the step boundary (`end_step()`), unless the closure marked one itself:
-    for an optimizer step whose closure runs the step's last forward and backward."""
+def ending_step(
+    closure: Callable[..., Any], marked_itself: Optional[Callable[[], None]] = None
+) -> Callable[..., Any]:
+    """`closure` followed by the step boundary (`end_step()`), unless the closure marked one itself
+    (then `marked_itself()` is called, if given): for an optimizer step whose closure runs the step's
+    last forward and backward."""
 
     @functools.wraps(closure)
     def closure_then_boundary(*args: Any, **kwargs: Any) -> Any:
@@ -53,6 +56,8 @@ def ending_step(closure: Callable[..., Any]) -> Callable[..., Any]:
         result = closure(*args, **kwargs)
         if STATE.step.taken == boundaries:
             end_step()
+        elif marked_itself is not None:
+            marked_itself()
         return result
 
     return closure_then_boundary

@@ -97,7 +97,12 @@ class FP8CommState:
     error_feedback: add what rounding left out of this rank's contribution (and, on the owner, of its
       mean shard) to the next step's values of the same bucket.
     timeout: of the group created when process_group is None (None: torch's default for new groups,
-      not the one init_process_group was given)."""
+      not the one init_process_group was given); with a group passed in, that group's own timeout
+      holds and giving one here is refused. It bounds each of the hook's collectives: a peer that
+      stalls past it (or stops) makes the step's backward raise on the others, naming the hook.
+      DDP's own collectives (its bucket rebuild in the second iteration's forward, buffer
+      broadcasts) run on DDP's process_group and fp8train's amax reductions on their amax group,
+      each bounded by its own group's timeout (docs/guide.md, "FP8 gradient communication")."""
 
     def __init__(
         self,
@@ -119,9 +124,15 @@ class FP8CommState:
         self.return_format = return_format
         self.rounding = wire.RoundingGenerators(stochastic_rounding, seed)
         self.error_feedback = bool(error_feedback)
+        if process_group is not None and timeout is not None:
+            raise ValueError(
+                "FP8CommState: timeout is the timeout of the group created when process_group is None; "
+                "a group passed in keeps its own (create it with dist.new_group(ranks, timeout=...))"
+            )
         if process_group is None and dist.get_world_size() > 1:
             process_group = dist.new_group(timeout=timeout)  # a dedicated copy of the world group
         self.group = process_group
+        self.timeout = timeout
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self._launcher = OrderedLauncher()
@@ -220,6 +231,7 @@ class _Reduction:
         self.layout = layout
         self.result = result
         self.world_size = state.world_size
+        self.timeout = state.timeout
         self.shard = -(-tensor.numel() // state.world_size)
         self.decode_return = functools.partial(
             _decode_return, state.return_format, state.chunk_size, state.encoding, self.shard
@@ -228,11 +240,18 @@ class _Reduction:
     def start(self) -> None:
         self.launcher.submit(self.seq, self._launch_scatter)
 
-    def _fail(self, error: BaseException, release_gather: bool) -> None:
+    def _fail(self, error: BaseException, release_gather: bool, stage: str) -> None:
         if release_gather:  # later collectives must not wait for this return trip
             self.launcher.submit(self.seq + 1, lambda: None)
         if not self.result.done():
-            self.result.set_exception(error)
+            named = RuntimeError(
+                f"fp8_allreduce_hook: the {stage} of bucket {self.key} failed on FP8CommState's process "
+                f"group (timeout {self.timeout if self.timeout is not None else 'torch default'}): "
+                f"{error}. A rank that stalls past the group's timeout, or stops, ends the step's "
+                "backward with this error on the others"
+            )
+            named.__cause__ = error
+            self.result.set_exception(named)
 
     def _live_state(self) -> FP8CommState:
         state = self.state()
@@ -247,17 +266,21 @@ class _Reduction:
             del group
             work.get_future().then(self._reduce)
         except BaseException as error:  # noqa: BLE001 (reported through the future)
-            self._fail(error, release_gather=True)
+            self._fail(error, release_gather=True, stage="all_to_all (launch)")
 
     def _reduce(self, scattered: torch.futures.Future) -> None:
         try:
             scattered.wait()
+        except BaseException as error:  # noqa: BLE001
+            self._fail(error, release_gather=True, stage="all_to_all")
+            return
+        try:
             self.mean = self._live_state()._reduce_shard(
                 self.received, self.shard, self.key, self.layout, self.tensor.device
             )
             self.gathered = self.mean.new_empty(self.world_size * self.mean.numel())
         except BaseException as error:  # noqa: BLE001
-            self._fail(error, release_gather=True)
+            self._fail(error, release_gather=True, stage="reduction of its shard")
             return
         self.launcher.submit(self.seq + 1, self._launch_gather)
 
@@ -270,17 +293,21 @@ class _Reduction:
             del group
             work.get_future().then(self._finish)
         except BaseException as error:  # noqa: BLE001
-            self._fail(error, release_gather=False)
+            self._fail(error, release_gather=False, stage="all_gather (launch)")
 
     def _finish(self, gathered: torch.futures.Future) -> None:
         try:
             gathered.wait()
+        except BaseException as error:  # noqa: BLE001
+            self._fail(error, release_gather=False, stage="all_gather")
+            return
+        try:
             rows = self.decode_return(self.gathered.view(self.world_size, -1))
             with torch.no_grad():
                 self.tensor.copy_(rows.reshape(-1)[: self.tensor.numel()].view_as(self.tensor))
             self.result.set_result(self.tensor)
         except BaseException as error:  # noqa: BLE001
-            self._fail(error, release_gather=False)
+            self._fail(error, release_gather=False, stage="decoding of the gathered mean")
 
 
 def _decode_return(

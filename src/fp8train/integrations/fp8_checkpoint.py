@@ -20,6 +20,7 @@ from ..block_format import (
     BLOCK,
     DEFAULT_RECIPE,
     BlockFormatError,
+    check_scale_values,
     check_stored_weight,
     quantize_block_weight,
     scales_to_float32,
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
+# where a model without a transformers `.config` (a hand-built module) keeps its quantization_config
+QUANTIZATION_ATTRIBUTE = "fp8_quantization_config"
 DEFAULT_CONFIG = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -84,8 +87,20 @@ def check_quantization_config(config: Optional[dict], where: str) -> dict:
 
 def quantization_config_of(model: torch.nn.Module) -> dict:
     """The quantization_config a model loaded here came with (the format's default otherwise)."""
-    config = getattr(getattr(_base(model), "config", None), "quantization_config", None)
+    base = _base(model)
+    config = getattr(getattr(base, "config", None), "quantization_config", None)
+    config = config if config is not None else getattr(base, QUANTIZATION_ATTRIBUTE, None)
     return dict(config if isinstance(config, dict) else DEFAULT_CONFIG)
+
+
+def _record_quantization(model: torch.nn.Module, quantization: dict) -> None:
+    """What an export writes back: in the model's transformers config, or, for a module without
+    one, in its attribute `QUANTIZATION_ATTRIBUTE`."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.quantization_config = quantization
+    else:
+        setattr(model, QUANTIZATION_ATTRIBUTE, quantization)
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -108,10 +123,13 @@ def _stored_layers(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> 
     {module name: (weight, float32 scale_inv, bias)}. Checks all before anything is changed."""
     layers = {}
     for key, weight in tensors.items():
-        if weight.dtype != torch.float8_e4m3fn:
-            if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] not in tensors:
+        if key.endswith(SCALE_SUFFIX):
+            if key[: -len(SCALE_SUFFIX)] not in tensors:
                 raise BlockFormatError(f"{key} has no weight {key[: -len(SCALE_SUFFIX)]} to scale")
             continue
+        one_byte_float = weight.is_floating_point() and weight.element_size() == 1
+        if not one_byte_float and key + SCALE_SUFFIX not in tensors:
+            continue  # a high-precision tensor (an embedding, a norm, modules_to_not_convert)
         if not key.endswith(".weight"):
             raise BlockFormatError(f"{key} is FP8 but is not a linear layer's weight")
         name = key[: -len(".weight")]
@@ -129,7 +147,9 @@ def _stored_layers(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> 
                 f"{key} {tuple(weight.shape)} does not fit the model's {name} ({type(module).__name__} "
                 f"{tuple(shape.shape) if shape is not None else ''}): not a linear layer of that shape"
             )
-        layers[name] = (weight, scales_to_float32(scale, key + SCALE_SUFFIX), tensors.get(name + ".bias"))
+        scale = scales_to_float32(scale, key + SCALE_SUFFIX)
+        check_scale_values(scale, key + SCALE_SUFFIX)
+        layers[name] = (weight, scale, tensors.get(name + ".bias"))
     return layers
 
 
@@ -187,11 +207,20 @@ def load_fp8_checkpoint(
     missing = sorted(expected - set(plain) - set(getattr(model, "all_tied_weights_keys", None) or {}))
     if missing:  # tied weights (lm_head to the embedding) are tied again below
         raise BlockFormatError(f"{directory} has no tensor for {', '.join(missing[:4])}")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    misfit = [k for k, v in plain.items() if k in shapes and tuple(v.shape) != shapes[k]]
+    if misfit:  # load_state_dict would refuse them after the FP8 layers were swapped in
+        k = misfit[0]
+        raise BlockFormatError(
+            f"{directory}: {k} has shape {tuple(plain[k].shape)}, the model's is {shapes[k]}"
+            + (f" (and {len(misfit) - 1} more)" if len(misfit) > 1 else "")
+        )
     floats = [v.dtype for v in plain.values() if v.is_floating_point()]
     compute_dtype = dtype or (floats[0] if floats else torch.float32)
+    _check_buffers(model, layers)  # the last check: the model changes from here on
     _swap_in(model, layers, recipe, compute_dtype)
     model.load_state_dict(plain, strict=False, assign=True)
-    model.config.quantization_config = quantization  # what an export writes back
+    _record_quantization(model, quantization)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     _materialize_buffers(model)
@@ -201,18 +230,32 @@ def load_fp8_checkpoint(
     return model
 
 
-def _materialize_buffers(model: torch.nn.Module) -> None:
-    """Buffers a meta-device build left on "meta" (non-persistent ones: no checkpoint has them),
-    computed again by transformers' initialisation of their module (rotary frequencies)."""
+def _meta_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, list[str]]]:
+    """(name, module, its buffers on "meta") for each module that has some."""
     for name, module in model.named_modules():
         meta = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
-        if not meta:
+        if meta:
+            yield name, module, meta
+
+
+def _check_buffers(model: torch.nn.Module, layers: dict[str, tuple]) -> None:
+    """Refuse, before the model changes, buffers on "meta" that `_materialize_buffers` cannot compute
+    (those of the FP8 linears are replaced with them)."""
+    for name, module, meta in _meta_buffers(model):
+        if name in layers:
             continue
         if list(module.parameters(recurse=False)) or not hasattr(model, "_init_weights"):
             raise BlockFormatError(
                 f"{name}'s buffers {meta} are on the meta device and not in the checkpoint: build the "
                 "model with accelerate.init_empty_weights(include_buffers=False)"
             )
+
+
+def _materialize_buffers(model: torch.nn.Module) -> None:
+    """Buffers a meta-device build left on "meta" (non-persistent ones: no checkpoint has them),
+    computed again by transformers' initialisation of their module (rotary frequencies)."""
+    _check_buffers(model, {})
+    for _, module, meta in _meta_buffers(model):
         for n in meta:
             module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
         model._init_weights(module)
@@ -326,6 +369,10 @@ def export_fp8_checkpoint(
     _safetensors_torch.save_file(
         tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"}
     )
+    if getattr(_base(model), "config", None) is None:  # a hand-built module: what model= loads back
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({"quantization_config": quantization}, f, indent=2)
+        return quantization
     config = copy.deepcopy(_base(model).config)
     config.quantization_config = quantization
     config.save_pretrained(directory)

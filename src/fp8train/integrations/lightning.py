@@ -21,6 +21,8 @@ hand) accepts weights without FP8 entries through a load hook, and gets its FP8 
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional, Union
@@ -93,6 +95,7 @@ class FP8Precision(_precision.Precision):
         self._module: Optional[torch.nn.Module] = None  # the LightningModule convert_module converted
         self._had_fp8_layers = False  # whether it was converted already (its FP8 state predates the run)
         self._hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._named_user_boundary = False  # whether a user's end_step() in the step was named (once)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Swap the module's linear layers for FP8 ones, in place (layers already converted are kept:
@@ -150,12 +153,31 @@ class FP8Precision(_precision.Precision):
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Lightning's optimizer step of `optimizer` for `model` (Lightning passes both, and `closure`:
-        the step's forward and backward), with per-step amax reduction's boundary after the closure
-        (also in manual optimization), so no `end_step` is needed in the LightningModule. Returns
-        the closure's result, as Lightning's."""
-        if getattr(self.recipe, "per_step", False):
-            closure = ending_step(closure)
-        return super().optimizer_step(optimizer, model, closure, **kwargs)
+        the step's forward and backward). Per-step amax reduction: the step boundary after Lightning's closure (the step's last
+        forward and backward, also in manual optimization, then the `on_before_optimizer_step`
+        hooks), before the optimizer's update, so no `end_step` is needed in the LightningModule.
+        A hook that still marks the boundary itself (`fp8train.end_step()` in a callback's
+        `on_before_optimizer_step`, as the guide once taught) makes the step's only boundary, and is
+        named once as no longer needed: one boundary, 2 amax collectives per group and step.
+        (`Precision.optimizer_step` with the boundary around its `_wrap_closure`, Lightning's
+        closure-then-hooks, rather than inside it.) Returns the closure's result, as Lightning's."""
+        if not getattr(self.recipe, "per_step", False):
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure = ending_step(functools.partial(self._wrap_closure, model, optimizer, closure), self._marked)
+        return optimizer.step(closure=closure, **kwargs)
+
+    def _marked(self) -> None:
+        """The step's closure or its hooks called `fp8train.end_step()` (the plugin then adds none)."""
+        if not self._named_user_boundary:
+            self._named_user_boundary = True
+            warnings.warn(
+                "FP8Precision marks the step boundary of DelayedScaling(amax_reduction='step') itself; "
+                "the fp8train.end_step() called during the optimizer step's closure (e.g. in a callback's "
+                "on_before_optimizer_step) is no longer needed: remove it (it now replaces the plugin's, "
+                "so there is still one boundary per step)",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _warn_if_evaluating_without_fp8_state(module: torch.nn.Module) -> None:

@@ -15,9 +15,11 @@ import torch
 
 from ..block_format import (
     DEFAULT_RECIPE,
+    check_scale_values,
     check_stored_weight,
     dequantize_block_weight,
     quantize_block_weight,
+    scales_to_float32,
     stored_operand,
 )
 from ..gemm import Operand
@@ -34,9 +36,11 @@ __all__ = ["StoredFP8Linear", "BlockFP8Linear", "exclude_stored_from_ddp"]
 class StoredFP8Linear(FP8Module):
     """y = x @ W.T + bias with W = weight * weight_scale_inv (128x128 blocks), stored as loaded.
 
-    `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (float32, one per block) are frozen
-    parameters, so state dicts, meta-device builds (`to_empty` then `load_state_dict`) and
-    `requires_grad` work as for any layer; `bias` (high precision) is frozen too unless set trainable.
+    `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (one per block: float32, or E8M0 as
+    float8_e8m0fnu or uint8 exponent bytes, converted to float32 here; every scale finite and
+    positive, else a BlockFormatError naming the block) are frozen parameters, so state dicts,
+    meta-device builds (`to_empty` then `load_state_dict`) and `requires_grad` work as for any
+    layer; `bias` (high precision) is frozen too unless set trainable.
     `compute_dtype` is the high-precision dtype of the model around the layer (its output takes the
     input's dtype); PEFT gives adapters on the layer this dtype.
     `recipe` is the block recipe whose weight quantizer writes a new weight into the layer
@@ -59,12 +63,34 @@ class StoredFP8Linear(FP8Module):
     ) -> None:
         super().__init__()
         check_stored_weight(name, weight, weight_scale_inv)
+        weight_scale_inv = scales_to_float32(weight_scale_inv, f"{name}_scale_inv")
+        check_scale_values(weight_scale_inv, f"{name}_scale_inv")
         self.out_features, self.in_features = weight.shape
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = torch.nn.Parameter(weight_scale_inv, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.compute_dtype = compute_dtype
         self.recipe = recipe
+
+    # ---- copies: pickle cannot rebuild a float8 tensor (torch's limitation), so the stored FP8
+    # parameters travel as their bytes (a uint8 view) and are viewed back on arrival
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        parameters, as_bytes = dict(state["_parameters"]), {}
+        for name, p in parameters.items():
+            if p is not None and p.is_floating_point() and p.element_size() == 1:
+                as_bytes[name] = (p.dtype, p.requires_grad)
+                parameters[name] = p.detach().view(torch.uint8)
+        state.update(_parameters=parameters, _fp8_parameters_as_bytes=as_bytes)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        parameters = dict(state["_parameters"])
+        for name, (dtype, requires_grad) in state.pop("_fp8_parameters_as_bytes", {}).items():
+            parameters[name] = torch.nn.Parameter(parameters[name].view(dtype), requires_grad=requires_grad)
+        state["_parameters"] = parameters
+        super().__setstate__(state)
 
     @property
     def operand(self) -> Operand:

@@ -29,6 +29,7 @@ __all__ = ["AdamW", "state_bytes"]
 
 MASTERS = ("fp32", "bf16")
 SECOND_MOMENTS = ("expanded", "sqrt", "linear")
+ENCODING_KEY = "fp8train_encoding"  # in each saved param group: the options the state was stored with
 _PARAM_DTYPES = {"fp32": (torch.float32, torch.bfloat16, torch.float16), "bf16": (torch.bfloat16,)}
 
 
@@ -234,13 +235,43 @@ class AdamW(torch.optim.Optimizer):
         foreach_copy(locals_, parts)
 
     # ---- checkpoints -------------------------------------------------------------------------------
+    def _encoding(self) -> dict[str, str]:
+        """The options that define what the stored state means (sqrt(v) and v have the same keys,
+        dtypes and shapes): recorded in every saved param group, checked on load."""
+        return {"master": self.master, "second_moment": self.second_moment}
+
+    def state_dict(self) -> dict:
+        """torch's state dict, each param group recording the options that define the stored
+        encoding (`ENCODING_KEY`), so that a load under other options is refused by name."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group[ENCODING_KEY] = self._encoding()
+        return state_dict
+
+    def _check_encoding(self, param_groups: list[dict]) -> None:
+        for number, group in enumerate(param_groups):
+            recorded = group.get(ENCODING_KEY)
+            if recorded is None:  # a state saved before the options were recorded: keys are checked
+                continue
+            for option, value in self._encoding().items():
+                if recorded.get(option, value) != value:
+                    raise ValueError(
+                        f"fp8train.optim.AdamW.load_state_dict: the state was saved with "
+                        f"{option}={recorded[option]!r} (param group {number}); this optimizer has "
+                        f"{option}={value!r}, which would read its stored moments as another quantity: "
+                        f"build the optimizer with {option}={recorded[option]!r} to load it"
+                    )
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load of `state_dict`, then the state tensors restored with their own dtypes (torch
         casts every state tensor to its parameter's floating dtype, which would turn FP8 codes and
-        remainders into floats). Raises ValueError for a state made with other options."""
+        remainders into floats). Raises ValueError for a state made with other options, naming the
+        option."""
+        self._check_encoding(state_dict["param_groups"])
         saved = state_dict["state"]
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        super().load_state_dict(state_dict)
+        groups = [{k: v for k, v in g.items() if k != ENCODING_KEY} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
         for i, p in zip(ids, self._params()):
             if i not in saved:
                 continue
