@@ -14,12 +14,15 @@ from .layer_coverage import coverage
 from .modules import (
     BlockFP8Linear,
     FP8Module,
+    GroupedLinear,
     LayerNorm,
     LayerNormLinear,
     LayerNormMLP,
     Linear,
     RMSNorm,
     StoredFP8Linear,
+    pad_groups,
+    unpad_groups,
 )
 from .prepare import first_and_last_linear_filter, is_prepared, prepare
 from .recipe import (
@@ -62,6 +65,9 @@ __all__ = [
     "RMSNorm",
     "StoredFP8Linear",
     "BlockFP8Linear",
+    "GroupedLinear",
+    "pad_groups",
+    "unpad_groups",
     "LayoutMismatchError",
     "StateMismatchError",
     "AmaxReductionError",

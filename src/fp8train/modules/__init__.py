@@ -1,6 +1,7 @@
 """The FP8 modules: TransformerEngine's names, every recipe through the same modules."""
 
 from .base import FP8Module
+from .grouped_linear import GroupedLinear, pad_groups, unpad_groups
 from .layernorm_linear import LayerNormLinear, LayerNormMLP
 from .linear import Linear
 from .norms import LayerNorm, RMSNorm
@@ -15,4 +16,7 @@ __all__ = [
     "RMSNorm",
     "StoredFP8Linear",
     "BlockFP8Linear",
+    "GroupedLinear",
+    "pad_groups",
+    "unpad_groups",
 ]
