@@ -13,6 +13,7 @@ from .inspection import reduction_stats, reset_reduction_stats, synchronize
 from .layer_coverage import coverage
 from .modules import (
     BlockFP8Linear,
+    ExpertsLinear,
     FP8Module,
     GroupedLinear,
     LayerNorm,
@@ -21,6 +22,7 @@ from .modules import (
     Linear,
     RMSNorm,
     StoredFP8Linear,
+    grouped_linear,
     pad_groups,
     unpad_groups,
 )
@@ -66,6 +68,8 @@ __all__ = [
     "StoredFP8Linear",
     "BlockFP8Linear",
     "GroupedLinear",
+    "ExpertsLinear",
+    "grouped_linear",
     "pad_groups",
     "unpad_groups",
     "LayoutMismatchError",

@@ -148,6 +148,10 @@ class ModelCoverage:
 
 def gemm_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
     """(GEMM name, weight, in_features, out_features) of each GEMM of a linear layer; [] for others."""
+    if isinstance(module, FP8Module) and hasattr(module, "gemm_weights"):  # grouped: one matrix per GEMM
+        return [
+            (name, w, w.shape[1], w.shape[0]) for name, w in zip(module.gemm_names, module.gemm_weights())
+        ]
     if isinstance(module, FP8Module):
         weights = [
             getattr(module, f"{name}_weight" if name else "weight", None) for name in module.gemm_names
@@ -279,7 +283,9 @@ class StepCoverage:
         if isinstance(module, FP8Module) and not fp8:
             self.high_precision_layers.add(self._names[id(module)])
         fsdp = managed_by_fsdp2(module)
-        for _, weight, k, n in weights:
+        # grouped GEMMs (GroupedLinear, experts): each GEMM multiplies its own group of rows
+        rows = module.gemm_tokens(*args) if hasattr(module, "gemm_tokens") else [tokens] * len(weights)
+        for (_, weight, k, n), tokens in zip(weights, rows):
             gemms = 1 + (training and x.requires_grad) + (training and weight.requires_grad)
             self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms
             path = gemm_path(call.quantization.kind, weight.device, tokens, k, n) if fp8 else "high_precision"
