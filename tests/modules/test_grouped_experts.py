@@ -178,3 +178,13 @@ def test_hf_experts_off_the_gemm_multiple_stay_in_high_precision() -> None:
     fp8train.convert_to_fp8(model, log=False)
     assert not any(isinstance(m, FusedExperts) for m in model.modules())
     assert sum(isinstance(m, fp8train.Linear) for m in model.modules()) > 0  # the attention converted
+
+
+def test_prepare_trains_hf_experts_in_fp8_one_region_per_call() -> None:
+    model = _tiny("qwen3_moe")
+    fp8train.prepare(model)
+    ids = torch.randint(0, 96, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(fp8train.amax.current_call(e).fp8 for e in experts)
+    assert all(e.fp8_meta["scaling_fwd"].amax_history[0, 1::3].gt(0).all() for e in experts)

@@ -252,3 +252,45 @@ def test_two_ranks_uneven_routing_one_collective_per_direction_same_scales() -> 
         assert history[: len(rolled), 3 * e].tolist() == pytest.approx(rolled, rel=0, abs=0), e
         assert not history[len(rolled) :, 3 * e].any(), e
     assert history[1, 3 * 7] > 0 and history[2, 3 * 7] == 0  # expert 7: no token at step 0 anywhere: 2 rolls
+
+
+def test_recomputed_grouped_equals_the_plain_run_bit_for_bit() -> None:
+    """fp8train.checkpoint replays every expert's GEMM with the scales of the original forward."""
+    torch.set_num_threads(1)
+    recipe = fp8train.DelayedScaling(amax_history_len=4)
+    runs = []
+    for recompute in (False, True):
+        torch.manual_seed(3)
+        grouped = fp8train.GroupedLinear(3, 32, 32)
+        grads = []
+        for step in range(3):
+            x = (torch.randn(20, 32) * (step + 1)).requires_grad_()
+            with fp8train.fp8_autocast(fp8_recipe=recipe):
+                splits = [7, 0, 13]
+                y = fp8train.checkpoint(grouped, x, splits) if recompute else grouped(x, splits)
+            y.square().sum().backward()
+            grads += [x.grad.clone()] + [p.grad.clone() for p in grouped.parameters()]
+            grouped.zero_grad()
+        runs.append(grads + fp8_state(grouped))
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), i
+
+
+def test_first_microbatch_caches_every_experts_weight() -> None:
+    """is_first_microbatch=False reuses each expert's FP8 weight of the first microbatch: a call after
+    the weights changed equals the first call bit for bit (same input, so the same delayed scales)."""
+    grouped = fp8train.GroupedLinear(2, 16, 16, bias=False)
+    recipe = fp8train.DelayedScaling(amax_history_len=4)
+    x = torch.randn(6, 16)
+    outs = []
+    for flag in (None, True, False):  # a warm-up step: the scales of the next two are those of x and w
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            outs.append(grouped(x, [2, 4], is_first_microbatch=flag))
+        if flag:  # after the first microbatch only
+            with torch.no_grad():
+                for p in grouped.parameters():
+                    p.mul_(1.5)
+    assert torch.equal(outs[1], outs[2])  # the cached FP8 weights, not the changed ones
+    assert len(grouped._weight_cache) == 2
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        assert not torch.equal(grouped(x, [2, 4]), outs[1])  # None: the current weights
