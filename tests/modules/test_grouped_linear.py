@@ -294,3 +294,64 @@ def test_first_microbatch_caches_every_experts_weight() -> None:
     assert len(grouped._weight_cache) == 2
     with fp8train.fp8_autocast(fp8_recipe=recipe):
         assert not torch.equal(grouped(x, [2, 4]), outs[1])  # None: the current weights
+
+
+# ---- FSDP2 gathers every expert's weight in FP8 ----------------------------------------------------------
+class _Experts(torch.nn.Module):
+    def __init__(self, option: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = fp8train.GroupedLinear(4, 32, 24, fsdp_fp8_all_gather=option)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, [3, 0, 4, 1])
+
+
+def _fsdp_ranks(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import digest
+
+    out = {}
+    for option in (False, True):
+        fp8train.inspection.reset()
+        model = _Experts(option)
+        fully_shard(model.experts)
+        fully_shard(model)
+        gathers = []
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        real = getattr(dist, name)
+
+        def counted(*args, real=real, gathers=gathers, **kwargs):
+            tensor = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+            gathers.append(tensor.dtype)
+            return real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            snapshots = []
+            for step in range(3):
+                x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * rank + step)) * (1 + rank)
+                with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
+                    loss = model(x).square().mean()
+                loss.backward()
+                grads = [p.grad.full_tensor() for p in model.parameters()]
+                snapshots.append(digest([loss.detach(), grads, fp8_state(model)]))
+                opt.step()
+                opt.zero_grad()
+        finally:
+            setattr(dist, name, real)
+        out[option] = {"steps": snapshots, "gathers": gathers}
+    return out
+
+
+@pytest.mark.multirank
+def test_two_ranks_fsdp2_gathers_every_expert_in_fp8_bit_for_bit() -> None:
+    runs = run_ranks(_fsdp_ranks, 2, timeout_s=120, pg_timeout_s=60)
+    for out in runs:
+        assert out[True]["steps"] == out[False]["steps"]  # FP8 gathers: the same training bit for bit
+        assert out[True]["gathers"] and all(d == torch.uint8 for d in out[True]["gathers"])
+        assert all(d == torch.float32 for d in out[False]["gathers"])
+    assert runs[0][True]["steps"][-1] != runs[1][True]["steps"][-1]  # per-rank data: a real run
