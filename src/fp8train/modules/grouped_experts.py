@@ -1,5 +1,5 @@
 """Experts with 3-D weights: `grouped_linear` (grouped_mm's layout and offsets), `ExpertsLinear`, and
-`FusedExperts`, the FP8 form of Hugging Face's fused MoE experts (docs/design.md, section 9.2).
+`FusedExperts`, the FP8 form of Hugging Face's fused MoE experts (docs/design.md, section 9, "Grouped GEMMs").
 
 The weights of E experts are one tensor (E, out, in): torchtitan's `GroupedExperts` (w1 (E, hidden,
 dim), ...) and transformers' fused experts (`gate_up_proj` (E, 2 * intermediate, hidden), `down_proj`

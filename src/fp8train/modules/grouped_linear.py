@@ -1,4 +1,4 @@
-"""Grouped FP8 GEMMs for mixture-of-experts layers (docs/design.md, section 9.2).
+"""Grouped FP8 GEMMs for mixture-of-experts layers (docs/design.md, section 9, "Grouped GEMMs").
 
 A grouped linear layer is one FP8 module with one GEMM per group (expert): GEMM `i` multiplies the
 rows of group `i` by weight `i`, and each GEMM index has its own roles (input, weight, output
