@@ -40,6 +40,8 @@ from .timing import interleaved_times, medians, quartiles, slowest_rank
 
 __all__ = ["train_phase", "timed_pass", "main", "measure_telemetry_overhead", "DEMO_RECIPES"]
 
+MOE_EXPERTS = 4  # `--model moe`: experts per MoE block (top-2 routing)
+
 DEMO_RECIPES = {
     "delayed": fp8train.DelayedScaling(amax_history_len=16),  # short window: scales visibly follow amaxes
     "current": fp8train.Float8CurrentScaling(),
@@ -339,6 +341,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--model", choices=("gpt", "moe"), default="gpt")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
@@ -358,6 +361,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 def _dataset(args: argparse.Namespace, rank: int) -> tuple[GPTConfig, torch.Tensor, Optional[float], str]:
     """(model config, this rank's [steps, batch, seq_len + 1] tokens, the loss floor if known, source)."""
     cfg = MODEL_SIZES[args.model_size]
+    if getattr(args, "model", "gpt") == "moe":
+        cfg = dataclasses.replace(cfg, experts=MOE_EXPERTS)
     seed = args.seed * 7919 + 1 + rank
     if args.data == "markov":
         task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=args.seed)
