@@ -188,3 +188,51 @@ def test_prepare_trains_hf_experts_in_fp8_one_region_per_call() -> None:
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     assert experts and all(fp8train.amax.current_call(e).fp8 for e in experts)
     assert all(e.fp8_meta["scaling_fwd"].amax_history[0, 1::3].gt(0).all() for e in experts)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_pad_to_blocks_equals_explicitly_padded_groups(name: str) -> None:
+    """grouped_linear(pad_to_blocks=True) under MXFP8/NVFP4: the rows of a GroupedLinear fed groups
+    padded by pad_groups, bit for bit (values and gradients); without it the groups are refused."""
+    torch.set_num_threads(1)
+    recipe = fp8train.MXFP8BlockScaling() if name == "mxfp8" else fp8train.NVFP4BlockScaling()
+    three_d, grouped = _pair(3, 64, 32)
+    splits, trailing = [5, 0, 40], 3
+    offs = torch.tensor(splits).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(splits) + trailing, 64)
+    xa, xb = x.clone().requires_grad_(), x[: sum(splits)].clone().requires_grad_()
+    with pytest.raises(ValueError, match="pad_groups"), fp8train.fp8_autocast(fp8_recipe=recipe):
+        three_d(xa, offs)
+    torch.manual_seed(1)  # NVFP4 rounds gradients stochastically
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        ya = grouped_linear(three_d, xa, three_d.weight, offs, three_d.bias, pad_to_blocks=True)
+    ya.square().sum().backward()
+    block = 32 if name == "mxfp8" else 16
+    torch.manual_seed(1)
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        xp, padded = fp8train.pad_groups(xb, splits, block)
+        yb = fp8train.unpad_groups(grouped(xp, padded), splits, padded)
+    yb.square().sum().backward()
+    assert torch.equal(ya[: sum(splits)], yb) and not ya[sum(splits) :].any()
+    assert torch.equal(xa.grad[: sum(splits)], xb.grad)
+    for e in range(3):
+        assert torch.equal(three_d.weight.grad[e], getattr(grouped, f"weight{e}").grad), e
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8train.MXFP8BlockScaling(), fp8train.NVFP4BlockScaling()], ids=["mxfp8", "nvfp4"]
+)
+def test_hf_experts_train_under_mx_recipes_whatever_the_routing(recipe) -> None:
+    """FusedExperts pads each expert's rows to the recipe's block: any routing trains, close to fp32."""
+    torch.set_num_threads(1)
+    model = _tiny("qwen3_moe")
+    ref = copy.deepcopy(model)
+    fp8train.convert_to_fp8(model, recipe=recipe, log=False)
+    ids = torch.randint(0, 96, (2, 16))
+    with fp8train.fp8_autocast(fp8_recipe=recipe):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(ids, labels=ids).loss
+    assert abs(loss.item() / ref_loss.item() - 1) < 0.05
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert all(torch.isfinite(e.gate_up_proj.grad).all() and e.gate_up_proj.grad.any() for e in experts)

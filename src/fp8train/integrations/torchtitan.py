@@ -104,10 +104,11 @@ class FP8GroupedExperts(FP8Module, _TitanGroupedExperts):
         w1, w2, w3 = _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         experts, x = self.num_experts, x_RD.to(w1.dtype)
-        h = F.silu(grouped_linear(self, x, w1, offs, None, 0)) * grouped_linear(
-            self, x, w3, offs, None, experts
-        )
-        return grouped_linear(self, h, w2, offs, None, 2 * experts).type_as(x_RD)
+        gate = grouped_linear(self, x, w1, offs, None, 0, pad_to_blocks=True)
+        up = grouped_linear(self, x, w3, offs, None, experts, pad_to_blocks=True)
+        return grouped_linear(
+            self, F.silu(gate) * up, w2, offs, None, 2 * experts, pad_to_blocks=True
+        ).type_as(x_RD)
 
 
 def _fp8_root(config_cls: type, recipe: DelayedScaling) -> type:

@@ -17,7 +17,14 @@ from typing import Optional
 import torch
 
 from .base import FP8Module
-from .grouped_linear import check_group_blocks, grouped_fp8_linear, splits_from_offsets
+from .grouped_linear import (
+    check_group_blocks,
+    group_block,
+    grouped_fp8_linear,
+    pad_groups,
+    splits_from_offsets,
+    unpad_groups,
+)
 from .linear import init_linear_params
 
 __all__ = ["grouped_linear", "ExpertsLinear", "FusedExperts", "is_hf_fused_experts", "HF_FUSED_EXPERTS"]
@@ -31,11 +38,14 @@ def grouped_linear(
     bias: Optional[torch.Tensor] = None,
     first_gemm: int = 0,
     is_first_microbatch: Optional[bool] = None,
+    pad_to_blocks: bool = False,
 ) -> torch.Tensor:
     """y[rows of group e] = x[rows of group e] @ weight[e].T (+ bias[e]), as GEMMs `first_gemm + e` of
     `module` (an FP8Module with that many GEMMs): FP8 inside an FP8 region, under any recipe.
     `x` (tokens, in); `weight` (E, out, in); `offs` (E,) int32 end offsets (grouped_mm's convention,
-    read on the host); `bias` (E, out) or None."""
+    read on the host); `bias` (E, out) or None. Under MXFP8 and NVFP4 each group's rows must be whole
+    blocks (32, 16): refused otherwise, or with `pad_to_blocks` padded with zero rows for the GEMMs
+    (`pad_groups`; the rows of the output are the same, the padding's gradient is dropped)."""
     where = f"{type(module).__name__} grouped_linear"
     if weight.dim() != 3 or x.shape[-1] != weight.shape[2]:
         raise ValueError(
@@ -50,10 +60,20 @@ def grouped_linear(
         )
     x2d = x.reshape(-1, x.shape[-1])
     splits = splits_from_offsets(offs, experts, x2d.shape[0], where)
-    check_group_blocks(module, splits[:-1], where)
-    splits = splits if splits[-1] else splits[:-1]
+    groups, rest = splits[:-1], splits[-1]
     biases = [None] * experts if bias is None else list(bias.unbind(0))
-    y = grouped_fp8_linear(module, x2d, weight.unbind(0), biases, splits, first_gemm, is_first_microbatch)
+    weights = weight.unbind(0)
+    block = group_block(module) if pad_to_blocks else 1
+    if block > 1 and any(n % block for n in groups):
+        rows, padded = pad_groups(x2d[: x2d.shape[0] - rest], groups, block)
+        y = grouped_fp8_linear(module, rows, weights, biases, padded, first_gemm, is_first_microbatch)
+        y = unpad_groups(y, groups, padded)
+        if rest:  # rows of no group: 0
+            y = torch.cat([y, y.new_zeros(rest, y.shape[1])])
+    else:
+        check_group_blocks(module, groups, where)
+        splits = splits if rest else groups
+        y = grouped_fp8_linear(module, x2d, weights, biases, splits, first_gemm, is_first_microbatch)
     return y.view(*x.shape[:-1], weight.shape[1])
 
 
@@ -138,7 +158,9 @@ class FusedExperts(FP8Module):
     objects `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I), 2E GEMMs (gate_up of expert e is
     GEMM e, its down_proj GEMM E + e), and transformers' eager forward: tokens in the order its loop
     takes them, act(gate) * up, the routing weights, the sum over a token's experts in expert order.
-    Outside an FP8 region it computes exactly what transformers' eager experts compute."""
+    Outside an FP8 region it computes exactly what transformers' eager experts compute. Under MXFP8
+    and NVFP4 each expert's rows are padded to whole blocks for its GEMMs (zero rows: no amax, no
+    output, no weight gradient), so any routing trains."""
 
     def __init__(self, experts: torch.nn.Module) -> None:
         num_experts = experts.gate_up_proj.shape[0]
@@ -173,8 +195,12 @@ class FusedExperts(FP8Module):
             counts = torch.bincount(flat, minlength=self.num_experts + 1)  # index E: no expert
             ends = torch.cumsum(counts[: self.num_experts], 0).to(torch.int32)
         x = hidden_states[token_idx]
-        gate, up = grouped_linear(self, x, self.gate_up_proj, ends, None, 0).chunk(2, dim=-1)
-        h = grouped_linear(self, self.act_fn(gate) * up, self.down_proj, ends, None, self.num_experts)
+        gate_up = grouped_linear(self, x, self.gate_up_proj, ends, None, 0, pad_to_blocks=True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        experts = self.num_experts
+        h = grouped_linear(
+            self, self.act_fn(gate) * up, self.down_proj, ends, None, experts, pad_to_blocks=True
+        )
         h = h * top_k_weights[token_idx, position, None]
         final = torch.zeros_like(hidden_states)
         routed = int(ends[-1]) if self.num_experts else 0  # rows routed to no expert add nothing

@@ -38,7 +38,7 @@ from .linear import gemm_params, reset_gemm_params
 
 __all__ = [
     "GroupedLinear", "grouped_fp8_linear", "splits_of", "splits_from_offsets", "check_group_blocks",
-    "pad_groups", "unpad_groups",
+    "group_block", "pad_groups", "unpad_groups",
 ]  # fmt: skip
 
 Splits = Union[Sequence[int], torch.Tensor]
@@ -86,16 +86,22 @@ def splits_from_offsets(offs: torch.Tensor, groups: int, tokens: int, where: str
     return [e - s for s, e in zip(starts, ends)] + [tokens - (ends[-1] if ends else 0)]
 
 
+def group_block(module: FP8Module) -> int:
+    """The block every group's token count must fill under the region's recipe (MXFP8: 32, NVFP4: 16),
+    1 where there is none (other recipes, outside FP8, a module held in high precision)."""
+    settings = current_settings()
+    if settings is None or not settings.enabled or SWITCHES.high_precision_now(module):
+        return 1
+    return settings.quantization.whole_blocks
+
+
 def check_group_blocks(module: FP8Module, splits: Sequence[int], where: str) -> None:
     """Refuse group token counts off the block of the region's recipe where every GEMM dimension must be
     whole blocks (MXFP8: 32, NVFP4: 16): the tokens are the weight gradient's reduction dimension."""
-    settings = current_settings()
-    if settings is None or not settings.enabled or SWITCHES.high_precision_now(module):
-        return
-    block = settings.quantization.whole_blocks
+    block = group_block(module)
     off = {g: n for g, n in enumerate(splits) if n % block}
     if block > 1 and off:
-        name = type(settings.recipe).__name__
+        name = type(current_settings().recipe).__name__
         raise ValueError(
             f"{where}: fp8train.{name} quantizes in blocks of {block} along each GEMM's reduction "
             f"dimension, so every group's token count must be a multiple of {block}; groups {off} "
