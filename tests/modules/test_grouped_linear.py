@@ -211,6 +211,19 @@ EXPERTS = 8
 
 
 def _uneven_ranks(rank: int, world: int) -> dict:
+    """The same training with the asynchronous and with the blocking amax reduction."""
+    import os
+
+    out = {}
+    for mode in ("1", "0"):
+        os.environ["NVTE_ASYNC_AMAX_REDUCTION"] = mode
+        fp8train.inspection.reset()
+        out[mode] = _uneven_run(rank)
+    os.environ.pop("NVTE_ASYNC_AMAX_REDUCTION")
+    return out
+
+
+def _uneven_run(rank: int) -> dict:
     torch.manual_seed(0)
     grouped = fp8train.GroupedLinear(EXPERTS, 16, 16)
     recipe = fp8train.DelayedScaling(amax_history_len=4)
@@ -236,12 +249,16 @@ def _uneven_ranks(rank: int, world: int) -> dict:
                     p -= 0.01 * p.grad
                     p.grad = None
     out["state"] = [t.tolist() for t in fp8_state(grouped)]
+    out["params"] = [p.tolist() for p in grouped.parameters()]
     return out
 
 
 @pytest.mark.multirank
 def test_two_ranks_uneven_routing_one_collective_per_direction_same_scales() -> None:
-    runs = run_ranks(_uneven_ranks, 2, timeout_s=120, pg_timeout_s=60)
+    both = run_ranks(_uneven_ranks, 2, timeout_s=180, pg_timeout_s=60)
+    for out in both:  # asynchronous and blocking reduction: bit for bit
+        assert out["1"]["state"] == out["0"]["state"] and out["1"]["params"] == out["0"]["params"]
+    runs = [out["1"] for out in both]
     for out in runs:  # 8 experts: 24 forward and 16 backward roles, one collective per direction
         assert out["collectives"] == [2, 2, 2]
     assert runs[0]["state"] == runs[1]["state"]  # every rank's histories and scales: identical
