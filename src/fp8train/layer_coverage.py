@@ -238,13 +238,27 @@ def log_summary(model: torch.nn.Module, recipe=None) -> ModelCoverage:
     return report
 
 
+def _rows_per_gemm(module: torch.nn.Module, args: tuple, tokens: int, gemms: int) -> Optional[list[int]]:
+    """The rows each GEMM of a call multiplied: all of the input's for a linear layer, each group's own
+    for grouped GEMMs (GroupedLinear, experts: `gemm_tokens` of the call's positional arguments); None
+    where those arguments were given by keyword (a forward hook sees positional ones only)."""
+    if not hasattr(module, "gemm_tokens"):
+        return [tokens] * gemms
+    try:
+        return module.gemm_tokens(*args)
+    except TypeError:  # the group sizes were passed by keyword: not counted
+        return None
+
+
 class StepCoverage:
     """What the linear layers of `model` ran since the last `take()`, counted from shapes on the host.
 
     Per step: FLOPs (2 per multiply-add, forward and the backward GEMMs a training call owes) in FP8
     and in high precision, GEMMs per path ("high_precision" for those not in FP8), the bytes of linear
     weights FSDP2 gathered in FP8 and in high precision (per forward gather), and the FP8 modules that
-    ran in high precision (a switch, or a call outside a region)."""
+    ran in high precision (a switch, or a call outside a region). Grouped GEMMs (GroupedLinear,
+    experts) count each group's own rows, read from the call's positional arguments (a call that
+    passes the group sizes by keyword is not counted)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._handles = []
@@ -283,8 +297,9 @@ class StepCoverage:
         if isinstance(module, FP8Module) and not fp8:
             self.high_precision_layers.add(self._names[id(module)])
         fsdp = managed_by_fsdp2(module)
-        # grouped GEMMs (GroupedLinear, experts): each GEMM multiplies its own group of rows
-        rows = module.gemm_tokens(*args) if hasattr(module, "gemm_tokens") else [tokens] * len(weights)
+        rows = _rows_per_gemm(module, args, tokens, len(weights))
+        if rows is None:
+            return
         for (_, weight, k, n), tokens in zip(weights, rows):
             gemms = 1 + (training and x.requires_grad) + (training and weight.requires_grad)
             self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms
