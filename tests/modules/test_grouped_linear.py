@@ -207,7 +207,7 @@ def test_groups_off_the_mx_block_are_refused_and_pad_groups_fits_them(name: str,
 
 
 # ---- on real ranks: uneven routing, one collective per region and direction ----------------------------
-EXPERTS = 8
+EXPERTS = 64
 
 
 def _uneven_ranks(rank: int, world: int) -> dict:
@@ -259,7 +259,7 @@ def test_two_ranks_uneven_routing_one_collective_per_direction_same_scales() -> 
     for out in both:  # asynchronous and blocking reduction: bit for bit
         assert out["1"]["state"] == out["0"]["state"] and out["1"]["params"] == out["0"]["params"]
     runs = [out["1"] for out in both]
-    for out in runs:  # 8 experts: 24 forward and 16 backward roles, one collective per direction
+    for out in runs:  # 64 experts: 192 forward and 128 backward roles, one collective per direction
         assert out["collectives"] == [2, 2, 2]
     assert runs[0]["state"] == runs[1]["state"]  # every rank's histories and scales: identical
     history = torch.tensor(runs[0]["state"][0])  # forward amax history (newest first)
