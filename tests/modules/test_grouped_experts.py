@@ -236,3 +236,22 @@ def test_hf_experts_train_under_mx_recipes_whatever_the_routing(recipe) -> None:
     assert abs(loss.item() / ref_loss.item() - 1) < 0.05
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     assert all(torch.isfinite(e.gate_up_proj.grad).all() and e.gate_up_proj.grad.any() for e in experts)
+
+
+def test_hf_experts_fp8_state_round_trips_through_the_state_dict() -> None:
+    """The converted model's state_dict has the experts' FP8 state; a fresh converted model loads it."""
+    model = _tiny("mixtral")
+    fp8train.convert_to_fp8(model, log=False)
+    ids = torch.randint(0, 96, (2, 16))
+    for _ in range(2):
+        with fp8train.fp8_autocast():
+            model(ids, labels=ids).loss.backward()
+    state = model.state_dict()
+    assert sum(k.endswith("experts._extra_state") for k in state) == 2
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    fresh = fp8train.convert_to_fp8(_tiny("mixtral"), log=False)
+    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    for a, b in zip(fp8_state(model), fp8_state(fresh)):
+        assert torch.equal(a, b)
+    assert any(t.any() for t in fp8_state(fresh))
