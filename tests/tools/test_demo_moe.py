@@ -42,4 +42,11 @@ def test_moe_demo_trains_each_expert_in_fp8_async_equal_to_blocking(tmp_path) ->
     assert {f"blocks.1.mlp.up/{e}/input" for e in range(4)} <= set(roles)
     assert all(math.isfinite(v["scale"]) and v["scale"] > 0 for v in roles.values())
     assert abs(fp8.final_loss() / reference.final_loss() - 1) < 0.02
-    assert os.path.exists(os.path.join(run_dir, "report.md"))
+    counts = fp8.steps[-1]["tokens_per_expert"]  # rank 0's routing: top-2 of 2 x 32 tokens per block
+    assert set(counts) == {"blocks.0.mlp", "blocks.1.mlp"} and all(
+        sum(c) == 2 * 32 * 2 for c in counts.values()
+    )
+    with open(os.path.join(run_dir, "report.md")) as f:
+        md = f.read()
+    assert "| block | expert | tokens | input amax | input scale |" in md
+    assert md.count("| blocks.1.mlp | ") == 4

@@ -34,7 +34,7 @@ from fp8train.telemetry import Telemetry
 from fp8train.tensor_stats import GemmStatistics
 
 from .data import TEXT_SOURCE, MarkovTask, stdlib_text, text_batches
-from .models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
+from .models import GPT, MODEL_SIZES, GPTConfig, MoE, next_token_loss
 from .quant_error import DelayedScales, TensorTap, mean_errors, quantization_errors, sample_gemms
 from .timing import interleaved_times, medians, quartiles, slowest_rank
 
@@ -173,7 +173,10 @@ def train_phase(
         t0 = time.perf_counter()
         global_loss = trainer.step(step, data[step])
         step_s = time.perf_counter() - t0
-        record = tel.log_step(step, loss=global_loss, tokens_per_s=tokens_per_step / step_s, step_s=step_s)
+        experts = _tokens_per_expert(trainer.model)  # MoE blocks (--model moe): this rank's routing
+        record = tel.log_step(
+            step, loss=global_loss, tokens_per_s=tokens_per_step / step_s, step_s=step_s, **experts
+        )
         if step in measured:
             errors.append(_quant_error_record(name, step, recipe, tap.disarm(), scales))
             tel.write(errors[-1])
@@ -334,6 +337,13 @@ class LineProgress:
 
     def close(self) -> None:
         pass
+
+
+def _tokens_per_expert(model: torch.nn.Module) -> dict:
+    """{"tokens_per_expert": {MoE block name: tokens this rank routed to each expert}} of the latest
+    forward, or {} for a model without MoE blocks."""
+    counts = {n: m.last_tokens_per_expert for n, m in model.named_modules() if isinstance(m, MoE)}
+    return {"tokens_per_expert": counts} if counts else {}
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -23,7 +23,7 @@ from fp8train.modules import (
     unpad_groups,
 )
 
-__all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "next_token_loss"]
+__all__ = ["GPTConfig", "GPT", "MoE", "MODEL_SIZES", "next_token_loss"]
 
 
 @dataclass(frozen=True)
