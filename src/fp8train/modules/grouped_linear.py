@@ -21,6 +21,7 @@ Groups and block recipes (what `check_group_blocks` enforces):
   recipe requires of a Linear's tokens and as TransformerEngine (its Fp8Padding) and torchao (token
   groups aligned when tokens are permuted) require of grouped GEMMs: fp8train refuses other counts
   rather than pad silently; `pad_groups` pads the groups with zero rows, `unpad_groups` undoes it.
+  The converted experts (grouped_experts.py, integrations/torchtitan.py) own their grouping and pad.
 """
 
 from __future__ import annotations
