@@ -13,13 +13,18 @@ from .inspection import reduction_stats, reset_reduction_stats, synchronize
 from .layer_coverage import coverage
 from .modules import (
     BlockFP8Linear,
+    ExpertsLinear,
     FP8Module,
+    GroupedLinear,
     LayerNorm,
     LayerNormLinear,
     LayerNormMLP,
     Linear,
     RMSNorm,
     StoredFP8Linear,
+    grouped_linear,
+    pad_groups,
+    unpad_groups,
 )
 from .prepare import first_and_last_linear_filter, is_prepared, prepare
 from .recipe import (
@@ -62,6 +67,11 @@ __all__ = [
     "RMSNorm",
     "StoredFP8Linear",
     "BlockFP8Linear",
+    "GroupedLinear",
+    "ExpertsLinear",
+    "grouped_linear",
+    "pad_groups",
+    "unpad_groups",
     "LayoutMismatchError",
     "StateMismatchError",
     "AmaxReductionError",

@@ -1,7 +1,8 @@
 """Swap a model's linear layers for FP8 ones in place, keeping its parameters.
 
 `convert_to_fp8` replaces every `torch.nn.Linear` (and Hugging Face `transformers`' `Conv1D`, the
-GPT-2 family's linear layer, whose weight is stored transposed as in x out) by an FP8 module that
+GPT-2 family's linear layer, whose weight is stored transposed as in x out, and its fused MoE experts,
+`modules/grouped_experts.py`) by an FP8 module that
 holds the very same Parameter objects. So an optimizer built before the conversion still updates
 the model, tied weights stay tied, parameter names and shapes do not change (a checkpoint of the
 unconverted model loads with `strict=False`: only the FP8 `_extra_state` entries are new), and
@@ -19,6 +20,7 @@ from .fsdp import wrap_for_fsdp
 from .layer_coverage import KEPT_BY_FILTER, fp8_compatible, is_hf_conv1d, log_summary
 from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
+from .modules.grouped_experts import FusedExperts, is_hf_fused_experts
 from .modules.linear import Linear
 from .recipe import Recipe, check_recipe
 from .torch_internals import children_by_name
@@ -66,6 +68,12 @@ def _swap(
         if not fp8_compatible(*module.weight.shape, recipe):
             return None
         new = Conv1D(module.weight, module.bias)
+    elif is_hf_fused_experts(module):  # transformers' fused MoE experts (3-D weights): one GEMM per expert
+        if not fp8_compatible(*module.down_proj.shape[1:], recipe):
+            return None
+        new = FusedExperts(module)
+        new.train(module.training)
+        return new  # FSDP2's FP8 gather takes 2-D weights only: the experts' weights are gathered as they are
     else:
         return None
     if fsdp_fp8_all_gather:

@@ -150,6 +150,10 @@ class ModelCoverage:
 
 def gemm_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
     """(GEMM name, weight, in_features, out_features) of each GEMM of a linear layer; [] for others."""
+    if isinstance(module, FP8Module) and hasattr(module, "gemm_weights"):  # grouped: one matrix per GEMM
+        return [
+            (name, w, w.shape[1], w.shape[0]) for name, w in zip(module.gemm_names, module.gemm_weights())
+        ]
     if isinstance(module, FP8Module):
         weights = [
             getattr(module, f"{name}_weight" if name else "weight", None) for name in module.gemm_names
@@ -267,13 +271,27 @@ def _why_not(layer: LayerCoverage, kind: Optional[str]) -> str:
     return layer.reason
 
 
+def _rows_per_gemm(module: torch.nn.Module, args: tuple, tokens: int, gemms: int) -> Optional[list[int]]:
+    """The rows each GEMM of a call multiplied: all of the input's for a linear layer, each group's own
+    for grouped GEMMs (GroupedLinear, experts: `gemm_tokens` of the call's positional arguments); None
+    where those arguments were given by keyword (a forward hook sees positional ones only)."""
+    if not hasattr(module, "gemm_tokens"):
+        return [tokens] * gemms
+    try:
+        return module.gemm_tokens(*args)
+    except TypeError:  # the group sizes were passed by keyword: not counted
+        return None
+
+
 class StepCoverage:
     """What the linear layers of `model` ran since the last `take()`, counted from shapes on the host.
 
     Per step: FLOPs (2 per multiply-add, forward and the backward GEMMs a training call owes) in FP8
     and in high precision, GEMMs per path ("high_precision" for those not in FP8), the bytes of linear
     weights FSDP2 gathered in FP8 and in high precision (per forward gather), and the FP8 modules that
-    ran in high precision (a switch, or a call outside a region)."""
+    ran in high precision (a switch, or a call outside a region). Grouped GEMMs (GroupedLinear,
+    experts) count each group's own rows, read from the call's positional arguments (a call that
+    passes the group sizes by keyword is not counted)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._handles = []
@@ -312,7 +330,10 @@ class StepCoverage:
         if isinstance(module, FP8Module) and not fp8:
             self.high_precision_layers.add(self._names[id(module)])
         fsdp = managed_by_fsdp2(module)
-        for _, weight, k, n in weights:
+        rows = _rows_per_gemm(module, args, tokens, len(weights))
+        if rows is None:
+            return
+        for (_, weight, k, n), tokens in zip(weights, rows):
             gemms = 1 + (training and x.requires_grad) + (training and weight.requires_grad)
             self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms
             path = gemm_path(call.quantization.kind, weight.device, tokens, k, n) if fp8 else "high_precision"

@@ -262,3 +262,11 @@ def test_memory_bench_counts_each_part_of_a_step(tmp_path) -> None:
     assert any(line.startswith(f"| bf16 autocast | {bf16['params_MB']:.2f} |") for line in lines)
     assert f"| {states['sum_MB']:.2f} | {states['sum_vs_bf16']:.2f} |" in "\n".join(lines)
     assert _memory_table(str(tmp_path / "none")) == []
+
+
+def test_grouped_bench_times_grouped_fp8_beside_a_loop_of_linear(tmp_path) -> None:
+    assert main(["grouped", "--quick", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "grouped.json").read_text())
+    variants = {row["variant"] for row in saved["rows"]}
+    assert {"fp8_grouped", "fp8_linear_loop", "fp32_linear_loop"} <= variants
+    assert saved["cpu_capability"] and all(row["ms"] > 0 for row in saved["rows"])

@@ -7,6 +7,8 @@ device: `convert(model_config) -> model_config`. `FP8TrainConverter` does two th
 - every `Linear.Config` whose dimensions are multiples of 16 and whose name matches none of
   `filter_fqns` (default: the output head, `lm_head`) becomes an `FP8Linear.Config`: torchtitan's
   own Linear (same parameters, names, initialisation and sharding hooks) with fp8train's FP8 GEMMs;
+  every `GroupedExperts.Config` (MoE experts, 3-D weights) likewise becomes an
+  `FP8GroupedExperts.Config`: one FP8 GEMM per expert and weight (docs/design.md, section 9);
 - the root config is replaced by a subclass of its own class whose `build()` also makes the model's
   forward one FP8 region (`fp8train.prepare`'s `FP8Forward`): each microbatch torchtitan runs is one
   region, with one amax reduction per direction.
@@ -21,12 +23,16 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
+from ..amax import current_settings
 from ..convert import fp8_compatible
+from ..debug_switches import SWITCHES
 from ..fsdp import wrap_for_fsdp
 from ..layer_coverage import log_summary
 from ..modules.base import FP8Module
 from ..modules.fp8_linear import fp8_linear
+from ..modules.grouped_experts import grouped_linear
 from ..prepare import FP8Forward, is_prepared
 from ..recipe import DelayedScaling, Format
 from . import require
@@ -36,7 +42,11 @@ _TitanLinear = require(
     "torchtitan.models.common.linear", "torchtitan", "fp8train.integrations.torchtitan"
 ).Linear
 
-__all__ = ["FP8TrainConverter", "FP8Linear", "converted_fqns"]
+_TitanGroupedExperts = require(
+    "torchtitan.models.common.moe", "torchtitan", "fp8train.integrations.torchtitan"
+).GroupedExperts
+
+__all__ = ["FP8TrainConverter", "FP8Linear", "FP8GroupedExperts", "converted_fqns"]
 
 
 class FP8Linear(FP8Module, _TitanLinear):
@@ -58,6 +68,50 @@ class FP8Linear(FP8Module, _TitanLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + bias for `x` (..., in_features): FP8 inside a region, high precision outside."""
         return fp8_linear(self, x, self.weight, self.bias, 0, None)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local tensor, differentiably (as torchtitan's experts take it)."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+class FP8GroupedExperts(FP8Module, _TitanGroupedExperts):
+    """torchtitan's GroupedExperts (w1_EFD, w2_EDF, w3_EFD: (experts, out, in) each, its initialisation
+    and sharding hooks) with one FP8 GEMM per expert and weight inside an FP8 region: w1's experts are
+    GEMMs 0..E-1, w3's E..2E-1, w2's 2E..3E-1, each with its own roles. Outside a region (or held in
+    high precision by a switch) it runs torchtitan's own forward, bit for bit."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_TitanGroupedExperts.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        _TitanGroupedExperts.__init__(self, config)
+        experts = config.num_experts
+        self.num_gemms = 3 * experts  # before init_fp8_state: it sizes the role layout
+        self.gemm_names = tuple(f"{w}_{e}" for w in ("w1", "w3", "w2") for e in range(experts))
+        self.init_fp8_state()
+
+    def gemm_weights(self) -> list[torch.Tensor]:
+        weights = (self.w1_EFD, self.w3_EFD, self.w2_EDF)
+        return [w for weight in weights for w in _local(weight).detach().unbind(0)]
+
+    def gemm_tokens(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, *args) -> list[int]:
+        """The rows each GEMM multiplies in a call `forward(x, num_tokens_per_expert)`."""
+        return num_tokens_per_expert.tolist() * 3
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        settings = current_settings()
+        if settings is None or not settings.active or SWITCHES.high_precision_now(self):
+            return _TitanGroupedExperts.forward(self, x_RD, num_tokens_per_expert_E)
+        w1, w2, w3 = _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        experts, x = self.num_experts, x_RD.to(w1.dtype)
+        gate = grouped_linear(self, x, w1, offs, None, 0, pad_to_blocks=True)
+        up = grouped_linear(self, x, w3, offs, None, experts, pad_to_blocks=True)
+        return grouped_linear(
+            self, F.silu(gate) * up, w2, offs, None, 2 * experts, pad_to_blocks=True
+        ).type_as(x_RD)
 
 
 def _fp8_root(config_cls: type, recipe: DelayedScaling) -> type:
@@ -147,6 +201,19 @@ class FP8TrainConverter(_protocols.ModelConfigConverter):
             )
             if parent is None:
                 raise ValueError("FP8TrainConverter converts models, not a bare Linear config")
+            if isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+            converted += 1
+        for fqn, experts, parent, attr in list(model_config.traverse(_TitanGroupedExperts.Config)):
+            if type(experts) is not _TitanGroupedExperts.Config or not self.keeps(
+                fqn, experts.dim, experts.hidden_dim
+            ):
+                continue
+            new = FP8GroupedExperts.Config(
+                **{f.name: getattr(experts, f.name) for f in fields(experts) if f.init}
+            )
             if isinstance(parent, list):
                 parent[attr] = new
             else:

@@ -1,6 +1,8 @@
 """The FP8 modules: TransformerEngine's names, every recipe through the same modules."""
 
 from .base import FP8Module
+from .grouped_experts import ExpertsLinear, FusedExperts, grouped_linear
+from .grouped_linear import GroupedLinear, pad_groups, unpad_groups
 from .layernorm_linear import LayerNormLinear, LayerNormMLP
 from .linear import Linear
 from .norms import LayerNorm, RMSNorm
@@ -15,4 +17,10 @@ __all__ = [
     "RMSNorm",
     "StoredFP8Linear",
     "BlockFP8Linear",
+    "GroupedLinear",
+    "ExpertsLinear",
+    "FusedExperts",
+    "grouped_linear",
+    "pad_groups",
+    "unpad_groups",
 ]

@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tiny: 2 layers, hidden 64; small: 4 layers, hidden 128 (default)",
     )
     p.add_argument(
+        "--model", choices=("gpt", "moe"), default="gpt",
+        help="gpt: dense MLPs (the default); moe: each MLP a mixture of 4 experts, top-2 routing "
+        "(GroupedLinear: one FP8 GEMM and delayed-scaling roles per expert)",
+    )  # fmt: skip
+    p.add_argument(
         "--batch-size", type=positive_int, default=8, help="sequences per rank and step (default 8)"
     )
     mode = p.add_mutually_exclusive_group()
@@ -124,7 +129,7 @@ def launch_command(args: argparse.Namespace, run_dir: str) -> list[str]:
         "--seed", str(args.seed), "--device", args.device, "--run-dir", run_dir,
         "--log-every", str(args.log_every), "--recipe", args.recipe, "--data", args.data,
         "--quant-error-every", str(args.quant_error_every), "--timing-rounds", str(args.timing_rounds),
-        "--timing-block", str(args.timing_block),
+        "--timing-block", str(args.timing_block), "--model", args.model,
     ]  # fmt: skip
     if args.compare_modes:
         cmd.append("--compare-modes")
@@ -183,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     recipes = ", ".join(RECIPE_TEXT.values()) if args.recipe == "all" else RECIPE_TEXT[args.recipe]
     print(
-        f"fp8train demo: {_ranks(args.world_size)} ({backend}, {args.device}), {args.model_size} GPT on "
+        f"fp8train demo: {_ranks(args.world_size)} ({backend}, {args.device}), {args.model_size} "
+        f"{'MoE ' if args.model == 'moe' else ''}GPT on "
         f"{'real text' if args.data == 'text' else 'a synthetic language'}, {args.steps} steps, {recipes}, "
         f"{mode} amax reduction -> {run_dir}",
         flush=True,

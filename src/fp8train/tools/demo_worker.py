@@ -34,11 +34,13 @@ from fp8train.telemetry import Telemetry
 from fp8train.tensor_stats import GemmStatistics
 
 from .data import TEXT_SOURCE, MarkovTask, stdlib_text, text_batches
-from .models import GPT, MODEL_SIZES, GPTConfig, next_token_loss
+from .models import GPT, MODEL_SIZES, GPTConfig, MoE, next_token_loss
 from .quant_error import DelayedScales, TensorTap, mean_errors, quantization_errors, sample_gemms
 from .timing import interleaved_times, medians, quartiles, slowest_rank
 
 __all__ = ["train_phase", "timed_pass", "main", "measure_telemetry_overhead", "DEMO_RECIPES"]
+
+MOE_EXPERTS = 4  # `--model moe`: experts per MoE block (top-2 routing)
 
 DEMO_RECIPES = {
     "delayed": fp8train.DelayedScaling(amax_history_len=16),  # short window: scales visibly follow amaxes
@@ -171,7 +173,10 @@ def train_phase(
         t0 = time.perf_counter()
         global_loss = trainer.step(step, data[step])
         step_s = time.perf_counter() - t0
-        record = tel.log_step(step, loss=global_loss, tokens_per_s=tokens_per_step / step_s, step_s=step_s)
+        experts = _tokens_per_expert(trainer.model)  # MoE blocks (--model moe): this rank's routing
+        record = tel.log_step(
+            step, loss=global_loss, tokens_per_s=tokens_per_step / step_s, step_s=step_s, **experts
+        )
         if step in measured:
             errors.append(_quant_error_record(name, step, recipe, tap.disarm(), scales))
             tel.write(errors[-1])
@@ -334,11 +339,19 @@ class LineProgress:
         pass
 
 
+def _tokens_per_expert(model: torch.nn.Module) -> dict:
+    """{"tokens_per_expert": {MoE block name: tokens this rank routed to each expert}} of the latest
+    forward, or {} for a model without MoE blocks."""
+    counts = {n: m.last_tokens_per_expert for n, m in model.named_modules() if isinstance(m, MoE)}
+    return {"tokens_per_expert": counts} if counts else {}
+
+
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fp8train.tools.demo_worker")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--model", choices=("gpt", "moe"), default="gpt")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
@@ -358,6 +371,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 def _dataset(args: argparse.Namespace, rank: int) -> tuple[GPTConfig, torch.Tensor, Optional[float], str]:
     """(model config, this rank's [steps, batch, seq_len + 1] tokens, the loss floor if known, source)."""
     cfg = MODEL_SIZES[args.model_size]
+    if getattr(args, "model", "gpt") == "moe":
+        cfg = dataclasses.replace(cfg, experts=MOE_EXPERTS)
     seed = args.seed * 7919 + 1 + rank
     if args.data == "markov":
         task = MarkovTask(cfg.vocab_size, cfg.seq_len, seed=args.seed)

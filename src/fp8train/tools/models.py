@@ -1,7 +1,8 @@
 """A small GPT built from fp8train modules, for the demo, telemetry tests and benchmarks.
 
-Each block is LayerNormLinear (qkv) + causal attention + Linear (proj), then LayerNormMLP, with
-residual connections; a final LayerNorm and an LM head follow. The head and the embeddings stay in
+Each block is LayerNormLinear (qkv) + causal attention + Linear (proj), then LayerNormMLP (or, with
+`experts` > 0, a mixture of experts: a router and two GroupedLinear), with residual connections; a
+final LayerNorm and an LM head follow. The head and the embeddings stay in
 high precision (as usual in FP8 recipes: the vocabulary projection is precision-sensitive and cheap).
 """
 
@@ -12,9 +13,17 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from fp8train.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear
+from fp8train.modules import (
+    GroupedLinear,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    pad_groups,
+    unpad_groups,
+)
 
-__all__ = ["GPTConfig", "GPT", "MODEL_SIZES", "next_token_loss"]
+__all__ = ["GPTConfig", "GPT", "MoE", "MODEL_SIZES", "next_token_loss"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,8 @@ class GPTConfig:
     heads: int = 4
     layers: int = 2
     ffn: int = 256
+    experts: int = 0  # > 0: each block's MLP is a mixture of this many experts (MoE), each ffn / experts wide
+    top_k: int = 2  # experts per token (MoE)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,11 +66,48 @@ class Attention(torch.nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
+# Each expert's rows are padded to whole blocks of the largest block a recipe needs along the tokens
+# (MXFP8's 32): every recipe trains the same model; zero rows change no amax and no other row.
+EXPERT_ROWS_MULTIPLE = 32
+
+
+class MoE(torch.nn.Module):
+    """Pre-norm token-choice top-k mixture of experts: a high-precision router (softmax, top-k, the
+    weights renormalised), each expert GELU(x W_up.T) W_down.T, as two GroupedLinear (FP8 GEMMs, a
+    role per expert); a token's output is the routing-weighted sum over its experts."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.ffn % cfg.experts or not 1 <= cfg.top_k <= cfg.experts:
+            raise ValueError(
+                f"MoE: ffn ({cfg.ffn}) must divide by experts ({cfg.experts}), 1 <= top_k <= experts"
+            )
+        self.experts, self.top_k = cfg.experts, cfg.top_k
+        self.norm = LayerNorm(cfg.hidden)
+        self.router = torch.nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.up = GroupedLinear(cfg.experts, cfg.hidden, cfg.ffn // cfg.experts)
+        self.down = GroupedLinear(cfg.experts, cfg.ffn // cfg.experts, cfg.hidden)
+        self.last_tokens_per_expert: list[int] = []  # of the latest call (the report shows them)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x).reshape(-1, x.shape[-1])
+        weights, chosen = F.softmax(self.router(h).float(), dim=-1).topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        order = torch.argsort(chosen.reshape(-1), stable=True)  # rows grouped by expert
+        token = order // self.top_k
+        splits = torch.bincount(chosen.reshape(-1), minlength=self.experts).tolist()
+        self.last_tokens_per_expert = splits
+        rows, padded = pad_groups(h[token], splits, EXPERT_ROWS_MULTIPLE)
+        y = unpad_groups(self.down(F.gelu(self.up(rows, padded)), padded), splits, padded)
+        y = y * weights.reshape(-1)[order, None]
+        return torch.zeros_like(h).index_add_(0, token, y).view(x.shape)
+
+
 class Block(torch.nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.attn = Attention(cfg)
-        self.mlp = LayerNormMLP(cfg.hidden, cfg.ffn)
+        self.mlp = MoE(cfg) if cfg.experts else LayerNormMLP(cfg.hidden, cfg.ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)

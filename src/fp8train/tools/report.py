@@ -659,9 +659,27 @@ def _markdown(
             out += [f"- `{n}`: {u:.3f}" for u, n in med[:5]]
             out.append(f"- ... highest: `{med[-1][1]}`: {med[-1][0]:.3f}")
         out += ["", _overflow_table(run)]
+    out += _experts_table(delayed[0] if delayed else None)
     out += _memory_table(run_dir)
     out.append("")
     return "\n".join(out)
+
+
+def _experts_table(run) -> list[str]:
+    """MoE models (`fp8train demo --model moe`): per expert, the tokens rank 0 routed to it and its
+    up-projection input's amax and scale at the last logged step of a delayed-scaling run."""
+    if run is None or not run.steps or "tokens_per_expert" not in run.steps[-1]:
+        return []
+    last = run.steps[-1]
+    out = ["", f"Experts at step {last['step']} of {run.name} (tokens: rank 0's routing; amax: reduced):", ""]
+    out += ["| block | expert | tokens | input amax | input scale |", "|---|---:|---:|---:|---:|"]
+    for block, counts in last["tokens_per_expert"].items():
+        for expert, tokens in enumerate(counts):
+            role = last["roles"].get(f"{block}.up/{expert}/input", {})
+            amax, scale = role.get("amax"), role.get("scale")
+            cells = [f"{v:.4g}" if _is_finite(v) else "" for v in (amax, scale)]
+            out.append(f"| {block} | {expert} | {tokens} | {cells[0]} | {cells[1]} |")
+    return out
 
 
 def _memory_table(run_dir: str) -> list[str]:

@@ -28,6 +28,7 @@ SUITES = (
     "checkpoint",
     "optim",
     "memory",
+    "grouped",
 )
 
 
@@ -163,6 +164,14 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         for part in ("mlp_block", "option_cost"):
             print(table(result[part], list(result[part][0].keys())))
         return result
+    if suite == "grouped":
+        from . import grouped
+
+        if args.quick:
+            return grouped.run(shapes=((4, 64, 64, 256),), repeats=2)
+        if torch.cuda.is_available():  # 8 local experts of DeepSeek-V3's shape (7168 -> 2048)
+            return grouped.run(shapes=((8, 7168, 2048, 16384),), device="cuda")
+        return grouped.run()
     if suite == "gpu":
         from . import gpu
 
