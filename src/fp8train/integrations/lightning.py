@@ -153,14 +153,14 @@ class FP8Precision(_precision.Precision):
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Lightning's optimizer step of `optimizer` for `model` (Lightning passes both, and `closure`:
-        the step's forward and backward). Per-step amax reduction: the step boundary after
-        Lightning's closure (the step's last forward and backward, also in manual optimization, then
-        the `on_before_optimizer_step` hooks), before the optimizer's update, so no `end_step` is needed in the LightningModule.
-        A hook that still marks the boundary itself (`fp8train.end_step()` in a callback's
-        `on_before_optimizer_step`, as the guide once taught) makes the step's only boundary, and is
-        named once as no longer needed: one boundary, 2 amax collectives per group and step.
-        (`Precision.optimizer_step` with the boundary around its `_wrap_closure`, Lightning's
-        closure-then-hooks, rather than inside it.) Returns the closure's result, as Lightning's."""
+        the step's forward and backward). Per-step amax reduction: the step boundary after Lightning's
+        closure (the step's last forward and backward, also in manual optimization, then the
+        `on_before_optimizer_step` hooks), before the optimizer's update, so no `end_step` is needed
+        in the LightningModule. A hook that still marks the boundary itself (`fp8train.end_step()`
+        in a callback's `on_before_optimizer_step`, as the guide once taught) makes the step's only
+        boundary, and is named once as no longer needed: one boundary, 2 amax collectives per group
+        and step. (`Precision.optimizer_step` with the boundary around its `_wrap_closure`,
+        Lightning's closure-then-hooks, rather than inside it.) Returns the closure's result."""
         if not getattr(self.recipe, "per_step", False):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         closure = ending_step(functools.partial(self._wrap_closure, model, optimizer, closure), self._marked)
