@@ -23,6 +23,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import fp8train
 
 PACKAGE = pathlib.Path(fp8train.__file__).parent
@@ -222,6 +224,25 @@ def test_telemetry_and_inspection_are_attributes_after_import_fp8train() -> None
     code = "import fp8train; fp8train.telemetry.Telemetry; fp8train.inspection.amax_groups(); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+# What `import fp8train` and the command's start-up must not import: the compiler stack (torch._dynamo
+# and inductor, sympy, triton: about as long again as `import torch`), nor the toolbox's plotting.
+HEAVY_AT_IMPORT = ("torch._dynamo", "torch._inductor", "sympy", "triton", "matplotlib")
+
+
+HELP = "from fp8train.tools.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+
+
+@pytest.mark.parametrize("code", ["import fp8train", HELP], ids=["import", "help"])
+def test_import_fp8train_leaves_the_compiler_unimported(code) -> None:
+    """Start-up (issue 39, item 7): `import fp8train` and `fp8train --help` cost about `import torch`;
+    the compiler is imported where it is used (a traced FP8 call, prepare's first model). Times are
+    measured by `fp8train bench startup`; this counts modules."""
+    probe = f"import sys\n{code}\nprint(sorted(m for m in {HEAVY_AT_IMPORT!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"{code!r} imported {out.stdout.strip()[-200:]}"
 
 
 # nn.Module methods a subclass overrides and calls through super(), namedtuple's and the wrapper

@@ -20,7 +20,12 @@ from typing import Any, Optional
 import torch
 
 from ..debug_switches import SWITCHES
-from ..torch_internals import keep_out_of_cuda_graphs, register_ordered_effects, round_divisions_as_eager
+from ..torch_internals import (
+    constant_for_compile,
+    keep_out_of_cuda_graphs,
+    register_ordered_effects,
+    round_divisions_as_eager,
+)
 from .plans import note_training_output, plan_forward
 from .regions import current_backward_pass
 from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
@@ -116,6 +121,7 @@ def begin_call(module, gemm_index: int) -> Call:
     """
     handle = module.fp8_handle
     if torch.compiler.is_compiling():
+        inductor_configured()
         settings = STATE.regions.settings
         if settings is None or not settings.active:
             return Call(False, False, None, handle, gemm_index)
@@ -255,7 +261,14 @@ PROTOCOL_OPS = (
     torch.ops.fp8train.check_recipe_kind,
 )
 ORDERED_EFFECTS = register_ordered_effects(op.default for op in PROTOCOL_OPS)
-# mode="reduce-overhead": the graph's CUDA graphs hold the compute between these ops, never the ops
-KEPT_OUT_OF_CUDA_GRAPHS = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
-# compiled scales are eager's: fp8_max / amax and 1 / scale correctly rounded on GPUs too
-DIVISIONS_ROUNDED_AS_EAGER = round_divisions_as_eager()
+
+
+@constant_for_compile  # dynamo runs it for real while tracing, before inductor compiles the graph
+def inductor_configured() -> bool:
+    """Inductor's settings for FP8 graphs, applied when a graph with FP8 calls is traced (not at import:
+    importing inductor's config imports torch._dynamo, which would double `import fp8train`'s time).
+    mode="reduce-overhead": the graph's CUDA graphs hold the compute between the protocol's ops, never
+    the ops; compiled scales are eager's (fp8_max / amax and 1 / scale correctly rounded on GPUs too).
+    Idempotent. Whether both settings are in force."""
+    kept = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
+    return round_divisions_as_eager() and kept

@@ -28,7 +28,16 @@ SUITES = (
     "checkpoint",
     "optim",
     "memory",
+    "startup",
 )
+
+
+def default_out() -> str:
+    """Where figures go without --out: a fresh run directory under ./runs (as the demo's), never a
+    folder of the repository; `--out benchmarks/results` updates the committed figures (from a checkout)."""
+    import datetime
+
+    return os.path.join("runs", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -40,7 +49,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=["all"],
         help="which benchmarks to run (default: all that fit this machine)",
     )
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON figures")
+    parser.add_argument(
+        "--out", default=None,
+        help="folder for the JSON figures (default: runs/bench-<timestamp>; from a checkout, "
+        "--out benchmarks/results updates the committed figures)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests and smoke runs")
     parser.add_argument(
         "--latencies-ms", type=latencies_ms, default=latencies_ms("0,5,20,50"),
@@ -61,6 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "model, its check, the plot) instead of measuring",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    args.out = args.out or default_out()
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as err:
@@ -163,6 +177,10 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         for part in ("mlp_block", "option_cost"):
             print(table(result[part], list(result[part][0].keys())))
         return result
+    if suite == "startup":
+        from . import startup
+
+        return startup.run(repeats=1 if args.quick else 5)
     if suite == "gpu":
         from . import gpu
 
