@@ -262,3 +262,36 @@ def test_memory_bench_counts_each_part_of_a_step(tmp_path) -> None:
     assert any(line.startswith(f"| bf16 autocast | {bf16['params_MB']:.2f} |") for line in lines)
     assert f"| {states['sum_MB']:.2f} | {states['sum_vs_bf16']:.2f} |" in "\n".join(lines)
     assert _memory_table(str(tmp_path / "none")) == []
+
+
+def test_bench_writes_under_a_run_directory_unless_told(tmp_path, monkeypatch) -> None:
+    """Without --out, figures go to a fresh runs/bench-<timestamp>/ of the current directory (never a
+    benchmarks/results/ there); the repository's scripts keep benchmarks/results/ as their default."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["fused", "--quick"]) == 0
+    (written,) = tmp_path.glob("runs/bench-*/fused.json")
+    assert json.loads(written.read_text())["rows"] and not (tmp_path / "benchmarks").exists()
+    script = (REPO / "benchmarks" / "bench_fused.py").read_text()
+    assert '"--out", RESULTS' in script and 'parent / "results"' in script
+
+
+def test_startup_benchmark_reports_ratios_to_its_floor_and_module_counts(monkeypatch) -> None:
+    """The figures of `fp8train bench startup` on stand-in commands (the real ones take a minute on a
+    shared machine): ratios to the first command's median, modules imported beyond it, dynamo or not."""
+    from fp8train.tools.bench import startup
+
+    monkeypatch.setattr(
+        startup, "COMMANDS", {"import torch": "import json", "import fp8train": "import json, email.parser",
+                              "fp8train --help": "import json"},
+    )  # fmt: skip
+    result = startup.run(repeats=1)
+    rows = {r["command"]: r for r in result["rows"]}
+    assert (
+        rows["import torch"]["vs_import_torch"] == 1.0 and rows["import torch"]["modules_beyond_torch"] == 0
+    )
+    assert (
+        rows["import fp8train"]["modules_beyond_torch"] > 0
+        and rows["fp8train --help"]["modules_beyond_torch"] == 0
+    )
+    assert all(r["median_s"] > 0 and r["imports_dynamo"] is False for r in rows.values())
+    assert result["goal_vs_import_torch"] == 1.5
