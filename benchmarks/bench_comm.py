@@ -1,8 +1,12 @@
-"""`fp8train bench comm` as a script: python benchmarks/bench_comm.py [--quick] [--ranks 2,4] [--out DIR]."""
+"""`fp8train bench comm` as a script: python benchmarks/bench_comm.py [--quick] [--ranks 2,4] [--out DIR]
+(default: benchmarks/results/, the committed figures, which `fp8train bench` writes only when told)."""
 
+import pathlib
 import sys
 
 from fp8train.tools.bench import main
 
+RESULTS = str(pathlib.Path(__file__).resolve().parent / "results")  # a later --out wins
+
 if __name__ == "__main__":
-    sys.exit(main(["comm", *sys.argv[1:]]))
+    sys.exit(main(["comm", "--out", RESULTS, *sys.argv[1:]]))

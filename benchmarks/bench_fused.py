@@ -1,8 +1,12 @@
-"""`fp8train bench fused` as a script: python benchmarks/bench_fused.py [--quick] [--out DIR]."""
+"""`fp8train bench fused` as a script: python benchmarks/bench_fused.py [--quick] [--out DIR]
+(default: benchmarks/results/, the committed figures, which `fp8train bench` writes only when told)."""
 
+import pathlib
 import sys
 
 from fp8train.tools.bench import main
 
+RESULTS = str(pathlib.Path(__file__).resolve().parent / "results")  # a later --out wins
+
 if __name__ == "__main__":
-    sys.exit(main(["fused", *sys.argv[1:]]))
+    sys.exit(main(["fused", "--out", RESULTS, *sys.argv[1:]]))

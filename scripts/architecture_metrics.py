@@ -16,7 +16,7 @@ What is measured:
     when B is a submodule that P/__init__.py does not bind a name for (so `from fp8train.amax import
     settings` reaches the face, which exports a `settings` object). Imports under `if TYPE_CHECKING:`
     and inside functions count; importing P.B is an arrow to P.B only (not also to P). Each module
-    has the layer of LAYERS (below; README's layout, top to bottom); an arrow runs from a lower layer
+    has the layer of LAYERS (below; design.md's file layout, top to bottom); an arrow runs from a lower layer
     to a higher one when its target's layer comes later in LAYERS than its source's. A tree without
     src/fp8train/amax/ is from before the move: its modules take the layer of their new home
     (FORMER_HOMES).
@@ -59,8 +59,8 @@ import tempfile
 from collections import deque
 from typing import NamedTuple, Optional
 
-# The core's layers, lowest first (README.md "## Layout", top to bottom): a module may import its own
-# layer and the layers before it. An entry is a file directly in src/fp8train/ (its stem) or a
+# The core's layers, lowest first (docs/design.md, "File layout", top to bottom): a module may import
+# its own layer and the layers before it. An entry is a file directly in src/fp8train/ (its stem) or a
 # subpackage (every module in it). tests/test_layers.py enforces this table on the code.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (

@@ -45,6 +45,7 @@ class FP8Forward:
         self.module = module
         self.recipe = recipe
         self.group = group
+        _skipped_by_compile()
 
     @property
     def __wrapped__(self) -> Callable:
@@ -55,7 +56,7 @@ class FP8Forward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if args and args[0] is self.module:  # rebound as a method of its model: accelerate's
             args = args[1:]  # unwrap_model(keep_fp32_wrapper=False) sets MethodType(forward, model)
-        return _forward_in_region(self, args, kwargs)
+        return _SKIPPED_BY_COMPILE["forward_in_region"](self, args, kwargs)
 
     def __getstate__(self) -> dict:
         # A process group does not pickle and means nothing in another process; the default group
@@ -68,6 +69,10 @@ class FP8Forward:
             )
         return {"module": self.module, "recipe": self.recipe, "group": None}
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _skipped_by_compile()  # unpickled in a process that has prepared nothing
+
     def __deepcopy__(self, memo: dict) -> FP8Forward:
         return FP8Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.recipe, memo), self.group)
 
@@ -75,29 +80,40 @@ class FP8Forward:
         return f"FP8Forward({type(self.module).__name__}.forward, recipe={self.recipe!r})"
 
 
-@torch.compiler.disable(recursive=False)
 def _forward_in_region(forward: FP8Forward, args: tuple, kwargs: dict) -> Any:
     """`fp8_autocast` around the model's forward, written out so that under `torch.compile(model)`
     the region's entry and exit run eagerly (they are not traceable) while the forward between them
-    is compiled as usual (this frame is skipped, not what it calls)."""
-    region = _enter(forward.recipe, forward.group)
+    is compiled as usual (this frame is skipped, not what it calls: `_skipped_by_compile`)."""
+    region = _SKIPPED_BY_COMPILE["enter"](forward.recipe, forward.group)
     try:
         out = forward.__wrapped__(*args, **kwargs)
     except BaseException:
-        _exit(region, True)
+        _SKIPPED_BY_COMPILE["exit"](region, True)
         raise
-    _exit(region, False)
+    _SKIPPED_BY_COMPILE["exit"](region, False)
     return out
 
 
-@torch.compiler.disable
 def _enter(recipe: Recipe, group: Any) -> Optional[Region]:
     return enter_region(RegionSettings(True, False, recipe, quantization_of(recipe), group))
 
 
-@torch.compiler.disable
 def _exit(region: Optional[Region], failed: bool) -> None:
     exit_region(region, failed)
+
+
+# The region's steps as torch.compile skips them: made by the first FP8Forward, not at import
+# (torch.compiler.disable imports torch._dynamo, which would double `import fp8train`'s time).
+_SKIPPED_BY_COMPILE: dict[str, Callable] = {}
+
+
+def _skipped_by_compile() -> None:
+    if not _SKIPPED_BY_COMPILE:
+        _SKIPPED_BY_COMPILE.update(
+            forward_in_region=torch.compiler.disable(_forward_in_region, recursive=False),
+            enter=torch.compiler.disable(_enter),
+            exit=torch.compiler.disable(_exit),
+        )
 
 
 def is_prepared(model: torch.nn.Module) -> bool:

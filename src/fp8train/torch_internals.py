@@ -42,7 +42,20 @@ __all__ = [
     "children_by_name",
     "managed_by_fsdp2",
     "foreach_copy",
+    "constant_for_compile",
 ]
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------
+def constant_for_compile(fn: Callable) -> Callable:
+    """`torch.compiler.assume_constant_result` without importing `torch._dynamo` (private: its mark).
+
+    Traced code reads `fn`'s answer as a constant. torch's decorator imports `torch._dynamo` (about half
+    of `import torch`'s time again) only to set the attribute dynamo's tracer looks for
+    (`torch/_dynamo/decorators.py`, unchanged from 2.7 to 2.13; tests/test_layers.py checks it), so
+    `import fp8train` sets it itself and leaves dynamo unimported until something compiles."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 # ---- autograd engine -------------------------------------------------------------------------------
@@ -138,7 +151,7 @@ SCALED_MM_KERNELS = ("tensorwise", "block", "mxfp8", "nvfp4")
 _DEVICE_FACTS: dict[tuple, Any] = {}
 
 
-@torch.compiler.assume_constant_result  # traced code reads the answer as a constant
+@constant_for_compile  # traced code reads the answer as a constant
 def cuda_capability(index: int) -> tuple[int, int]:
     """The compute capability of CUDA device `index`, asked once (it never changes in a process)."""
     key = ("capability", index)
@@ -190,7 +203,7 @@ def _probe(kernel: str, device: torch.device) -> None:
             )
 
 
-@torch.compiler.assume_constant_result  # traced code reads the answer as a constant
+@constant_for_compile  # traced code reads the answer as a constant
 def scaled_mm_problem(device_type: str, index: int, kernel: str = "tensorwise") -> str:
     """Why `torch._scaled_mm` cannot run `kernel` on this device ("" when it can), found by one small
     call per device and kernel (a torch without the op, a CUDA build or GPU without FP8 GEMMs, ROCm's

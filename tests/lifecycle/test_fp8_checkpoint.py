@@ -457,6 +457,28 @@ def test_hand_built_model_without_a_config_loads_and_exports(tmp_path) -> None:
 
 
 # ---- adapters, export -----------------------------------------------------------------------------
+def test_peft_takes_the_fp8_layers_dimensions_without_an_unsupported_layer_warning(aligned) -> None:
+    """PEFT warns "Unsupported layer type ... proceed at your own risk" for base layers it does not
+    know; FP8LoraLinear gives StoredFP8Linear's dimensions through PEFT's hook, so nothing is warned."""
+    import warnings
+
+    import peft
+
+    from fp8train.integrations.fp8_checkpoint import load_fp8_checkpoint
+    from fp8train.integrations.peft_fp8 import lora_config
+
+    directory, _ = aligned
+    base = load_fp8_checkpoint(directory)
+    q_proj = base.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, fp8train.StoredFP8Linear)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.get_peft_model(base, lora_config(**LORA))
+    assert not [str(w.message) for w in caught if "Unsupported layer type" in str(w.message)]
+    lora = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert (lora.in_features, lora.out_features) == (q_proj.in_features, q_proj.out_features)
+
+
 def test_lora_trains_base_bytes_unchanged_export_read_by_transformers(aligned, tmp_path) -> None:
     import peft
     from transformers import AutoModelForCausalLM

@@ -326,7 +326,43 @@ PROTOCOL_OPS = ["fp8train::forward_scales", "fp8train::backward_scales", "fp8tra
 
 
 def test_inductor_is_told_to_keep_the_protocol_ops_out_of_cuda_graphs() -> None:
-    assert set(PROTOCOL_OPS) <= set(torch._inductor.config.custom_should_partition_ops)
+    """Told when an FP8 call is traced (importing inductor's config at `import fp8train` would double its
+    time): a freshly compiled FP8 module leaves the setting in force, whatever was there before."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    torch._dynamo.reset()
+    fp8train.inspection.reset()
+    seen = []
+
+    def compiler(gm, example_inputs):
+        seen.append(set(torch._inductor.config.custom_should_partition_ops))
+        return make_boxed_func(gm.forward)
+
+    with torch._inductor.config.patch(custom_should_partition_ops=[]):
+        run = torch.compile(
+            fp8train.Linear(32, 32), backend=aot_autograd(fw_compiler=compiler), fullgraph=True
+        )
+        with fp8train.fp8_autocast(fp8_recipe=RECIPE):
+            run(torch.randn(32, 32))
+    assert seen and all(set(PROTOCOL_OPS) <= ops for ops in seen)
+
+
+def test_constant_for_compile_marks_as_torch_does() -> None:
+    """torch_internals.constant_for_compile sets what torch.compiler.assume_constant_result sets (the
+    mark dynamo reads), without importing torch._dynamo."""
+    from fp8train.torch_internals import constant_for_compile
+
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+
+    constant_for_compile(ours)
+    torch.compiler.assume_constant_result(torchs)
+    marks = {k: v for k, v in vars(torchs).items()}
+    assert marks and vars(ours) == marks
 
 
 @pytest.mark.slow

@@ -270,3 +270,36 @@ def test_grouped_bench_times_grouped_fp8_beside_a_loop_of_linear(tmp_path) -> No
     variants = {row["variant"] for row in saved["rows"]}
     assert {"fp8_grouped", "fp8_linear_loop", "fp32_linear_loop"} <= variants
     assert saved["cpu_capability"] and all(row["ms"] > 0 for row in saved["rows"])
+
+
+def test_bench_writes_under_a_run_directory_unless_told(tmp_path, monkeypatch) -> None:
+    """Without --out, figures go to a fresh runs/bench-<timestamp>/ of the current directory (never a
+    benchmarks/results/ there); the repository's scripts keep benchmarks/results/ as their default."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["fused", "--quick"]) == 0
+    (written,) = tmp_path.glob("runs/bench-*/fused.json")
+    assert json.loads(written.read_text())["rows"] and not (tmp_path / "benchmarks").exists()
+    script = (REPO / "benchmarks" / "bench_fused.py").read_text()
+    assert '"--out", RESULTS' in script and 'parent / "results"' in script
+
+
+def test_startup_benchmark_reports_ratios_to_its_floor_and_module_counts(monkeypatch) -> None:
+    """The figures of `fp8train bench startup` on stand-in commands (the real ones take a minute on a
+    shared machine): ratios to the first command's median, modules imported beyond it, dynamo or not."""
+    from fp8train.tools.bench import startup
+
+    monkeypatch.setattr(
+        startup, "COMMANDS", {"import torch": "import json", "import fp8train": "import json, email.parser",
+                              "fp8train --help": "import json"},
+    )  # fmt: skip
+    result = startup.run(repeats=1)
+    rows = {r["command"]: r for r in result["rows"]}
+    assert (
+        rows["import torch"]["vs_import_torch"] == 1.0 and rows["import torch"]["modules_beyond_torch"] == 0
+    )
+    assert (
+        rows["import fp8train"]["modules_beyond_torch"] > 0
+        and rows["fp8train --help"]["modules_beyond_torch"] == 0
+    )
+    assert all(r["median_s"] > 0 and r["imports_dynamo"] is False for r in rows.values())
+    assert result["goal_vs_import_torch"] == 1.5

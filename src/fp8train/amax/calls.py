@@ -21,6 +21,7 @@ import torch
 
 from ..debug_switches import SWITCHES
 from ..torch_internals import (
+    constant_for_compile,
     keep_out_of_cuda_graphs,
     register_ordered_effects,
     round_divisions_as_eager,
@@ -121,6 +122,7 @@ def begin_call(module, gemm_index: int) -> Call:
     """
     handle = module.fp8_handle
     if torch.compiler.is_compiling():
+        inductor_configured()
         settings = STATE.regions.settings
         if settings is None or not settings.active:
             return Call(False, False, None, handle, gemm_index)
@@ -260,9 +262,17 @@ PROTOCOL_OPS = (
     torch.ops.fp8train.check_recipe_kind,
 )
 ORDERED_EFFECTS = register_ordered_effects(op.default for op in PROTOCOL_OPS)
-# mode="reduce-overhead": the graph's CUDA graphs hold the compute between these ops, never the ops
-KEPT_OUT_OF_CUDA_GRAPHS = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
-# compiled scales are eager's: fp8_max / amax and 1 / scale correctly rounded on GPUs too
-DIVISIONS_ROUNDED_AS_EAGER = round_divisions_as_eager()
-# and the emulated bf16 GEMM's output is rounded to bf16 where eager rounds it, fused or not
-PRECISION_CASTS_KEPT_AS_EAGER = round_precision_casts_as_eager()
+
+
+@constant_for_compile  # dynamo runs it for real while tracing, before inductor compiles the graph
+def inductor_configured() -> bool:
+    """Inductor's settings for FP8 graphs, applied when a graph with FP8 calls is traced (not at import:
+    importing inductor's config imports torch._dynamo, which would double `import fp8train`'s time).
+    mode="reduce-overhead": the graph's CUDA graphs hold the compute between the protocol's ops, never
+    the ops; compiled scales are eager's (fp8_max / amax and 1 / scale correctly rounded on GPUs too);
+    the emulated bf16 GEMM's output is rounded to bf16 where eager rounds it, fused or not.
+    Idempotent. Whether all three settings are in force."""
+    kept = keep_out_of_cuda_graphs(op.default.name() for op in PROTOCOL_OPS)
+    divisions = round_divisions_as_eager()
+    casts = round_precision_casts_as_eager()
+    return kept and divisions and casts

@@ -37,8 +37,11 @@ class ReductionStats:
     """Per-process counters, readable through `fp8train.reduction_stats()` (docs/telemetry.md).
 
     `exposed_wait_s`: time the waiting side stood still for a collective (the host on the CPU; the
-    compute stream on CUDA, measured with events). `hidden_s`: time from a launch to the start of its
-    wait on the same clock, during which the collective overlapped other work."""
+    compute stream on CUDA, measured with events): what the reduction costs. `hidden_s`: the sum over
+    reductions of the time from a launch to the start of its wait on the same clock, during which the
+    collective overlapped other work: not a cost, and not a share of anything (a forward's and a
+    backward's window overlap each other and the step, so the sum can exceed the training time);
+    `hidden_s / launched` is each reduction's mean time in flight (docs/telemetry.md)."""
 
     def __init__(self) -> None:
         self.reset()

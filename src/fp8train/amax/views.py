@@ -45,6 +45,11 @@ def reduction_stats(complete: bool = True) -> dict:
     """Per-process reduction counters: launched, bytes_reduced, exposed_wait_s, hidden_s, updates,
     nonfinite_amax_events.
 
+    `exposed_wait_s` is what the reductions cost (time the waiting side stood still). `hidden_s` sums
+    each reduction's launch-to-wait window, time overlapped with other work: not a cost, and it can
+    exceed the training time (the windows overlap each other); `hidden_s / launched` is a reduction's
+    mean time in flight (docs/telemetry.md).
+
     By default in-flight reductions are completed first (no collective is issued), so the counters
     include the last step's update; `complete=False` reads them without waiting for anything (CUDA
     timings and counts whose copies have not arrived are left for a later read).

@@ -53,6 +53,15 @@ class FP8LoraLinear(_lora.Linear):
                 "layer (StoredFP8Linear): use plain LoRA"
             )
 
+    def _get_in_out_features(self, module: torch.nn.Module) -> tuple:
+        """The base layer's dimensions, through the hook PEFT's LoRA layers override for base layers
+        its table does not name (its ParamWrapper does the same): without it PEFT reads the same
+        `in_features` / `out_features` but first warns "Unsupported layer type StoredFP8Linear ...
+        proceed at your own risk" once per layer on every rank."""
+        if isinstance(module, StoredFP8Linear):
+            return module.in_features, module.out_features
+        return super()._get_in_out_features(module)
+
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         """W + sum of B A (scaled) over the adapters (`adapter_names`, default: the active ones),
         quantized to block FP8 by the base layer's recipe and stored in its place (the merge is lossy

@@ -25,6 +25,7 @@ import torch
 
 from ..amax import Call
 from ..gemm import RECIPE_KERNELS, Operand, kernel_choice
+from ..torch_internals import constant_for_compile
 
 __all__ = ["Quantization", "WeightOperands", "InputOperands", "GradOperands", "check_whole_blocks"]
 
@@ -131,7 +132,7 @@ def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
 _RECIPE_KINDS = {"Float8BlockScaling": "block", "MXFP8BlockScaling": "mxfp8", "NVFP4BlockScaling": "nvfp4"}
 
 
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def _note_emulated(recipe_name: str, device: torch.device) -> bool:
     """Eager code calls it; torch.compile runs it while tracing and leaves it out of the graph (the
     mark), where `warnings.warn` cannot be traced (a graph break per layer, an error with

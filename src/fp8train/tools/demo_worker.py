@@ -27,6 +27,7 @@ import torch.distributed as dist
 import fp8train
 from fp8train.amax import ENV_ASYNC, settings
 from fp8train.debug_switches import apply_environment
+from fp8train.gemm import cpu_bf16_instructions
 from fp8train.modules import FP8Module
 from fp8train.quantization import recipe_kind
 from fp8train.recipe import Recipe
@@ -439,6 +440,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             "phases": {r["run"]: {k: v for k, v in r.items() if k != "losses"} for r in results},
             "step_timing": timing,
         }
+        if device.type == "cpu":  # the report says why bf16 autocast is slow where the CPU lacks bf16
+            native, why = cpu_bf16_instructions()
+            summary["cpu_bf16_instructions"] = {"native": native, "why": why}
         with open(os.path.join(args.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
     dist.barrier()

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import statistics
+import textwrap
 from typing import Optional
 
 from fp8train.telemetry import METRICS_FILE, read_metrics
@@ -94,6 +95,19 @@ class RunData:
                 xs.append(rec["step"])
                 ys.append(statistics.fmean(values))
         return xs, ys
+
+    def clipping(self) -> dict:
+        """Delayed scaling's clipped casts: of the role-steps logged, those whose utilisation
+        (amax x scale used / fp8_max) exceeded 1, where the cast saturated and the largest value lost
+        the share 1 - 1/utilisation of itself (1.05: 4.8%); their largest and median share."""
+        shares = [clipped_share(v["util"]) for r in self.steps for v in r["roles"].values()]
+        clipped = [c for c in shares if c > 0]
+        return {
+            "role_steps": len(shares),
+            "clipped": len(clipped),
+            "max_share": max(clipped, default=0.0),
+            "median_share": statistics.median(clipped) if clipped else 0.0,
+        }
 
     def events(self) -> dict:
         total = {"overflow": 0, "nonfinite": 0}
@@ -265,15 +279,33 @@ def _plot_roles(ax, series: dict, suffix: str, ylabel: str, title: str) -> None:
         ax.legend(handles=handles, fontsize=7, ncol=2, loc="best", framealpha=0.8)
 
 
-def _reduction_ms(run: RunData) -> tuple[float, float, int, int]:
-    """(exposed ms per step, hidden ms per step, launched, steps) averaged over ranks."""
+def clipped_share(util) -> float:
+    """The share of the largest value a cast clipped at utilisation `util` (amax x scale / fp8_max):
+    1 - 1/util above 1, else 0 (non-finite utilisation: 0, counted as non-finite elsewhere)."""
+    return 1.0 - 1.0 / util if _is_finite(util) and util > 1.0 else 0.0
+
+
+def reduction_figures(run: RunData) -> dict:
+    """What the amax reduction cost a run, means over ranks: `exposed_ms` per step, the time the step
+    stood still waiting (what the user pays), and `exposed_share` of the median step; `window_ms`,
+    each reduction's mean time in flight from its launch to its wait, and `window_share` of the median
+    step: time the reduction overlapped other work, which costs nothing (reduction_stats' `hidden_s`
+    is the sum of these windows: a forward's and a backward's overlap each other and the step, so the
+    sum can exceed the training time; it is not a cost). Shares are None without a step time."""
     stats = run.reduction()
     steps = run.end["steps"] if run.end else len(run.steps)
+    out = {"exposed_ms": 0.0, "exposed_share": None, "window_ms": 0.0, "window_share": None,
+           "launched": stats[0]["launched"] if stats else 0, "steps": steps}  # fmt: skip
     if not stats or steps == 0:
-        return 0.0, 0.0, 0, steps
-    exposed = statistics.mean(s["exposed_wait_s"] for s in stats) * 1e3 / steps
-    hidden = statistics.mean(s["hidden_s"] for s in stats) * 1e3 / steps
-    return exposed, hidden, stats[0]["launched"], steps
+        return out
+    out["exposed_ms"] = statistics.mean(s["exposed_wait_s"] for s in stats) * 1e3 / steps
+    if out["launched"]:
+        out["window_ms"] = statistics.mean(s["hidden_s"] for s in stats) * 1e3 / out["launched"]
+    step_ms = run.median_step_ms()
+    if step_ms:
+        out["exposed_share"] = out["exposed_ms"] / step_ms
+        out["window_share"] = out["window_ms"] / step_ms
+    return out
 
 
 def render(run_dir: str, out_name: str = "report.png") -> dict:
@@ -311,7 +343,8 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
 
     _plot_losses(fig.add_subplot(grid[0, 0]), runs, floor)
     _plot_reduction(fig.add_subplot(grid[0, 1]), delayed)
-    _plot_side_by_side(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), runs, timing)
+    _plot_side_by_side(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), runs, timing,
+                       bf16_note(_summary(run_dir)))  # fmt: skip
     _plot_quant_errors([fig.add_subplot(cell) for cell in grid[2, :].subgridspec(1, 3, wspace=0.3)], runs)
 
     for row, (suffix, what) in enumerate(
@@ -334,14 +367,25 @@ def render(run_dir: str, out_name: str = "report.png") -> dict:
 
 
 def _plot_losses(ax, runs: dict[str, RunData], floor: Optional[float]) -> None:
-    """Every run's loss curve (the reference grey and thick, underneath), and the loss floor if known."""
+    """Every run's loss curve (the reference grey and thick, underneath; each FP8 run its own dash and
+    markers, and a run whose losses equal an earlier run's bit for bit says so), the loss floor if
+    known, and an inset of each FP8 run's loss minus the reference's, where curves that coincide at
+    the main plot's scale come apart."""
+    seen: dict[tuple, str] = {}
     for i, run in enumerate(runs.values()):
         xs, ys = run.losses()
-        if xs:
-            style = dict(color=f"C{i}", linewidth=1.3, linestyle=_STYLES[i % len(_STYLES)])
-            if run.name == "reference":
-                style = dict(color="0.45", linewidth=2.2, alpha=0.8)
-            ax.plot(xs, _finite_or_nan(ys), label=f"{run.name} (final {run.final_loss():.3f})", **style)
+        if not xs:
+            continue
+        label = f"{run.name}: final {run.final_loss():.3f}"
+        twin = seen.setdefault((tuple(xs), tuple(ys)), run.name)
+        if twin != run.name:
+            label += f" (= {twin}, bit for bit)"
+        style = dict(color=f"C{i}", linewidth=1.3, linestyle=_STYLES[i % len(_STYLES)],
+                     marker=_MARKERS[i % len(_MARKERS)], markersize=4, markerfacecolor="none",
+                     markevery=(i * max(1, len(xs) // 40), max(1, len(xs) // 10)))  # fmt: skip
+        if run.name == "reference":
+            style = dict(color="0.45", linewidth=2.2, alpha=0.8)
+        ax.plot(xs, _finite_or_nan(ys), label=label, **style)
     if floor is not None:
         ax.axhline(floor, color="k", linestyle=":", linewidth=1, label=f"loss floor {floor:.3f}")
     ax.set_title("Training loss: FP8 runs vs the fp32 reference", fontsize=10)
@@ -349,7 +393,44 @@ def _plot_losses(ax, runs: dict[str, RunData], floor: Optional[float]) -> None:
     ax.set_ylabel("cross entropy (nats)")
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # none when no run logged a loss
-        ax.legend(fontsize=8)
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high + 0.8 * (high - low))  # the curves below, the legend and inset above
+        ax.legend(fontsize=7, loc="upper left")
+    _plot_loss_differences(ax, runs)
+
+
+def loss_differences(runs: dict[str, RunData], window: int = 10) -> dict[str, tuple[list[int], list[float]]]:
+    """Each FP8 run's loss minus the reference's at the same steps, as a running mean over `window`
+    steps (per-step losses are noisy); {} without a reference."""
+    ref = runs.get("reference")
+    if ref is None:
+        return {}
+    ref_loss = dict(zip(*ref.losses()))
+    out = {}
+    for run in runs.values():
+        if run is ref:
+            continue
+        pairs = [(x, y - ref_loss[x]) for x, y in zip(*run.losses()) if x in ref_loss and _is_finite(y)]
+        if pairs:
+            diffs = [d for _, d in pairs]
+            means = [statistics.fmean(diffs[max(0, k - window + 1) : k + 1]) for k in range(len(diffs))]
+            out[run.name] = ([x for x, _ in pairs], means)
+    return out
+
+
+def _plot_loss_differences(ax, runs: dict[str, RunData]) -> None:
+    differences = loss_differences(runs)
+    if not differences:
+        return
+    inset = ax.inset_axes((0.42, 0.33, 0.55, 0.33))
+    names = list(runs)
+    for name, (xs, ys) in differences.items():
+        i = names.index(name)
+        inset.plot(xs, ys, color=f"C{i}", linewidth=1.1, linestyle=_STYLES[i % len(_STYLES)])
+    inset.axhline(0, color="0.45", linewidth=1.5)
+    inset.set_title("loss - fp32 reference (10-step mean)", fontsize=7)
+    inset.tick_params(labelsize=6)
+    inset.grid(True, alpha=0.3)
 
 
 def _colors(runs: dict[str, RunData]) -> dict[str, str]:
@@ -357,9 +438,25 @@ def _colors(runs: dict[str, RunData]) -> dict[str, str]:
     return {name: "0.45" if name == "reference" else f"C{i}" for i, name in enumerate(runs)}
 
 
-def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData], timing: Optional[dict]) -> None:
-    """Per run: final loss relative to the reference; step time (the timed pass's interleaved medians
-    when the run has one, else each run's own sequential median) with saturated casts."""
+def bf16_note(summary: dict) -> Optional[str]:
+    """Why bf16 autocast is slow in this run, where the demo found no bf16 instructions on its CPU
+    (summary.json's cpu_bf16_instructions, from gemm.cpu_bf16_instructions); None otherwise."""
+    facts = summary.get("cpu_bf16_instructions")
+    if not isinstance(facts, dict) or facts.get("native", True):
+        return None
+    return (
+        f"bf16 autocast is slow here: {facts.get('why', 'this CPU has no bf16 instructions')}, so torch's "
+        "bf16 GEMMs run without hardware support; the FP8 runs multiply their exact values in an fp32 "
+        'GEMM instead (docs/benchmarks.md, "CPUs with and without bf16 instructions")'
+    )
+
+
+def _plot_side_by_side(
+    ax_loss, ax_time, runs: dict[str, RunData], timing: Optional[dict], bf16: Optional[str] = None
+) -> None:
+    """Per run: final loss relative to the reference, with clipped casts; step time (the timed pass's
+    interleaved medians when the run has one, else each run's own sequential median), bf16 autocast's
+    bar annotated where the CPU has no bf16 instructions (`bf16`: why)."""
     shown = [r for r in runs.values() if r.steps]
     ref = runs.get("reference")
     ref_loss = ref.final_loss() if ref is not None else None
@@ -369,16 +466,22 @@ def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData], timing: Optio
         rel = [100 * ((r.final_loss() or math.nan) - ref_loss) / ref_loss for r in shown]  # no loss: nan
         ticks = [f"{_short(r.name)}\n{_saturation_text(r)}" for r in shown]
         bars = ax_loss.bar(ticks, rel, color=[color[n] for n in names])
-        ax_loss.bar_label(bars, fmt="%+.2f%%", fontsize=8)
+        ax_loss.bar_label(bars, fmt="%+.2f%%", fontsize=8, padding=2)
         ax_loss.axhline(0, color="k", linewidth=0.8)
+        ax_loss.set_ylim(*_label_room([v for v in rel if _is_finite(v)]))
         ax_loss.set_ylabel("final loss vs reference (%)")
     else:
         ax_loss.text(0.5, 0.5, "no reference run", ha="center", va="center", transform=ax_loss.transAxes)
-    ax_loss.set_title("Final loss relative to the fp32 reference (and saturated casts)", fontsize=10)
+    ax_loss.set_title("Final loss relative to the fp32 reference (and clipped casts)", fontsize=10)
     if timing:
         times = dict(timing["median_ms"])
         ref_ms = times.get("reference")
         labels = [f"{t:.1f} ms" + (f"\n{t / ref_ms:.2f}x" if ref_ms else "") for t in times.values()]
+        if bf16:
+            labels = [
+                label + ("\n(no bf16 on\nthis CPU)" if timing["recipe_kind"].get(n) == "bf16" else "")
+                for n, label in zip(times, labels)
+            ]
         title = (
             f"Step time: interleaved pass ({timing['rounds']} rounds x {timing['block']} steps; median, "
             "quartiles)"
@@ -399,10 +502,21 @@ def _plot_side_by_side(ax_loss, ax_time, runs: dict[str, RunData], timing: Optio
         ax_time.text(bar.get_x() + bar.get_width() / 2, top, label, ha="center", va="bottom", fontsize=7)
     ax_time.set_ylabel("median step (ms)")
     ax_time.set_title(title, fontsize=10)
+    if bf16 and timing:
+        ax_time.text(0.5, -0.16, textwrap.fill(bf16, 110), ha="center", va="top", fontsize=7,
+                     transform=ax_time.transAxes)  # fmt: skip
+    ax_time.set_ylim(0, max(tops, default=1.0) * (1.6 if bf16 else 1.35) or 1.0)
     for ax in (ax_loss, ax_time):
         ax.tick_params(axis="x", labelsize=7)
-        ax.margins(y=0.3)
         ax.grid(True, axis="y", alpha=0.3)
+
+
+def _label_room(values: list[float]) -> tuple[float, float]:
+    """y limits holding 0 and every bar of `values` with room for a label above (or below) each, so
+    that no label reaches the title, even when every bar is 0."""
+    lo, hi = min([0.0, *values]), max([0.0, *values])
+    span = max(hi - lo, 0.05)
+    return lo - (0.3 * span if lo < 0 else 0.1 * span), hi + 0.3 * span
 
 
 def _plot_quant_errors(axes: list, runs: dict[str, RunData]) -> None:
@@ -448,46 +562,54 @@ def _saturation_text(run: RunData) -> str:
     if not run.fp8:
         return "no FP8"
     if run.recipe_kind != "delayed":
-        return "0 sat."  # own amax
-    return f"{run.events()['overflow']} sat."
+        return "0 clipped"  # own amax
+    clip = run.clipping()
+    if not clip["clipped"]:
+        return "0 clipped"
+    return f"{clip['clipped']} clipped\n<= {100 * clip['max_share']:.1f}% each"
 
 
 def _plot_reduction(ax, fp8_runs: list[RunData]) -> None:
-    """Exposed vs hidden amax-reduction time per step, one pair of bars per delayed-scaling run."""
+    """What each delayed-scaling run's step paid for the amax reduction (exposed time per step: the
+    bars), and, as text, how long each reduction was in flight behind compute as a share of the step
+    (never a bar: overlapped time costs nothing)."""
     if not fp8_runs:
         ax.text(0.5, 0.5, "no delayed-scaling run", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         return
-    names, exposed, hidden = [], [], []
-    for run in fp8_runs:
-        e, h, launched, steps = _reduction_ms(run)
-        names.append(f"{run.name}\n{launched} reductions / {steps} steps")
-        exposed.append(e)
-        hidden.append(h)
-    xs = range(len(names))
-    width = 0.38
-    bars_e = ax.bar([x - width / 2 for x in xs], exposed, width, color="tab:red", label="exposed (waited on)")
-    bars_h = ax.bar(
-        [x + width / 2 for x in xs],
-        hidden,
-        width,
-        color="tab:green",
-        label="hidden (launch to wait, overlapped)",
-    )
-    for bars in (bars_e, bars_h):
-        ax.bar_label(bars, fmt="%.3f", fontsize=8)
-    ax.set_xticks(list(xs), names, fontsize=8)
-    ax.set_ylabel("ms per step (mean over ranks)")
-    ax.set_title("Amax all-reduce time: exposed vs hidden", fontsize=10)
-    ax.margins(y=0.15)
+    figures = [reduction_figures(run) for run in fp8_runs]
+    color = {run.name: f"C{i}" for i, run in enumerate(fp8_runs)}
+    names = [f"{_short(run.name)}\n{f['launched']} reductions / {f['steps']} steps" + _window_text(f)
+             for run, f in zip(fp8_runs, figures)]  # fmt: skip
+    bars = ax.bar(names, [f["exposed_ms"] for f in figures], width=0.5,
+                  color=[color[run.name] for run in fp8_runs])  # fmt: skip
+    for bar, f in zip(bars, figures):
+        share = "" if f["exposed_share"] is None else f"\n{100 * f['exposed_share']:.2f}% of the step"
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{f['exposed_ms']:.3f} ms{share}",
+                ha="center", va="bottom", fontsize=8)  # fmt: skip
+    top = max(f["exposed_ms"] for f in figures)
+    ax.set_ylim(0, (top or 1.0) * 1.6)
+    ax.set_ylabel("exposed ms per step (mean over ranks)")
+    ax.set_title("Amax all-reduce: time each step waits for it (what you pay)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+
+
+def _window_text(figures: dict) -> str:
+    """A run's overlap, for its axis label: each reduction's time in flight as a share of the step."""
+    if figures["window_share"] is None or figures["window_ms"] <= 0:
+        return "\nwaited on at once (nothing overlapped)" if figures["launched"] else ""
+    return (
+        f"\nin flight {figures['window_ms']:.1f} ms each = {100 * figures['window_share']:.0f}% of a step,"
+        "\noverlapped with compute (not a cost)"
+    )
 
 
 def _plot_utilisation(ax, run: RunData) -> None:
     """Heat map of range utilisation (amax * scale_used / fp8_max), roles x steps; > 1 = overflow."""
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import LinearSegmentedColormap
 
     series = run.role_series("util")
     order = {"input": 0, "grad_output": 1, "weight": 2}
@@ -504,9 +626,24 @@ def _plot_utilisation(ax, run: RunData) -> None:
         xs, ys = series[name]
         for x, y in zip(xs, _finite_or_nan(ys)):
             grid[row, index[x]] = y
-    cmap = plt.get_cmap("viridis").with_extremes(over="red", bad="magenta")
-    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0.0, vmax=1.0,
-                      extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))  # fmt: skip
+    extent = (steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="magenta")
+    image = ax.imshow(np.where(grid > 1.0, 1.0, grid), aspect="auto", interpolation="nearest", cmap=cmap,
+                      vmin=0.0, vmax=1.0, extent=extent)  # fmt: skip
+    bar = ax.figure.colorbar(image, cax=ax.inset_axes((1.01, 0.0, 0.012, 1.0)))
+    bar.set_label("utilisation (up to 1)", fontsize=8)
+    # where a cast clipped: coloured by the share of the largest value it lost, in reds that viridis
+    # does not use, from light (a fraction of a percent) to dark (the worst clip, at least 5%)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        clipped = np.where(grid > 1.0, 1.0 - 1.0 / grid, np.nan)
+    clip = run.clipping()
+    if clip["clipped"]:
+        reds = LinearSegmentedColormap.from_list("clipped", plt.get_cmap("Reds")(np.linspace(0.2, 1.0, 64)))
+        shown = ax.imshow(clipped, aspect="auto", interpolation="nearest", cmap=reds, vmin=0.0,
+                          vmax=max(0.05, clip["max_share"]), extent=extent)  # fmt: skip
+        bar = ax.figure.colorbar(shown, cax=ax.inset_axes((1.08, 0.0, 0.012, 1.0)),
+                                 format=lambda v, _: f"{100 * v:.3g}%")  # fmt: skip
+        bar.set_label("clipped: share of the largest value lost", fontsize=8)
     labels = [
         n if layer is None else f"L{layer} {kind}" for n, (layer, kind) in zip(names, map(_group_of, names))
     ]
@@ -514,12 +651,28 @@ def _plot_utilisation(ax, run: RunData) -> None:
     for row in range(1, len(names)):
         if kind_of[names[row]] != kind_of[names[row - 1]]:
             ax.axhline(row - 0.5, color="white", linewidth=2)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step\n\n" + textwrap.fill(clipping_text(clip), 170), fontsize=9)
     ax.set_title(
-        f"{run.name}: FP8 range utilisation per role (amax x scale used / fp8_max; red = overflow, "
-        "magenta = non-finite)", fontsize=10,
+        f"{run.name}: FP8 range utilisation per role (amax x scale used / fp8_max; red where a cast clipped, "
+        "by the share of the largest value lost; magenta: non-finite)", fontsize=10,
     )  # fmt: skip
-    plt.colorbar(image, ax=ax, extend="max", fraction=0.03, pad=0.01)
+
+
+def clipping_text(clip: dict) -> str:
+    """What the clipped casts amount to, and what to do if it matters (the report's summary)."""
+    if not clip["clipped"]:
+        return f"no cast clipped in {clip['role_steps']:,} role-steps"
+    return (
+        f"{clip['clipped']:,} of {clip['role_steps']:,} role-steps clipped their largest values, by "
+        f"{100 * clip['median_share']:.1f}% (median) and at most {100 * clip['max_share']:.1f}%: delayed "
+        "scaling casts with earlier steps' amaxes, so a growing tensor overshoots slightly. "
+        + (
+            "If it matters (a loss that drifts from the reference), DelayedScaling(margin=1) leaves 2x "
+            "headroom (and gives up one binade at the bottom of the range)."
+            if clip["max_share"] >= 0.01
+            else "Under 1%: harmless."
+        )
+    )
 
 
 def _sort_key(role: str) -> tuple:
@@ -585,8 +738,8 @@ def _markdown(
     ref_ms = interleaved.get("reference")
     out += [
         "| run | recipe | steps | final loss | vs reference | step ms (interleaved) | vs fp32 | quartiles ms "
-        "| step ms (sequential) | amax reductions | exposed ms/step | hidden ms/step | saturated "
-        "| non-finite |",
+        "| step ms (sequential) | amax reductions | exposed ms/step (% of step) | in flight per reduction, "
+        "overlapped (% of step) | clipped role-steps (max share) | non-finite |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs.values():
@@ -599,15 +752,18 @@ def _markdown(
             if ref_loss and loss is not None and run is not ref
             else ""
         )
-        exposed, hidden, launched, steps = _reduction_ms(run)
+        red = reduction_figures(run)
         ev = run.events()
         step_ms = run.median_step_ms()
-        saturated = {"delayed": ev["overflow"], None: ""}.get(run.recipe_kind, "none (own amax)")
+        clip = run.clipping()
+        clipped = f"{clip['clipped']} ({100 * clip['max_share']:.1f}%)" if clip["clipped"] else "0"
+        clipped = {"delayed": clipped, None: ""}.get(run.recipe_kind, "none (own amax)")
         out.append(
-            f"| {run.name} | {run.recipe_kind or 'fp32'} | {steps} | {loss_text} | {rel} "
+            f"| {run.name} | {run.recipe_kind or 'fp32'} | {red['steps']} | {loss_text} | {rel} "
             f"| {_interleaved_cells(interleaved.get(run.name), ref_ms, spread.get(run.name))} "
-            f"| {'' if step_ms is None else f'{step_ms:.1f}'} | {launched} | {exposed:.4f} | {hidden:.4f} "
-            f"| {saturated} | {ev['nonfinite']} |"
+            f"| {'' if step_ms is None else f'{step_ms:.1f}'} | {red['launched']} "
+            f"| {red['exposed_ms']:.4f}{_pct_text(red['exposed_share'])} "
+            f"| {red['window_ms']:.2f} ms{_pct_text(red['window_share'])} | {clipped} | {ev['nonfinite']} |"
         )
     for name, ms in interleaved.items():
         if name not in runs:  # timed only (bf16 autocast)
@@ -616,15 +772,20 @@ def _markdown(
             out.append(f"| {name} | {kind} | | | | {cells} | | | | | | |")
     out.append("")
     out.append(_timing_text(timing))
+    note = bf16_note(_summary(run_dir))
+    if note and timing:
+        out += ["", note + "."]
     out.append("")
     table = _quant_error_table(runs)
     if table:
         out.append(table)
     out.append(
         "Final loss: mean over the last 10% of steps. Reduction times: mean over ranks. Exposed = time "
-        "blocked waiting for the all-reduce (in blocking mode this includes waiting for the slowest rank, "
-        "which asynchronous mode moves to the next collective, e.g. the gradient all-reduce); hidden = "
-        "time from launch to the wait, overlapped with other work."
+        "the step stood still waiting for the amax all-reduce, the cost (in blocking mode this includes "
+        "waiting for the slowest rank, which asynchronous mode moves to the next collective, e.g. the "
+        "gradient all-reduce); in flight = each reduction's time from its launch to its wait, overlapped "
+        "with other work: not a cost (reduction_stats()'s hidden_s sums these windows, which overlap each "
+        "other, so it can exceed the training time)."
     )
     if floor is not None:
         out.append(f"Loss floor (entropy of the synthetic language): {floor:.4f}.")
@@ -637,10 +798,10 @@ def _markdown(
         )
     if any(r.recipe_kind not in (None, "delayed") for r in fp8_runs):
         out.append(
-            "Saturated: role-steps whose amax x scale used exceeded fp8_max. The other recipes scale each "
-            "tensor (current scaling), 1x128 tile or 128x128 block (block scaling), 32-block (MXFP8) or "
-            "16-block and tensor (NVFP4) by its own amax just before the cast, so nothing saturates by "
-            "construction; delayed scaling uses earlier steps' amaxes."
+            "Clipped: role-steps whose amax x scale used exceeded fp8_max (the cast saturated). The other "
+            "recipes scale each tensor (current scaling), 1x128 tile or 128x128 block (block scaling), "
+            "32-block (MXFP8) or 16-block and tensor (NVFP4) by its own amax just before the cast, so "
+            "nothing saturates by construction; delayed scaling uses earlier steps' amaxes."
         )
     delayed = [r for r in fp8_runs if r.recipe_kind == "delayed"]
     section = coverage_section(run_dir, runs)  # report_coverage.py
@@ -680,6 +841,10 @@ def _experts_table(run) -> list[str]:
             cells = [f"{v:.4g}" if _is_finite(v) else "" for v in (amax, scale)]
             out.append(f"| {block} | {expert} | {tokens} | {cells[0]} | {cells[1]} |")
     return out
+
+
+def _pct_text(share: Optional[float]) -> str:
+    return "" if share is None else f" ({100 * share:.2f}%)"
 
 
 def _memory_table(run_dir: str) -> list[str]:
@@ -771,14 +936,16 @@ def _overflow_table(run: RunData) -> str:
     lines = [
         f"Overflow events in {run.name} (a cast saturated: amax x scale used > fp8_max):",
         "",
-        "| role kind | role-steps | overflow | max utilisation |",
+        "| role kind | role-steps | overflow | max utilisation (share clipped) |",
         "|---|---:|---:|---:|",
     ]
-    lines += [f"| {k} | {n} | {o} | {u:.3f} |" for k, (n, o, u) in sorted(kinds.items())]
+    lines += [
+        f"| {k} | {n} | {o} | {u:.3f} ({100 * clipped_share(u):.1f}%) |"
+        for k, (n, o, u) in sorted(kinds.items())
+    ]
     lines += [
         "",
-        "A max utilisation of 1.01 means the largest value was clipped by 1%. Delayed scaling uses the",
-        "amaxes of earlier steps, so a tensor that grows every step (weights under Adam, for example)",
-        "saturates slightly; `DelayedScaling(margin=1)` leaves a factor of 2 of headroom.",
+        "A max utilisation of 1.01 means the largest value was clipped by 1% of itself. "
+        + clipping_text(run.clipping()),
     ]
     return "\n".join(lines)

@@ -87,12 +87,12 @@ def coverage_section(run_dir: str, runs: dict) -> str:
     (report.RunData by name); "" when the run logged neither."""
     path = os.path.join(run_dir, METRICS_FILE)
     layers = {r.get("run", "fp8"): r for r in read_metrics(path) if r.get("kind") == "coverage"}
-    out = []
+    bodies: dict[str, list[str]] = {}  # body -> the runs that have it (async and blocking: one section)
     for name, run in runs.items():
         steps = [r for r in run.steps if r.get("coverage") is not None or r.get("statistics")]
         if name not in layers and not steps:
             continue
-        out += [f"### {name}", ""]
+        out: list[str] = []
         if name in layers:
             rec = layers[name]
             fp8 = sum(x["fp8"] for x in rec["layers"])
@@ -118,6 +118,8 @@ def coverage_section(run_dir: str, runs: dict) -> str:
                     f"- **FP8 share {_pct(share)} at {where}** (FP8 layers in high precision: {names})"
                 )
         out += [""] + _statistics_table(steps) + [""]
-    if not out:
+        bodies.setdefault("\n".join(out), []).append(name)
+    if not bodies:
         return ""
-    return "\n".join(["## Coverage and tensor statistics", "", *out])
+    sections = [f"### {', '.join(names)}\n\n{body}" for body, names in bodies.items()]
+    return "\n".join(["## Coverage and tensor statistics", "", *sections])

@@ -29,7 +29,16 @@ SUITES = (
     "optim",
     "memory",
     "grouped",
+    "startup",
 )
+
+
+def default_out() -> str:
+    """Where figures go without --out: a fresh run directory under ./runs (as the demo's), never a
+    folder of the repository; `--out benchmarks/results` updates the committed figures (from a checkout)."""
+    import datetime
+
+    return os.path.join("runs", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -41,7 +50,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=["all"],
         help="which benchmarks to run (default: all that fit this machine)",
     )
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON figures")
+    parser.add_argument(
+        "--out", default=None,
+        help="folder for the JSON figures (default: runs/bench-<timestamp>; from a checkout, "
+        "--out benchmarks/results updates the committed figures)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests and smoke runs")
     parser.add_argument(
         "--latencies-ms", type=latencies_ms, default=latencies_ms("0,5,20,50"),
@@ -62,6 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "model, its check, the plot) instead of measuring",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    args.out = args.out or default_out()
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as err:
@@ -172,6 +186,10 @@ def _run_suite(suite: str, args) -> Optional[dict]:
         if torch.cuda.is_available():  # 8 local experts of DeepSeek-V3's shape (7168 -> 2048)
             return grouped.run(shapes=((8, 7168, 2048, 16384),), device="cuda")
         return grouped.run()
+    if suite == "startup":
+        from . import startup
+
+        return startup.run(repeats=1 if args.quick else 5)
     if suite == "gpu":
         from . import gpu
 
