@@ -69,7 +69,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "numerics",
-        ("cast", "microscaling", "operand", "block_gemm", "gemm", "saved", "second_order", "tensor_parallel"),
+        (
+            "cast",
+            "microscaling",
+            "operand",
+            "kernels",
+            "block_gemm",
+            "gemm",
+            "saved",
+            "second_order",
+            "tensor_parallel",
+        ),
     ),
     ("amax", ("amax",)),
     ("quantization", ("quantization", "block_format")),

@@ -77,15 +77,24 @@ def _imports(path: pathlib.Path, source: str = "") -> list[str]:
     return [imp.written for imp in TREE.imports(path, source)]
 
 
+KERNELS = PACKAGE / "kernels"
+
+
 def test_core_imports_only_torch_and_the_standard_library() -> None:
+    """The one exception: the fused GPU kernels' modules import triton (and torch_internals.py, inside
+    the function that reads triton's one private name), which their face (kernels/__init__.py) imports
+    only where a kernel runs (Triton is not a runtime dependency)."""
     files = _core_files()
     assert len(files) > 20, files  # the walk found the core
     offenders = []
     for path in files:
+        allowed = {"fp8train", "torch", "__future__"} | set(sys.stdlib_module_names)
+        if (KERNELS in path.parents and path.name != "__init__.py") or path.name == "torch_internals.py":
+            allowed.add("triton")
         for name in _imports(path):
             top = name.split(".")[0]
             outside = name.startswith(("fp8train.tools", "fp8train.integrations"))
-            if outside or top not in {"fp8train", "torch", "__future__"} | set(sys.stdlib_module_names):
+            if outside or top not in allowed:
                 offenders.append(f"{path.relative_to(PACKAGE)}: {name}")
     assert not offenders, "the core imports beyond torch or into the toolbox:\n" + "\n".join(offenders)
 
@@ -215,7 +224,7 @@ def _repository_files() -> list[pathlib.Path]:
 def test_the_file_layout_lists_every_file() -> None:
     """docs/design.md, section 10, "File layout" (the README links to it)."""
     design = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
-    start = design.index("### File layout")
+    start = design.index("File layout\n")
     layout = design[start : design.index("\n## ", start)]
     files = _repository_files()
     assert len(files) > 80 and pathlib.Path("src/fp8train/amax/state.py") in files

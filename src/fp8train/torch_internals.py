@@ -22,6 +22,7 @@ __all__ = [
     "keep_out_of_cuda_graphs",
     "round_divisions_as_eager",
     "round_precision_casts_as_eager",
+    "triton_max_combine",
     "scaled_mm",
     "has_scaled_mm",
     "scaled_mm_problem",
@@ -311,6 +312,18 @@ def managed_by_fsdp2(module: torch.nn.Module) -> bool:
         return False
     replicate = sys.modules.get("torch.distributed._composable.replicate_with_fsdp")
     return not isinstance(module, getattr(replicate, "ReplicateModule", ()))
+
+
+# ---- triton (the fused kernels' language; imported only where a kernel is used) --------------------------
+def triton_max_combine():
+    """Triton's own combine function of `tl.max` (`triton.language.standard._elementwise_max`), for
+    `tl.reduce`: Triton's interpreter maps this one to a vectorised numpy reduction and reduces element
+    by element with any other, and `tl.max` itself is decorated (compiled or interpreted) once, when
+    triton is first imported, so an interpreted kernel could not call it in a process that imported
+    triton before TRITON_INTERPRET was set (fp8train/kernels/)."""
+    import triton.language as tl
+
+    return tl.standard._elementwise_max
 
 
 # ---- call stacks: whose code is calling ------------------------------------------------------------------

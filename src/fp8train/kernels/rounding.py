@@ -18,6 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..torch_internals import triton_max_combine
+
+MAX_COMBINE = triton_max_combine()  # tl.max's own combine function (torch_internals says why)
+
 __all__ = ["round_to_fp8", "fp8_byte", "bf16_bits", "abs_bits", "max_along", "saturate", "scale_from_amax"]
 
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
@@ -83,12 +87,12 @@ def abs_bits(x):
 @triton.jit
 def max_along(bits, axis: tl.constexpr):
     """The integer max of `bits` along `axis` (of abs_bits: max|x|, NaN propagating): tl.max's own
-    reduction, `tl.reduce` with triton's `_elementwise_max` (the one private triton name here). Not
+    reduction, `tl.reduce` with tl.max's own combine function (`MAX_COMBINE`). Not
     tl.max itself: a function of triton's standard library, decorated when triton is first imported,
     it runs interpreted only where TRITON_INTERPRET=1 was set before that, while these helpers follow
     the setting when the kernels are imported; the interpreter reduces with numpy for this combine
     function and element by element for any other."""
-    return tl.reduce(bits, axis, tl.standard._elementwise_max)
+    return tl.reduce(bits, axis, MAX_COMBINE)
 
 
 @triton.jit

@@ -44,6 +44,9 @@ import triton
 import triton.language as tl
 
 from ..microscaling import MX_BLOCK, NVFP4_BLOCK, RHT_SIGNS, nvfp4_tensor_scale
+from ..torch_internals import triton_max_combine
+
+MAX_COMBINE = triton_max_combine()  # tl.max's own combine function (torch_internals says why)
 
 __all__ = [
     "mx_quantize",
@@ -178,7 +181,7 @@ def _max_along(x, AXIS: tl.constexpr):
     Triton's standard library, compiled or interpreted as Triton was imported, so an interpreted kernel
     could not call it in a process that imported triton without TRITON_INTERPRET. NaN is not
     propagated (the callers track it)."""
-    return tl.reduce(x, AXIS, tl.standard._elementwise_max)
+    return tl.reduce(x, AXIS, MAX_COMBINE)
 
 
 @triton.jit
