@@ -135,7 +135,8 @@ def convert_to_fp8(
         """The module's FP8 replacement, or the module itself (not a linear layer, kept by the filter
         (asked first: a layer it keeps is kept at the user's request, whatever its shape), or of a shape
         FP8 GEMMs cannot take)."""
-        if not (type(module) is torch.nn.Linear or is_hf_conv1d(module)) or not keep(module, fqn):
+        convertible = type(module) is torch.nn.Linear or is_hf_conv1d(module) or is_hf_fused_experts(module)
+        if not convertible or not keep(module, fqn):
             return module
         new = _swap(module, fsdp_fp8_all_gather, recipe)
         return module if new is None else new
