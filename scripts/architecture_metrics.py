@@ -66,7 +66,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("formats", "recipe", "errors", "torch_internals", "debug_switches")),
     (
         "numerics",
-        ("cast", "microscaling", "operand", "block_gemm", "gemm", "saved", "second_order", "tensor_parallel"),
+        (
+            "cast",
+            "microscaling",
+            "operand",
+            "block_gemm",
+            "gemm",
+            "gemm_output",
+            "saved",
+            "second_order",
+            "tensor_parallel",
+        ),
     ),
     ("amax", ("amax",)),
     ("quantization", ("quantization", "block_format")),

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from .formats import fp8_dtype, fp8_max
+from .torch_internals import dispatch_mode_active
 
 __all__ = ["amax", "quantize", "cast_operand", "cast_with_amax", "PIECE_ELEMENTS", "FUSED_MIN_ELEMENTS"]
 
@@ -243,23 +244,27 @@ def _kernel(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dt
     return values, values_t, amax
 
 
-_FUSED_VARIANTS: dict[tuple, object] = {}  # (x dtype, dtype, encoding, transposed, amax): its kernel
+_FUSED_VARIANTS: dict[tuple, object] = {}  # (kernel, its variant): the compiled kernel
 
 
-def _compiled_kernel(key: tuple):
-    """The compiled kernel of one variant, each its own code object: dynamo keeps 8 graphs per code
-    object (then runs it eagerly), and a process may cast in more variants than that."""
-    kernel = _FUSED_VARIANTS.get(key)
-    if kernel is None:
-        name = "_kernel_" + "_".join(str(k).replace("torch.", "") for k in key)
-        code = _kernel.__code__.replace(co_name=name, co_qualname=name)
-        fn = type(_kernel)(code, _kernel.__globals__, name)
-        kernel = _FUSED_VARIANTS[key] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return kernel
+def compiled_variant(kernel, key: tuple):
+    """`kernel` compiled for one variant `key` (the constants its graph depends on: dtypes, encoding),
+    each its own code object: dynamo keeps 8 graphs per code object (then runs it eagerly), and a
+    process may cast in more variants than that. Shapes are dynamic. (gemm.py's output kernel too.)"""
+    compiled = _FUSED_VARIANTS.get((kernel, key))
+    if compiled is None:
+        name = kernel.__name__ + "_" + "_".join(str(k).replace("torch.", "") for k in key)
+        code = kernel.__code__.replace(co_name=name, co_qualname=name)
+        fn = type(kernel)(code, kernel.__globals__, name)
+        # emulate_precision_casts: a rounding to bf16 inside the kernel is kept (inductor would
+        # otherwise compute through it in fp32)
+        compiled = _FUSED_VARIANTS[(kernel, key)] = torch.compile(
+            fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
+    return compiled
 
 
-@torch.library.custom_op("fp8train::fused_cast", mutates_args=("amax_out",))
-def _fused_cast_op(
+def _run_fused(
     x: torch.Tensor,
     scale: torch.Tensor,
     encoding: str,
@@ -268,11 +273,14 @@ def _fused_cast_op(
     amax_out: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
     with_amax = amax_out is not None
-    kernel = _compiled_kernel((x.dtype, dtype, encoding, transposed, with_amax))
+    kernel = compiled_variant(_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
     values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
     if amax_out is not None:
         amax_out.copy_(amax)
     return [values] if values_t is None else [values, values_t]
+
+
+_fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=("amax_out",))
 
 
 @_fused_cast_op.register_fake
@@ -291,8 +299,11 @@ def _fused_cast(
 ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """`cast_with_amax` by the compiled kernel; None if it cannot compile here (then never again in
     this process: the caller casts eagerly)."""
+    # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
+    # op's own dispatch costs about as much as the kernel of a 64K-element cast
+    run = _fused_cast_op if dispatch_mode_active() else _run_fused
     try:
-        out = _fused_cast_op(x.detach(), scale, encoding, dtype, transposed, amax_out)
+        out = run(x.detach(), scale, encoding, dtype, transposed, amax_out)
     except Exception as err:  # a compilation failure (no C++ compiler, an inductor bug): eager from now on
         _FUSED_FAILED.append(f"{type(err).__name__}: {err}")
         warnings.warn(

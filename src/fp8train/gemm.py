@@ -34,6 +34,8 @@ from typing import Optional
 import torch
 
 from . import block_gemm
+from .cast import FUSED_MIN_ELEMENTS
+from .gemm_output import fused_output_applies, scaled_output
 from .microscaling import float32_matmul
 from .operand import Operand
 from .torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
@@ -236,8 +238,12 @@ def gemm(
             fast_accum,
         )
         return y if bias is None or fused else y + bias.to(out_dtype)
+    scale = (a_scale_inv * b_scale_inv).reshape(1)
     if bf16_output and a.dtype == torch.float32 and b.dtype == torch.float32:
-        y = torch.mm(a, b).to(torch.bfloat16)  # the bf16 path's rounding, fp32 speed (operand_dtype)
+        y = torch.mm(a, b)  # fp32 operands of the bf16 path: its rounding in the output's one pass
+        if y.numel() >= FUSED_MIN_ELEMENTS and fused_output_applies(y, scale, bias):
+            return scaled_output(y, scale, out_dtype)
+        y = y.to(torch.bfloat16)
     elif (bf16_output and a.dtype == torch.float32) or (
         a.dtype == torch.bfloat16 and bf16_kernel(a.device)[0] == "fp32"
     ):
@@ -246,7 +252,6 @@ def gemm(
         y = torch.mm(a, b if b.dtype == a.dtype else b.to(a.dtype))
     # The scale as a 1-element tensor takes part in type promotion (a 0-dim one would not): the
     # product is computed in fp32 and written in one pass, with the bias added in the same one.
-    scale = (a_scale_inv * b_scale_inv).reshape(1)
     y = torch.mul(y, scale) if bias is None else torch.addcmul(bias.to(torch.float32), y, scale)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 

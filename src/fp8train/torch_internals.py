@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 __all__ = [
     "graph_task_id",
@@ -21,6 +22,7 @@ __all__ = [
     "register_ordered_effects",
     "keep_out_of_cuda_graphs",
     "round_divisions_as_eager",
+    "dispatch_mode_active",
     "scaled_mm",
     "has_scaled_mm",
     "scaled_mm_problem",
@@ -106,6 +108,12 @@ def round_divisions_as_eager() -> bool:
     if "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING" not in os.environ:
         numerics.division_rounding = True
     return bool(numerics.division_rounding)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode is active (`torch.utils._python_dispatch`): dynamo does not compile
+    under one, so the compiled cast (cast.py) goes through its custom op there, where the mode sees it."""
+    return is_in_torch_dispatch_mode()
 
 
 # ---- ops --------------------------------------------------------------------------------------------

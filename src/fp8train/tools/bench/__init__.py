@@ -28,6 +28,7 @@ SUITES = (
     "checkpoint",
     "optim",
     "memory",
+    "gpumodel",
 )
 
 
@@ -117,6 +118,14 @@ def _run_suite(suite: str, args) -> Optional[dict]:
             result = cast_passes.run()
         print(f"\n== cast: the MLP step with either cast ({result['cpu']}, {result['threads']} threads)")
         print(table(result["step"], list(result["step"][0].keys())))
+        print("\n== cast: the eager FP8 step in counts (lean_path), compiled cast and output on and off")
+        print(table(result["census"], list(result["census"][0].keys())))
+        return result
+    if suite == "gpumodel":
+        from . import gpu_model
+
+        result = gpu_model.run(scale=64 if args.quick else gpu_model.SCALE)
+        print(f"\n== gpumodel: a model, not a measurement: {result['model']}")
         return result
     if suite == "reduction":
         from . import amax_reduction
