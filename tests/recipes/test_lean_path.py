@@ -84,15 +84,18 @@ def test_compiled_gemm_output_gives_the_bf16_paths_bits(out_dtype) -> None:
 
 
 def test_mlp_step_passes_and_calls_per_gemm() -> None:
-    """An FP8 MLP step (delayed scaling, eager): at most 4 passes over the elements of the operands it
-    casts in all its non-GEMM ops, the model's own included (before: 14.4; the cast's, the amax's,
-    the GEMMs' upcasts and output scaling); aten calls and fp8train's Python calls per FP8 GEMM
-    bounded (before: 66 and 142 per GEMM, 97 per GEMM a deeper model adds)."""
+    """The FP8 MLP block 1024-4096-1024 on 256 tokens (delayed scaling, eager, fwd + bwd): at most 4
+    passes over the elements of the operands it casts in all its non-GEMM ops, the model's own
+    included (before: 14.4, measured at 74dd396: the cast's 8, the amax's, the GEMMs' upcasts and
+    output scaling); aten calls and fp8train's Python calls per FP8 GEMM bounded (before: 66 aten calls
+    beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds)."""
     torch.set_num_threads(1)
-    r = lean_path.census((256, 1024, 256), tokens=256, more_layers=2, warmup=1)
+    r = lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1)
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
-    assert r["extra_passes_per_cast_element"] <= 3.5, r["passes_by_op"]
+    assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
     assert r["extra_aten_calls_per_gemm"] <= 36
-    assert r["python_calls_per_gemm"] <= 100, r["python_calls_by_function"]
-    assert r["python_calls_per_added_gemm"] <= 70, r["python_calls_by_function"]
+    # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
+    # that grow with the stack's depth (pytest's is deep), not with the model
+    assert r["python_calls_per_gemm"] <= 120, r["python_calls_by_function"]
+    assert r["python_calls_per_added_gemm"] <= 76, r["python_calls_by_function"]

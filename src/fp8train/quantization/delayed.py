@@ -37,9 +37,9 @@ class DelayedQuantization(TensorQuantization):
             w_amax = None if weight_amax is None or weight_amax is AMAX_IN_CAST else weight_amax()
             return call.forward_scales(None, w_amax, x.detach())
         x_amax = amax(x) if call.record else None
-        if weight_amax is AMAX_IN_CAST:
-            raise AssertionError("AMAX_IN_CAST is for eager FP8 calls only")
-        w_amax = weight_amax() if call.record and weight_amax is not None else None
+        # (AMAX_IN_CAST reaches here only for calls that record nothing: eager FP8 calls without grad)
+        recorded = call.record and weight_amax is not None and weight_amax is not AMAX_IN_CAST
+        w_amax = weight_amax() if recorded else None
         return call.forward_scales(x_amax, w_amax, x.detach())
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:

@@ -108,7 +108,9 @@ def _run_suite(suite: str, args) -> Optional[dict]:
             for t in (2, 1)
         ]
         rows = [{"threads": r["threads"], **row} for r in runs for row in r["rows"]]
-        return {**runs[0], "threads": [2, 1], "rows": rows}
+        gpt = [{"threads": 1, **row} for row in step_time.gpt_rows(threads=1)]
+        print(table(gpt, list(gpt[0].keys())))
+        return {**runs[0], "threads": [2, 1], "rows": rows, "tiny_gpt": gpt}
     if suite == "cast":
         from . import cast_passes
 
