@@ -76,6 +76,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kernels",
             "block_gemm",
             "gemm",
+            "gemm_output",
             "saved",
             "second_order",
             "tensor_parallel",

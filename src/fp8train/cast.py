@@ -11,16 +11,22 @@ one pass from x as it is (bf16 included); saturation and rounding work on it in 
 pass writes the output. On the CPU, in eager mode, a large tensor is cast in pieces of about
 `PIECE_ELEMENTS` per thread, so the temporaries are small and reused by the allocator, where
 full-size ones would be fresh pages, faulted in on every cast. Under torch.compile
-inductor fuses the whole cast into one kernel.
+inductor fuses the whole cast into one kernel; eagerly, large CPU casts run as that one kernel too
+(compiled here once per variant, `cast_with_amax`, the seam every per-tensor cast goes through).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+from typing import Optional
+
 import torch
 
 from .formats import fp8_dtype, fp8_max
+from .torch_internals import dispatch_mode_active
 
-__all__ = ["amax", "quantize", "cast_operand", "PIECE_ELEMENTS"]
+__all__ = ["amax", "quantize", "cast_operand", "cast_with_amax", "PIECE_ELEMENTS", "FUSED_MIN_ELEMENTS"]
 
 # mantissa bits and smallest normal exponent of each encoding
 _FORMATS = {"e4m3": (3, -6), "e5m2": (2, -14)}
@@ -47,6 +53,32 @@ def _amax_by_norm(x: torch.Tensor) -> torch.Tensor:
     """One kernel, where aminmax is followed by three tiny ones; NaN propagates (torch's max
     reductions propagate NaN on every device)."""
     return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+
+
+def cast_with_amax(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    encoding: str,
+    dtype: torch.dtype,
+    *,
+    transposed: bool,
+    amax_out: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The per-tensor cast every recipe with one scale per tensor goes through: `cast_operand`'s values
+    (saturate(x * scale) rounded to FP8, as `dtype`, x's layout), cast with the scale in force; with
+    `amax_out` (a float32 0-dim tensor) max|x| is written into it (NaN propagates), read in the same
+    pass where the kernel allows (delayed scaling records it for a later step: one read of x); with
+    `transposed` (2-D x) also the values' transposed copy, contiguous (where a later GEMM wants the
+    other layout), else None. Eager CPU casts of large tensors run as one compiled kernel
+    (fused_cast.py); others as torch kernels (`cast_operand`, and `amax` one pass more)."""
+    if x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
+        out = _fused_cast(x, scale, encoding, dtype, transposed, amax_out)
+        if out is not None:
+            return out
+    if amax_out is not None:
+        amax_out.copy_(amax(x))
+    values = cast_operand(x, scale, encoding, dtype)
+    return values, (values.t().contiguous() if transposed else None)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tensor:
@@ -141,3 +173,143 @@ def _pieces(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
         (x[i : i + rows], scale[i : i + rows] if cut else scale, out[i : i + rows])
         for i in range(0, x.shape[0], rows)
     ]
+
+
+# ---- the cast as one compiled kernel ------------------------------------------------------------
+# The per-tensor cast as one compiled kernel, for eager calls on the CPU (docs/design.md, section 6).
+#
+# Eagerly, torch runs the cast above as separate kernels, each a pass over the operand (and the amax
+# one more). Here the same arithmetic (`_saturated_product`, `_round_to_fp8_grid`) is traced by
+# torch.compile, and inductor fuses it into one loop that reads x once, writes the values (and their
+# transposed copy where asked) and takes max|x| on the way. The values are the same bits: every
+# operation rounds as the eager one does (a product, a clamp, an exact addition and subtraction;
+# tests/recipes/test_cast_gemm.py checks it on every FP8 value, tie and neighbour, zeros, saturation);
+# a NaN stays NaN, though not always with its sign and payload bits (as under torch.compile).
+#
+# It is registered as the custom op `fp8train::fused_cast`: a dispatch-mode counter sees one op (a
+# compiled kernel would be invisible to it, and dynamo does not compile under such a mode), whose
+# body calls the compiled kernel with no mode in the way.
+#
+# Used where it pays (`_fused_applies`): eager calls (under torch.compile inductor fuses the graph's
+# casts itself), CPU tensors of at least `FUSED_MIN_ELEMENTS` (a compilation takes seconds, once per
+# variant and process; smaller tensors take the eager kernels), contiguous, in float32, bf16 or fp16,
+# with one scale on x's device. `FUSED_ENABLED` (`FP8TRAIN_FUSED_CAST`, read at import: 1 by default,
+# 0 off) turns it off; a compilation that fails (no C++ compiler) turns it off for the process, with
+# one warning. On GPUs, `cast_with_amax` is where fused device kernels plug in.
+
+ENV_FUSED_CAST = "FP8TRAIN_FUSED_CAST"
+
+
+def _enabled_by_env() -> bool:
+    value = os.environ.get(ENV_FUSED_CAST, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{ENV_FUSED_CAST}={value!r} is not valid: 1 (the default) casts large CPU operands in one "
+            "compiled kernel, 0 in torch's eager kernels"
+        )
+    return value == "1"
+
+
+FUSED_ENABLED = _enabled_by_env()
+FUSED_MIN_ELEMENTS = 1 << 16  # below: the eager kernels (no compilation for small tensors)
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED_FAILED: list[str] = []  # why the compiled kernel failed, once it has
+
+
+def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the cast of `x` (of FUSED_MIN_ELEMENTS elements or more: the caller checks) by `scale`
+    runs as the compiled kernel."""
+    return (
+        FUSED_ENABLED
+        and not _FUSED_FAILED
+        and x.device.type == "cpu"
+        and x.dtype in _FUSED_DTYPES
+        and scale.numel() == 1
+        and scale.device == x.device
+        and x.is_contiguous()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _kernel(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dtype, transposed: bool,
+            with_amax: bool):  # fmt: skip
+    """What the compiled kernel computes: `cast_operand`'s arithmetic, and max|x|."""
+    product = _saturated_product(x, scale.reshape(()), encoding, None)
+    if dtype in _FP8_DTYPES:
+        values = product.to(dtype)
+    else:
+        values = _round_to_fp8_grid(product, encoding).copysign_(x).to(dtype)
+    values_t = values.t().contiguous() if transposed else None
+    amax = x.abs().amax().to(torch.float32) if with_amax else None
+    return values, values_t, amax
+
+
+_FUSED_VARIANTS: dict[tuple, object] = {}  # (kernel, its variant): the compiled kernel
+
+
+def compiled_variant(kernel, key: tuple):
+    """`kernel` compiled for one variant `key` (the constants its graph depends on: dtypes, encoding),
+    each its own code object: dynamo keeps 8 graphs per code object (then runs it eagerly), and a
+    process may cast in more variants than that. Shapes are dynamic. (gemm.py's output kernel too.)"""
+    compiled = _FUSED_VARIANTS.get((kernel, key))
+    if compiled is None:
+        name = kernel.__name__ + "_" + "_".join(str(k).replace("torch.", "") for k in key)
+        code = kernel.__code__.replace(co_name=name, co_qualname=name)
+        fn = type(kernel)(code, kernel.__globals__, name)
+        # emulate_precision_casts: a rounding to bf16 inside the kernel is kept (inductor would
+        # otherwise compute through it in fp32)
+        compiled = _FUSED_VARIANTS[(kernel, key)] = torch.compile(
+            fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
+    return compiled
+
+
+def _run_fused(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    encoding: str,
+    dtype: torch.dtype,
+    transposed: bool,
+    amax_out: Optional[torch.Tensor],
+) -> list[torch.Tensor]:
+    with_amax = amax_out is not None
+    kernel = compiled_variant(_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+    values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
+    if amax_out is not None:
+        amax_out.copy_(amax)
+    return [values] if values_t is None else [values, values_t]
+
+
+_fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=("amax_out",))
+
+
+@_fused_cast_op.register_fake
+def _(x, scale, encoding, dtype, transposed, amax_out):
+    values = torch.empty_like(x, dtype=dtype)
+    return [values] if not transposed else [values, values.t().contiguous()]
+
+
+def _fused_cast(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    encoding: str,
+    dtype: torch.dtype,
+    transposed: bool,
+    amax_out: Optional[torch.Tensor],
+) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """`cast_with_amax` by the compiled kernel; None if it cannot compile here (then never again in
+    this process: the caller casts eagerly)."""
+    # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
+    # op's own dispatch costs about as much as the kernel of a 64K-element cast
+    run = _fused_cast_op if dispatch_mode_active() else _run_fused
+    try:
+        out = run(x.detach(), scale, encoding, dtype, transposed, amax_out)
+    except Exception as err:  # a compilation failure (no C++ compiler, an inductor bug): eager from now on
+        _FUSED_FAILED.append(f"{type(err).__name__}: {err}")
+        warnings.warn(
+            f"fp8train's compiled cast failed ({_FUSED_FAILED[0][:300]}); casts run as torch's eager "
+            f"kernels from now on (slower, the same values). Set {ENV_FUSED_CAST}=0 to skip the attempt",
+            stacklevel=3,
+        )
+        return None
+    return out[0], (out[1] if transposed else None)

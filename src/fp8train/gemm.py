@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 
 from . import block_gemm
+from .cast import FUSED_MIN_ELEMENTS
+from .gemm_output import fused_output_applies, scaled_output
 from .microscaling import float32_matmul
 from .operand import Operand
 from .torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
@@ -53,6 +55,7 @@ __all__ = [
     "bf16_kernel",
     "cpu_bf16_instructions",
     "has_scaled_mm",
+    "operand_dtype",
     "PATHS",
     "ROLES",
 ]
@@ -66,9 +69,14 @@ ROLES = ("forward", "dgrad", "wgrad")  # y = x @ w.T, dx = g @ w, dw = g.T @ x
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+_CHOICES = PATHS + ("auto",)
+
+
 def _forced() -> str:
-    forced = os.environ.get(ENV_PATH, "auto").strip() or "auto"
-    if forced not in PATHS + ("auto",):
+    forced = os.environ.get(ENV_PATH) or "auto"
+    if forced not in _CHOICES:
+        forced = forced.strip() or "auto"
+    if forced not in _CHOICES:
         raise ValueError(f"{ENV_PATH}={forced!r} is not valid: use auto, scaled_mm, bf16 or fp32")
     return forced
 
@@ -76,9 +84,11 @@ def _forced() -> str:
 def fast_accumulation(role: str) -> bool:
     """Whether the `role` GEMM ("forward", "dgrad", "wgrad") asks torch._scaled_mm for fast
     accumulation (`FP8TRAIN_FAST_ACCUM`; FP4 GEMMs never take it)."""
-    choice = os.environ.get(ENV_FAST_ACCUM, "forward").strip() or "forward"
+    choice = os.environ.get(ENV_FAST_ACCUM) or "forward"
     if choice not in FAST_ACCUM:
-        raise ValueError(f"{ENV_FAST_ACCUM}={choice!r} is not valid: use forward, all or none")
+        choice = choice.strip() or "forward"
+        if choice not in FAST_ACCUM:
+            raise ValueError(f"{ENV_FAST_ACCUM}={choice!r} is not valid: use forward, all or none")
     return role in FAST_ACCUM[choice]
 
 
@@ -198,6 +208,19 @@ def bf16_kernel(device: torch.device) -> tuple[str, str]:
     return ("bf16" if native else "fp32"), why
 
 
+_PATH_DTYPES = {"scaled_mm": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def operand_dtype(path: str, device: torch.device) -> torch.dtype:
+    """The dtype that holds the operands of a `path` GEMM (PATHS) on `device`: FP8 for scaled_mm;
+    float32 for the fp32 path and for the bf16 path where its kernel is fp32 (`bf16_kernel`: a CPU
+    without bf16 instructions), which then multiplies them as they are (no upcast per GEMM) and rounds
+    its output to bf16 (`gemm`'s `bf16_output`); else bf16. FP8 values are exact in each."""
+    if path == "bf16" and bf16_kernel(device)[0] == "fp32":
+        return torch.float32
+    return _PATH_DTYPES[path]
+
+
 def gemm(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -206,8 +229,11 @@ def gemm(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
     fast_accum: bool = False,
+    bf16_output: bool = False,
 ) -> torch.Tensor:
-    """(a @ b) * a_scale_inv * b_scale_inv (+ bias) for FP8-valued `a` (m x k) and `b` (k x n)."""
+    """(a @ b) * a_scale_inv * b_scale_inv (+ bias) for FP8-valued `a` (m x k) and `b` (k x n).
+    Emulated, the product is rounded to bf16 before it is scaled where the operands are bf16 or
+    `bf16_output` (the bf16 path with float32 operands, `operand_dtype`): the bf16 path's numerics."""
     if a.dtype in _FP8_DTYPES:
         if not _scaled_mm_fits(a.device, a.shape[0], a.shape[1], b.shape[1]):
             ok, why = kernel_runs("tensorwise", a.device)
@@ -227,15 +253,22 @@ def gemm(
             fast_accum,
         )
         return y if bias is None or fused else y + bias.to(out_dtype)
-    if a.dtype == torch.bfloat16 and bf16_kernel(a.device)[0] == "fp32":
-        y = torch.mm(a.float(), b.float()).to(torch.bfloat16)  # the bf16 path's rounding, fp32 speed
+    scale = (a_scale_inv * b_scale_inv).reshape(1)
+    if bf16_output and a.dtype == torch.float32 and b.dtype == torch.float32:
+        y = torch.mm(a, b)  # fp32 operands of the bf16 path: its rounding in the output's one pass
+        if y.numel() >= FUSED_MIN_ELEMENTS and fused_output_applies(y, scale, bias):
+            return scaled_output(y, scale, out_dtype)
+        y = y.to(torch.bfloat16)
+    elif (bf16_output and a.dtype == torch.float32) or (
+        a.dtype == torch.bfloat16 and bf16_kernel(a.device)[0] == "fp32"
+    ):
+        y = torch.mm(a.float(), b.float()).to(torch.bfloat16)
     else:
-        y = torch.mm(a, b.to(a.dtype))
+        y = torch.mm(a, b if b.dtype == a.dtype else b.to(a.dtype))
     # The scale as a 1-element tensor takes part in type promotion (a 0-dim one would not): the
     # product is computed in fp32 and written in one pass, with the bias added in the same one.
-    scale = (a_scale_inv * b_scale_inv).reshape(1)
     y = torch.mul(y, scale) if bias is None else torch.addcmul(bias.to(torch.float32), y, scale)
-    return y.to(out_dtype)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def matmul(
@@ -244,14 +277,19 @@ def matmul(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
     role: str = "forward",
+    path: Optional[str] = None,
 ) -> torch.Tensor:
     """a @ b (+ bias) for quantized operands, the `role` GEMM of a layer (ROLES): `gemm` when both
-    have one scale each (the hardware FP8 GEMM where it applies); block-scaled operands through
+    have one scale each (the hardware FP8 GEMM where it applies; `path`, the call's GEMM path, says
+    whether float32 operands take the bf16 path's rounding); block-scaled operands through
     torch._scaled_mm's kernel of their format where the device has it (`kernel_choice`) and the
     shape fits (`block_gemm.fits`), else both dequantized block by block and multiplied in fp32."""
-    fast_accum = fast_accumulation(role)
     if a.block is None and b.block is None:
-        return gemm(a.oriented(), a.scale_inv, b.oriented(), b.scale_inv, out_dtype, bias, fast_accum)
+        a_values = a.values.t() if a.transposed else a.values
+        b_values = b.values.t() if b.transposed else b.values
+        fast_accum = a_values.dtype in _FP8_DTYPES and fast_accumulation(role)  # only scaled_mm takes it
+        return gemm(a_values, a.scale_inv, b_values, b.scale_inv, out_dtype, bias, fast_accum, path == "bf16")
+    fast_accum = fast_accumulation(role)
     (m, k), n = a.oriented().shape, b.oriented().shape[1]
     fmt = block_gemm.block_format(a, b)
     if fmt is not None and block_gemm.fits(fmt, a, b, m, k, n) and kernel_choice(fmt, a.values.device)[0]:

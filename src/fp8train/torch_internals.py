@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 __all__ = [
     "graph_task_id",
@@ -23,6 +24,7 @@ __all__ = [
     "round_divisions_as_eager",
     "round_precision_casts_as_eager",
     "triton_max_combine",
+    "dispatch_mode_active",
     "scaled_mm",
     "has_scaled_mm",
     "scaled_mm_problem",
@@ -139,6 +141,12 @@ def round_precision_casts_as_eager() -> bool:
     if "TORCHINDUCTOR_EMULATE_PRECISION_CASTS" not in os.environ:
         config.emulate_precision_casts = True
     return bool(config.emulate_precision_casts)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode is active (`torch.utils._python_dispatch`): dynamo does not compile
+    under one, so the compiled cast (cast.py) goes through its custom op there, where the mode sees it."""
+    return is_in_torch_dispatch_mode()
 
 
 # ---- ops --------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8train
-from fp8train.gemm import Operand
+from fp8train.gemm import Operand, operand_dtype
 from fp8train.microscaling import e8m0_to_float
 from fp8train.modules.layernorm_linear import _ActivationSavedFP8
 from fp8train.quantization.block import TILE, quantize_tiles
@@ -127,8 +127,10 @@ def test_saved_bytes_per_recipe_fp8_vs_bf16_autocast_vs_fp32(recipe, monkeypatch
     big = [t for t in tensors if t.numel() >= T * H and t.dtype.itemsize > 1]
     assert [tuple(t.shape) for t in big] == [(T, H)]  # only the norm's input
     assert fp8 < 0.62 * bf16 < bf16 < fp32  # measured: 0.43 (NVFP4) to 0.61 (MXFP8's fp32 scales)
-    if recipe in ("delayed", "current"):  # by default: bf16 operands (the CPU's GEMM path), fp32 h
-        assert default == fp8 + operand_elements + (3 * T * F_ - T * F_ // TILE * 4)
+    if recipe in ("delayed", "current"):  # by default: the CPU's bf16-path operands (gemm.operand_dtype:
+        # fp32 where the CPU has no bf16 instructions, bf16 where it has them), fp32 h
+        extra = operand_dtype("bf16", torch.device("cpu")).itemsize - 1
+        assert default == fp8 + extra * operand_elements + (3 * T * F_ - T * F_ // TILE * 4)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

@@ -221,10 +221,32 @@ def test_cast_benchmark_compares_the_fused_cast_with_the_unfused_one(tmp_path) -
         assert r["fused_kernels"] < r["unfused_kernels"] or r["x"] == "float32" and r["to"] != "bfloat16"
         assert r["speedup"] == pytest.approx(r["unfused_ms"] / r["fused_ms"])
     step = {r["config"]: r for r in result["step"]}
-    assert set(step) == {"bf16 torch.nn", "fp8 fp8train, unfused cast", "fp8 fp8train, fused cast"}
+    assert set(step) == {
+        "bf16 torch.nn",
+        "fp8 fp8train, unfused cast",
+        "fp8 fp8train, fused cast",
+        "fp8 fp8train, compiled cast (cast_with_amax)",
+    }
     assert step["fp8 fp8train, fused cast"]["vs_unfused"] == pytest.approx(
         step["fp8 fp8train, fused cast"]["ms"] / step["fp8 fp8train, unfused cast"]["ms"]
     )
+    census = {r["count"]: r for r in result["census"]}  # lean_path's counts, compiled cast on and off
+    passes = census["passes per cast-operand element (FP8 step, non-GEMM ops)"]
+    assert 0 < passes["compiled cast and output"] <= passes["torch ops (FP8TRAIN_FUSED_CAST=0)"]
+
+
+def test_gpu_model_predicts_fp8_between_bf16_and_the_fused_kernels(tmp_path) -> None:
+    """The GPU step model (counted bytes and FLOPs, scaled): the same GEMM FLOPs in every row, the
+    FP8 GEMMs twice as fast, and the fused cast moving fewer bytes than the torch-op cast."""
+    assert main(["gpumodel", "--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpumodel.json").read_text())["rows"]
+    bf16, eager, fused, te = (
+        next(r for r in rows if r["config"].startswith(prefix))
+        for prefix in ("bf16", "fp8 fp8train eager", "fp8 fp8train, fused", "TransformerEngine")
+    )
+    assert bf16["gemm_TFLOP"] == eager["gemm_TFLOP"] == fused["gemm_TFLOP"] > 0
+    assert bf16["other_GB"] < fused["other_GB"] < eager["other_GB"]
+    assert eager["ms"] > fused["ms"] and te["speedup_vs_bf16"] == pytest.approx(1.69)
 
 
 def test_optim_bench_reports_state_bytes_and_moment_errors(tmp_path) -> None:

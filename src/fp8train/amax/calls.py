@@ -52,6 +52,8 @@ class Call:
     scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
     token: Optional[torch.Tensor] = None  # delayed scaling: names the call's region to its backward
     plan: Optional[Plan] = None  # eager: its module call's plan (compiled graphs make it at run time)
+    gemm_path: Optional[str] = None  # gemm.PATHS: how its GEMMs multiply (the emulation's output rounding)
+    weight_amax_in_cast: bool = False  # eager: the weight's cast (`quantize_weight`) takes its amax
 
     @staticmethod
     def outside_module(quantization, scales: Optional[torch.Tensor] = None) -> Call:
@@ -59,23 +61,34 @@ class Call:
         (readers: quantization error, tensor statistics): float32 operands, nothing recorded."""
         return Call(True, False, quantization, None, 0, torch.float32, scales)
 
-    def for_gemm(self, operand_dtype: torch.dtype, scales: Optional[torch.Tensor], token) -> Call:
-        """This call with its GEMM's operand dtype and the scales and token `forward_scales` gave."""
+    def for_gemm(
+        self,
+        operand_dtype: torch.dtype,
+        scales: Optional[torch.Tensor],
+        token,
+        gemm_path: Optional[str] = None,
+        weight_amax_in_cast: bool = False,
+    ) -> Call:
+        """This call with its GEMM's operand dtype and path, the scales and token `forward_scales` gave,
+        and whether the weight's cast takes the weight's amax."""
         return Call(
             self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
-            operand_dtype, scales, token, self.plan,
+            operand_dtype, scales, token, self.plan, gemm_path, weight_amax_in_cast,
         )  # fmt: skip
 
     def without_tensors(self) -> Call:
         """What backward keeps on its context (the tensors travel through save_for_backward; the plan,
         which holds the region, is not kept: backward names the region by the token)."""
-        return Call(self.fp8, self.record, self.quantization, None, self.gemm_index, self.operand_dtype)
+        return Call(
+            self.fp8, self.record, self.quantization, None, self.gemm_index, self.operand_dtype,
+            None, None, None, self.gemm_path,
+        )  # fmt: skip
 
     def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> Call:
         """The backward's call: this one's fields with the saved tensors."""
         return Call(
             self.fp8, self.record, self.quantization, module_handle, self.gemm_index, self.operand_dtype,
-            None, token,
+            None, token, None, self.gemm_path,
         )  # fmt: skip
 
     # ---- what the call asks of the protocol ----------------------------------------------------------
@@ -88,11 +101,23 @@ class Call:
             return _forward_scales_op(self.module_handle, self.gemm_index, x_amax, w_amax, like, training)
         return _forward_scales(self.plan, self.gemm_index, x_amax, w_amax, like)
 
-    def backward_scales(self, g_amax: torch.Tensor) -> torch.Tensor:
-        """Record this backward GEMM's grad_output amax; [scale, scale_inv] for it."""
+    def backward_scales(self, g_amax: Optional[torch.Tensor]) -> torch.Tensor:
+        """Record this backward GEMM's grad_output amax; [scale, scale_inv] for it. Eagerly `g_amax` may
+        be None: the gradient's cast takes it and `record_grad_amax` records it after the cast."""
         if torch.compiler.is_compiling():
             return _backward_scales_op(self.module_handle, self.gemm_index, g_amax, self.token)
         return _backward_scales(STATE.handles.module(self.module_handle), self.gemm_index, g_amax, self.token)
+
+    def record_amax(self, role: int, amax: torch.Tensor) -> None:
+        """Eager: record the amax of forward `role` (roles.py: INPUT, WEIGHT) that its cast took (delayed
+        scaling's scales are frozen before the call, so the cast needs no amax first: one read)."""
+        if self.plan.records_into is not None:
+            self.plan.records_into.record(forward_column(self.plan.offset, self.gemm_index, role), amax)
+
+    def record_grad_amax(self, g_amax: torch.Tensor) -> None:
+        """Eager: record the grad_output amax its cast took (after `backward_scales(None)`)."""
+        meta = STATE.handles.module(self.module_handle).fp8_meta["scaling_bwd"]
+        meta.direction.record(backward_column(meta.offset, self.gemm_index, GRAD_OUTPUT), g_amax)
 
     def check_recipe_kind(self) -> None:
         """Under torch.compile, a training call's check that its module trains under one recipe kind
@@ -196,18 +221,22 @@ def _forward_scales(
     return _gemm_scales(plan, gemm_index), token
 
 
-def _backward_scales(module, gemm_index: int, g_amax: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """Record this backward GEMM's grad_output amax; return [scale, scale_inv] for it.
+def _backward_scales(
+    module, gemm_index: int, g_amax: Optional[torch.Tensor], token: torch.Tensor
+) -> torch.Tensor:
+    """Record this backward GEMM's grad_output amax (unless None: recorded after the cast); return
+    [scale, scale_inv] for it.
 
     Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
     launches the group's backward reduction when it ends."""
-    refuse_cuda_graph_capture(g_amax)
     meta = module.fp8_meta["scaling_bwd"]
     direction = meta.direction
+    refuse_cuda_graph_capture(direction.storage.scale if g_amax is None else g_amax)
     direction.finish()
     direction.check()
     column = backward_column(meta.offset, gemm_index, GRAD_OUTPUT)
-    direction.record(column, g_amax)
+    if g_amax is not None:
+        direction.record(column, g_amax)
     current_backward_pass().note(direction.group, STATE.regions.by_serial(int(token)))
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 

@@ -107,7 +107,7 @@ class Direction:
             self.discard_recording()
         self._recording_task = task
         slot = self.storage.recording[column]
-        torch.maximum(slot, amax.to(torch.float32), out=slot)
+        torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
         self.recorded_columns.append(column)
 
     def discard_recording(self) -> None:

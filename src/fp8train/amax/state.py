@@ -206,12 +206,22 @@ class AmaxGroups:
 
     def __init__(self) -> None:
         self.groups: dict[tuple, AmaxGroup] = {}
+        self._last: Optional[tuple] = None  # (recipe, process group, its group): `of`'s last answer
         self.channels: dict[object, Channel] = {}
         self.stats = ReductionStats()
 
     def of(self, recipe, process_group) -> AmaxGroup:
-        """The amax group of `recipe` (a DelayedScaling) on `process_group` (None: the world)."""
+        """The amax group of `recipe` (a DelayedScaling) on `process_group` (None: the world). The last
+        answer is kept for the same two objects (every FP8 call of a region asks it)."""
         process_group = world_if_default(process_group)
+        last = self._last
+        if last is not None and last[0] is recipe and last[1] is process_group:
+            return last[2]
+        group = self._of(recipe, process_group)
+        self._last = (recipe, process_group, group)
+        return group
+
+    def _of(self, recipe, process_group) -> AmaxGroup:
         # recipes equal as the header sees them (callables by their code) share a group
         key = (recipe.key(), recipe.reduce_amax, process_group)
         group = self.groups.get(key)

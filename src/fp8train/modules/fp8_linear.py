@@ -13,8 +13,8 @@ from .. import fsdp, saved, second_order
 from ..amax import Call, begin_call
 from ..cast import amax
 from ..fsdp import GatheredWeight
-from ..gemm import RECIPE_KERNELS, Operand, choose_path, kernel_choice, matmul
-from ..quantization.base import WeightOperands
+from ..gemm import RECIPE_KERNELS, Operand, choose_path, kernel_choice, matmul, operand_dtype
+from ..quantization.base import AMAX_IN_CAST, WeightOperands
 from ..shape_rule import weight_fits, why_off
 from ..tensor_parallel import (
     TensorParallel,
@@ -43,7 +43,7 @@ class _LinearFn(torch.autograd.Function):
             gathered = Operand(gather_fp8_tokens(local.values, sp_group), local.scale_inv)
             x_ops = x_ops._replace(forward=gathered, wgrad=gathered)
             shape = (gathered.values.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
-        y = matmul(x_ops.forward, w_ops.forward.t(), _output_dtype(x), bias)
+        y = matmul(x_ops.forward, w_ops.forward.t(), _output_dtype(x), bias, path=call.gemm_path)
         formats = call.quantization.e2m1_values, call.quantization.e8m0_scales
         (x_saved, x_form), (w_saved, w_form) = (
             saved.pack(x_ops.wgrad, *formats),
@@ -82,12 +82,12 @@ class _LinearFn(torch.autograd.Function):
             if isinstance(weight, GatheredWeight) and not torch.compiler.is_compiling():
                 fsdp.gathered_backward_ran(call.module_handle, call.gemm_index, ctx)  # owed nothing now
             if needs[0]:
-                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad")
+                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad", path=call.gemm_path)
                 if ctx.sp_group is not None:  # each rank's tokens: summed over the group
                     grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
                 grad_x = grad_x.reshape(ctx.x_shape)
             if needs[1]:
-                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad")
+                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad", path=call.gemm_path)
         if create_graph:  # differentiable, with the same values (second_order.py)
             grad_x, grad_w = second_order.linear_grads(
                 grad_x, grad_w, g2d,
@@ -116,15 +116,14 @@ class _HighPrecision(torch.autograd.Function):
         return grad
 
 
-_OPERAND_DTYPES = {"scaled_mm": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _operand_dtype(tokens: int, weight: torch.Tensor) -> torch.dtype:
-    """FP8 for torch._scaled_mm when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values.
+def _gemm_path(tokens: int, weight: torch.Tensor) -> tuple[str, torch.dtype]:
+    """The GEMM path (gemm.PATHS) and its operand dtype (`gemm.operand_dtype`): FP8 for torch._scaled_mm
+    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values.
 
     The backward GEMMs have the same three dimensions, so they take the same path."""
     out_features, in_features = weight.shape
-    return _OPERAND_DTYPES[choose_path(weight.device, tokens, in_features, out_features)]
+    path = choose_path(weight.device, tokens, in_features, out_features)
+    return path, operand_dtype(path, weight.device)
 
 
 def _warn_if_emulated_for_shape(module, weight: torch.Tensor, call: Call) -> None:
@@ -199,12 +198,20 @@ def fp8_linear(
                     "shards. Resume the step with is_first_microbatch=True, or save at a step boundary"
                 )
     reused = cached is not None or rebuild is not None  # the step's weight: no weight amax recorded
-    weight_amax = None if reused or stored else (weight.shard_amax if gathered else lambda: amax(weight))
+    if reused or stored:
+        weight_amax = None
+    elif gathered:
+        weight_amax = weight.shard_amax
+    elif torch.compiler.is_compiling():
+        weight_amax = lambda: amax(weight)  # noqa: E731
+    else:  # eager: quantize_weight casts it below and may take its amax in the same read
+        weight_amax = AMAX_IN_CAST
     scales, token = quantization.call_scales(call, x, weight_amax)
     if rebuild is not None:  # the weight scale the step's first microbatch cast the weight with
         scales = torch.stack([scales[:, 0], rebuild.to(scales.device)], dim=1)
     tokens = x.numel() // x.shape[-1] * (1 if sp_group is None else dist.get_world_size(sp_group))
-    call = call.for_gemm(_operand_dtype(tokens, weight), scales, token)
+    path, dtype = _gemm_path(tokens, weight)
+    call = call.for_gemm(dtype, scales, token, path, weight_amax is AMAX_IN_CAST)
     if stored:  # used as it is, whatever the recipe (a block operand: matmul dequantizes it)
         w_ops = stored_weight
     elif cached is not None:

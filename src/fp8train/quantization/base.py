@@ -27,7 +27,17 @@ from ..amax import Call
 from ..gemm import RECIPE_KERNELS, Operand, kernel_choice
 from ..torch_internals import constant_for_compile
 
-__all__ = ["Quantization", "WeightOperands", "InputOperands", "GradOperands", "check_whole_blocks"]
+__all__ = [
+    "Quantization",
+    "WeightOperands",
+    "InputOperands",
+    "GradOperands",
+    "check_whole_blocks",
+    "AMAX_IN_CAST",
+]
+
+# `weight_amax` of an eager FP8 call whose weight `quantize_weight` casts: the cast takes its amax
+AMAX_IN_CAST = object()
 
 
 class WeightOperands(NamedTuple):
@@ -84,7 +94,8 @@ class Quantization:
     def call_scales(self, call: Call, x: torch.Tensor, weight_amax):
         """(scales, token) of a GEMM call: recorded amaxes (when `call.record`) and frozen scales for
         delayed scaling; (None, None) for recipes that scale each tensor from itself. `weight_amax()`
-        gives the weight's amax, or is None when the weight is not cast (a cached FP8 weight)."""
+        gives the weight's amax, or is None when the weight is not cast (a cached FP8 weight), or is
+        AMAX_IN_CAST (eager FP8 calls) when `quantize_weight` casts it and may take its amax there."""
         return None, None
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:

@@ -4,7 +4,8 @@ group shares and MAX-reduces across its ranks (docs/design.md, sections 1-3).
 Its calls go through the protocol, by the methods of the `Call` each GEMM hands down (amax/calls.py):
 the call's plan freezes its region's scales, its amaxes are recorded and its backward asks for the
 gradient's scale. The scale of every tensor is
-known before the tensor is cast, so sequence-parallel inputs and FSDP2 weights travel as FP8.
+known before the tensor is cast, so sequence-parallel inputs and FSDP2 weights travel as FP8, and an
+eager cast takes its tensor's amax in the same read (`cast.cast_with_amax`), recorded after the cast.
 """
 
 from __future__ import annotations
@@ -12,11 +13,18 @@ from __future__ import annotations
 import torch
 
 from ..amax import Call
+from ..amax.roles import INPUT, WEIGHT
 from ..cast import amax
-from .base import GradOperands, InputOperands, WeightOperands
+from .base import AMAX_IN_CAST, GradOperands, InputOperands, WeightOperands
 from .per_tensor import TensorQuantization
 
 __all__ = ["DelayedQuantization"]
+
+
+def _amax_in_cast(call: Call) -> bool:
+    """Whether this call's casts take their tensors' amaxes (eager training calls in FP8); under
+    torch.compile the amaxes go into the protocol's op first, and inductor fuses them with the casts."""
+    return call.record and call.fp8 and not torch.compiler.is_compiling()
 
 
 class DelayedQuantization(TensorQuantization):
@@ -25,19 +33,41 @@ class DelayedQuantization(TensorQuantization):
     casts_before_gather = True
 
     def call_scales(self, call: Call, x: torch.Tensor, weight_amax):
+        if _amax_in_cast(call):  # x's amax: taken by its cast; the weight's too where it is cast here
+            w_amax = None if weight_amax is None or weight_amax is AMAX_IN_CAST else weight_amax()
+            return call.forward_scales(None, w_amax, x.detach())
         x_amax = amax(x) if call.record else None
-        w_amax = weight_amax() if call.record and weight_amax is not None else None
+        # (AMAX_IN_CAST reaches here only for calls that record nothing: eager FP8 calls without grad)
+        recorded = call.record and weight_amax is not None and weight_amax is not AMAX_IN_CAST
+        w_amax = weight_amax() if recorded else None
         return call.forward_scales(x_amax, w_amax, x.detach())
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         scales = call.scales
-        return WeightOperands.same(self.cast(weight, scales[0, 1], scales[1, 1], "e4m3", call.operand_dtype))
+        w_amax = _new_amax(weight, call) if call.weight_amax_in_cast else None
+        operand = self.cast(weight, scales[0, 1], scales[1, 1], "e4m3", call.operand_dtype, w_amax)
+        if w_amax is not None:
+            call.record_amax(WEIGHT, w_amax)
+        return WeightOperands.same(operand)
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
-        scales = call.scales
-        operand = self.cast(x2d, scales[0, 0], scales[1, 0], "e4m3", call.operand_dtype)
+        scales, x_amax = call.scales, _new_amax(x2d, call)
+        operand = self.cast(x2d, scales[0, 0], scales[1, 0], "e4m3", call.operand_dtype, x_amax)
+        if x_amax is not None:
+            call.record_amax(INPUT, x_amax)
         return InputOperands(operand, operand)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
+        if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
+            g_amax = torch.empty((), dtype=torch.float32, device=g2d.device)
+            scales = call.backward_scales(None)
+            operands = self.grad_operands(g2d, scales[0], scales[1], call, g_amax)
+            call.record_grad_amax(g_amax)
+            return operands
         scales = call.backward_scales(amax(g2d))
         return self.grad_operands(g2d, scales[0], scales[1], call)
+
+
+def _new_amax(x: torch.Tensor, call: Call):
+    """Where a forward cast writes its tensor's amax, for the call to record; None: not taken there."""
+    return torch.empty((), dtype=torch.float32, device=x.device) if _amax_in_cast(call) else None

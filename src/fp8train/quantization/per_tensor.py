@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..amax import Call
-from ..cast import cast_operand
+from ..cast import cast_with_amax
 from ..formats import fp8_dtype
 from ..gemm import Operand
 from .base import GradOperands, Quantization, WeightOperands
@@ -18,18 +20,34 @@ class TensorQuantization(Quantization):
     """A recipe with one scale per tensor: each tensor's one operand serves both of its GEMMs."""
 
     @staticmethod
-    def cast(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, encoding: str, dtype) -> Operand:
-        return Operand(cast_operand(x, scale, encoding, dtype), scale_inv)
+    def cast(
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        scale_inv: torch.Tensor,
+        encoding: str,
+        dtype: torch.dtype,
+        amax_out: Optional[torch.Tensor] = None,
+    ) -> Operand:
+        """x's operand (`cast.cast_with_amax`; its amax into `amax_out` when given)."""
+        values, _ = cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
+        return Operand(values, scale_inv)
 
     def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
         # FP8 values convert exactly between the operand dtypes of the GEMM paths
         operand = cached.forward
         return WeightOperands.same(Operand(operand.values.to(call.operand_dtype), operand.scale_inv))
 
-    def grad_operands(self, g2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, call: Call):
+    def grad_operands(
+        self,
+        g2d: torch.Tensor,
+        scale: torch.Tensor,
+        scale_inv: torch.Tensor,
+        call: Call,
+        amax_out: Optional[torch.Tensor] = None,
+    ) -> GradOperands:
         """The gradient cast once for both backward GEMMs: FP8 in the gradient encoding's dtype for
-        the hardware GEMM, else in the emulation's operand dtype."""
+        the hardware GEMM, else in the emulation's operand dtype (its amax into `amax_out` if given)."""
         encoding = self.grad_encoding
         dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
-        operand = self.cast(g2d, scale, scale_inv, encoding, dtype)
+        operand = self.cast(g2d, scale, scale_inv, encoding, dtype, amax_out)
         return GradOperands(operand, operand)

@@ -30,6 +30,7 @@ SUITES = (
     "memory",
     "grouped",
     "startup",
+    "gpumodel",
 )
 
 
@@ -122,7 +123,9 @@ def _run_suite(suite: str, args) -> Optional[dict]:
             for t in (2, 1)
         ]
         rows = [{"threads": r["threads"], **row} for r in runs for row in r["rows"]]
-        return {**runs[0], "threads": [2, 1], "rows": rows}
+        gpt = [{"threads": 1, **row} for row in step_time.gpt_rows(threads=1)]
+        print(table(gpt, list(gpt[0].keys())))
+        return {**runs[0], "threads": [2, 1], "rows": rows, "tiny_gpt": gpt}
     if suite == "cast":
         from . import cast_passes
 
@@ -132,6 +135,14 @@ def _run_suite(suite: str, args) -> Optional[dict]:
             result = cast_passes.run()
         print(f"\n== cast: the MLP step with either cast ({result['cpu']}, {result['threads']} threads)")
         print(table(result["step"], list(result["step"][0].keys())))
+        print("\n== cast: the eager FP8 step in counts (lean_path), compiled cast and output on and off")
+        print(table(result["census"], list(result["census"][0].keys())))
+        return result
+    if suite == "gpumodel":
+        from . import gpu_model
+
+        result = gpu_model.run(scale=64 if args.quick else gpu_model.SCALE)
+        print(f"\n== gpumodel: a model, not a measurement: {result['model']}")
         return result
     if suite == "reduction":
         from . import amax_reduction

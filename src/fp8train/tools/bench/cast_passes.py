@@ -16,6 +16,7 @@ from ... import cast
 from ...formats import fp8_dtype, fp8_max
 from ...quantization import per_tensor
 from ..timing import interleaved_times, medians
+from . import lean_path
 from .common import PassCounter, train_step
 from .step_time import _mlp
 
@@ -43,13 +44,24 @@ CASTS = {"unfused": unfused_cast_operand, "fused": cast.cast_operand}
 
 @contextmanager
 def _per_tensor_cast(impl):
-    """Delayed and current scaling cast through `per_tensor.cast_operand`: `impl` instead, for a while."""
-    saved = per_tensor.cast_operand
-    per_tensor.cast_operand = impl
+    """Delayed and current scaling cast through `per_tensor.cast_with_amax` (the seam): `impl` (a cast
+    of `cast_operand`'s signature, the amax one pass more) instead, for a while; None: the seam."""
+    if impl is None:
+        yield
+        return
+
+    def seam(x, scale, encoding, dtype, *, transposed, amax_out):
+        if amax_out is not None:
+            amax_out.copy_(cast.amax(x))
+        values = impl(x, scale, encoding, dtype)
+        return values, (values.t().contiguous() if transposed else None)
+
+    saved = per_tensor.cast_with_amax
+    per_tensor.cast_with_amax = seam
     try:
         yield
     finally:
-        per_tensor.cast_operand = saved
+        per_tensor.cast_with_amax = saved
 
 
 def _cast_rows(shapes, repeats: int) -> list[dict]:
@@ -102,6 +114,7 @@ def _step_rows(hidden: int, ffn: int, tokens: int, repeats: int) -> list[dict]:
 
     fns = {"bf16 torch.nn": train_step(bf16, x_bf16, None, False, backward)}
     fns.update({f"fp8 fp8train, {name} cast": step_with(impl) for name, impl in CASTS.items()})
+    fns["fp8 fp8train, compiled cast (cast_with_amax)"] = step_with(None)
     times = medians(interleaved_times(fns, repeats, warmup_blocks=2, clock=_clock()))
     unfused = times["fp8 fp8train, unfused cast"]
     return [
@@ -126,7 +139,27 @@ def run(
         "rows": _cast_rows(shapes, repeats),
         "step_shape": dict(zip(("hidden", "ffn", "tokens"), step)),
         "step": _step_rows(*step, repeats),
+        "census": _census_rows(step),
     }
+
+
+def _census_rows(step) -> list[dict]:
+    """lean_path's counts of the MLP step with the compiled cast and output (the default) and without
+    (FP8TRAIN_FUSED_CAST=0: torch's eager kernels)."""
+    hidden, ffn, tokens = step
+    saved = cast.FUSED_ENABLED
+    results = {}
+    try:
+        for name, on in (("compiled cast and output", True), ("torch ops (FP8TRAIN_FUSED_CAST=0)", False)):
+            cast.FUSED_ENABLED = on
+            results[name] = lean_path.rows(lean_path.census((hidden, ffn, hidden), tokens, warmup=1))
+    finally:
+        cast.FUSED_ENABLED = saved
+    names = list(results)
+    return [
+        {"count": row["count"], **{name: results[name][i]["value"] for name in names}}
+        for i, row in enumerate(results[names[0]])
+    ]
 
 
 def _cpu_model() -> str:

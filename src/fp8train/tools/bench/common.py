@@ -6,6 +6,7 @@ import collections
 import json
 import os
 import platform
+import sys
 import time
 from typing import Callable
 
@@ -141,3 +142,70 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+GEMM_OPS = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_mm_v2")
+
+
+class StepCensus(TorchDispatchMode):
+    """What the aten ops inside the `with` block cost, GEMMs apart: `calls` (every op, views included;
+    `ops` per name), `gemms`, and `elements`: the sum over the other ops that are neither views nor
+    bare allocations of the largest tensor each reads or writes (`by_op` per name). Divided by the
+    elements of the operands an FP8 step casts, `elements` is its passes over them (issue 37's count:
+    the cast's kernels, the amax, the GEMMs' upcasts and output scaling, and the model's own ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.gemms = 0
+        self.elements = 0
+        self.ops: collections.Counter = collections.Counter()
+        self.by_op: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.calls += 1
+        self.ops[name] += 1
+        if name in GEMM_OPS:
+            self.gemms += 1
+        elif not func.is_view and name not in _ALLOCATIONS:
+            largest = max((t.numel() for t in _tensors([*args, *(kwargs or {}).values(), out])), default=0)
+            self.elements += largest
+            self.by_op[name] += largest
+        return out
+
+
+def linear_operand_elements(model: torch.nn.Module, tokens: int) -> int:
+    """The elements of the operands an FP8 training step of `model`'s linear layers casts: per layer
+    its input (tokens x in), weight (out x in) and output gradient (tokens x out)."""
+    return sum(
+        tokens * m.in_features + m.out_features * m.in_features + tokens * m.out_features
+        for m in model.modules()
+        if hasattr(m, "in_features") and hasattr(m, "out_features")
+    )
+
+
+class PackageCalls:
+    """fp8train's own Python calls inside the `with` block (`sys.setprofile`): the calls of its
+    functions and the builtins its code calls (torch's Python and the standard library are not
+    counted, nor what they call). `calls` in all, `by_function` per (file, function)."""
+
+    def __init__(self) -> None:
+        self.root = os.path.dirname(os.path.abspath(ft.__file__))
+        self.calls = 0
+        self.by_function: collections.Counter = collections.Counter()
+
+    def _profile(self, frame, event, arg) -> None:
+        if event in ("call", "c_call") and frame.f_code.co_filename.startswith(self.root):
+            self.calls += 1
+            name = frame.f_code.co_name if event == "call" else f"{frame.f_code.co_name}->{arg.__name__}"
+            self.by_function[(os.path.relpath(frame.f_code.co_filename, self.root), name)] += 1
+
+    def __enter__(self) -> PackageCalls:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)

@@ -8,11 +8,13 @@ are left out (`bf16_baselines`)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
 import fp8train as ft
 
+from ... import cast
 from ...gemm import bf16_kernel
 from .common import interleaved_medians, train_step
 
@@ -27,6 +29,46 @@ def _torchao(reference: torch.nn.Module):
     except ImportError:
         return None
     return convert_to_float8_training(copy.deepcopy(reference))
+
+
+def _without_compiled_cast(fn):
+    """`fn` with the eager casts and GEMM outputs as torch ops (FP8TRAIN_FUSED_CAST=0), as before."""
+
+    def step() -> None:
+        saved, cast.FUSED_ENABLED = cast.FUSED_ENABLED, False
+        try:
+            fn()
+        finally:
+            cast.FUSED_ENABLED = saved
+
+    return step
+
+
+def gpt_rows(layers: int = 12, batch: int = 8, repeats: int = 12, threads: int = 1) -> list[dict]:
+    """The demo's tiny GPT (hidden 64) with `layers` blocks: fp8 (delayed scaling, eager) vs fp32,
+    round-robin; where fp8train's per-call bookkeeping, not the casts, is the FP8 step's cost."""
+    from ..models import GPT, MODEL_SIZES
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(MODEL_SIZES["tiny"], layers=layers)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
+    recipe = ft.DelayedScaling(amax_history_len=16)
+
+    def step(fp8: bool):
+        def fn() -> None:
+            with ft.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+                loss = model.loss(tokens)
+            loss.backward()
+
+        return fn
+
+    times = interleaved_medians({"fp32": step(False), "fp8": step(True)}, repeats)
+    return [
+        {"config": f"tiny GPT, {layers} layers: {name}", "ms": 1e3 * t, "vs_fp32": t / times["fp32"]}
+        for name, t in times.items()
+    ]
 
 
 def run(
@@ -68,10 +110,14 @@ def run(
     def backward(y: torch.Tensor) -> None:
         y.float().square().mean().backward()
 
+    configs["fp8 fp8train, torch-op cast (before issue 37)"] = (copy.deepcopy(fp8), x, delayed)
     fns = {
         name: train_step(model, inp, recipe, recipe is not None, backward)
         for name, (model, inp, recipe) in configs.items()
     }
+    fns["fp8 fp8train, torch-op cast (before issue 37)"] = _without_compiled_cast(
+        fns["fp8 fp8train, torch-op cast (before issue 37)"]
+    )
     times = interleaved_medians(fns, repeats)
     with torch.no_grad():
         exact = copy.deepcopy(fp32).double()(x.detach().double())

@@ -1,0 +1,141 @@
+"""A GPU step model (issue 37, item 5): the step of an MLP block at TransformerEngine's 5B shapes on an
+H200, predicted from counts made on the CPU. A model, not a measurement.
+
+Counted (a dispatch mode, `ByteCounter`) on the same block scaled down by `SCALE` in every dimension
+(tokens, hidden, ffn): the FLOPs of each GEMM (2 m n k) and the bytes every other kernel reads and
+writes (each tensor argument read whole, each output written whole). At full size every 2-D tensor
+is SCALE**2 times larger and every GEMM SCALE**3, so those factors scale the counts exactly. The FP8
+step is fp8train's eager path as it runs on a GPU with FP8 GEMMs (`FP8TRAIN_GEMM=scaled_mm`, which
+the CPU's torch also runs): the torch-op cast (an amax, the product, saturation, the FP8 conversion)
+and the transposed FP8 copies torch._scaled_mm needs.
+
+    step = sum(GEMM FLOPs) / peak(dtype) + sum(other kernels' bytes) / bandwidth
+
+(no overlap between kernels; GEMMs at the dense tensor-core peak; memory-bound kernels at the
+published bandwidth; both optimistic, alike for every row). Rows: bf16 torch.nn; fp8train eager, torch
+ops (counted); fp8train with fused cast kernels (modelled: each cast reads its bf16 operand once and
+writes its FP8 values and transposed copy: 4 bytes per element, the amax in the same read; the
+other kernels as counted); and TransformerEngine's published delayed-scaling speedup (1.69x bf16,
+H200) applied to the bf16 row. Compiled (torch.compile) is modelled as the fused row: inductor
+fuses the cast, and its transposes, into one kernel per operand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8train as ft
+
+from ... import cast
+from .common import GEMM_OPS, _tensors
+
+H200 = {"bandwidth_TBps": 4.8, "bf16_TFLOPS": 989.0, "fp8_TFLOPS": 1979.0}  # dense, published
+TE_5B = {"tokens": 15872, "hidden": 4096, "ffn": 16384}
+TE_DELAYED_SPEEDUP = 1.69  # TransformerEngine's GEMM guide: delayed scaling vs bf16, H200
+SCALE = 16
+
+
+class ByteCounter(TorchDispatchMode):
+    """GEMM FLOPs and the bytes of every other kernel (views and allocations move nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.bytes = 0
+        self.cast_elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in GEMM_OPS:
+            a, b = args[0], args[1]
+            if name == "addmm":
+                a, b = args[1], args[2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        elif not func.is_view and name not in ("empty", "empty_like", "empty_strided"):
+            tensors = _tensors([*args, *(kwargs or {}).values()]) + _tensors([out])
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _block(linear, hidden: int, ffn: int) -> torch.nn.Module:
+    return torch.nn.Sequential(linear(hidden, ffn), torch.nn.GELU(approximate="tanh"), linear(ffn, hidden))
+
+
+@contextlib.contextmanager
+def _gemm_path(path: str):
+    saved_env, saved_fused = os.environ.get("FP8TRAIN_GEMM"), cast.FUSED_ENABLED
+    os.environ["FP8TRAIN_GEMM"], cast.FUSED_ENABLED = path, False
+    try:
+        yield
+    finally:
+        cast.FUSED_ENABLED = saved_fused
+        if saved_env is None:
+            del os.environ["FP8TRAIN_GEMM"]
+        else:
+            os.environ["FP8TRAIN_GEMM"] = saved_env
+
+
+def _count(model: torch.nn.Module, x: torch.Tensor, recipe) -> ByteCounter:
+    def step() -> None:
+        with ft.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            y = model(x)
+        y.backward(torch.ones_like(y))
+
+    step()
+    with ByteCounter() as counter:
+        step()
+    return counter
+
+
+def run(scale: int = SCALE, device: dict = H200, shapes: dict = TE_5B) -> dict:
+    m, h, f = (shapes[k] // scale for k in ("tokens", "hidden", "ffn"))
+    torch.manual_seed(0)
+    bf16 = _block(torch.nn.Linear, h, f).bfloat16()
+    fp8 = _block(ft.Linear, h, f).bfloat16()
+    x = torch.randn(m, h, dtype=torch.bfloat16, requires_grad=True)
+    counts = {"bf16": _count(bf16, x, None)}
+    with _gemm_path("scaled_mm"):
+        counts["fp8"] = _count(fp8, x, ft.DelayedScaling(amax_history_len=16))
+    area, volume = scale**2, scale**3
+    cast_elements = (m * h + h * f + m * f) * 2 * area  # per linear: input, weight, output gradient
+    bw, peak = (
+        device["bandwidth_TBps"] * 1e12,
+        {"bf16": device["bf16_TFLOPS"] * 1e12, "fp8": device["fp8_TFLOPS"] * 1e12},
+    )
+
+    def ms(flops: float, nbytes: float, dtype: str) -> float:
+        return 1e3 * (flops / peak[dtype] + nbytes / bw)
+
+    bf16_flops, bf16_bytes = counts["bf16"].flops * volume, counts["bf16"].bytes * area
+    fp8_flops, fp8_bytes = counts["fp8"].flops * volume, counts["fp8"].bytes * area
+    # the fused cast: read bf16 (2 B), write FP8 and its transposed copy (1 + 1 B); the rest as counted
+    # beyond the bf16 step's own kernels: fp8_bytes - cast_and_transposes, estimated as the bf16
+    # step's bytes (activation, gradient sums, accumulation) plus the GEMM outputs' scaling, which
+    # torch._scaled_mm does in its epilogue: so the fused step's other kernels are the bf16 step's.
+    fused_bytes = bf16_bytes + 4 * cast_elements
+    bf16_ms = ms(bf16_flops, bf16_bytes, "bf16")
+    rows = [
+        {"config": "bf16 torch.nn", "gemm_TFLOP": bf16_flops / 1e12, "other_GB": bf16_bytes / 1e9,
+         "ms": bf16_ms},
+        {"config": "fp8 fp8train eager, torch ops (counted)", "gemm_TFLOP": fp8_flops / 1e12,
+         "other_GB": fp8_bytes / 1e9, "ms": ms(fp8_flops, fp8_bytes, "fp8")},
+        {"config": "fp8 fp8train, fused cast kernels / compiled (modelled)", "gemm_TFLOP": fp8_flops / 1e12,
+         "other_GB": fused_bytes / 1e9, "ms": ms(fp8_flops, fused_bytes, "fp8")},
+        {"config": "TransformerEngine delayed scaling (published 1.69x)", "gemm_TFLOP": fp8_flops / 1e12,
+         "other_GB": None, "ms": bf16_ms / TE_DELAYED_SPEEDUP},
+    ]  # fmt: skip
+    for row in rows:
+        row["speedup_vs_bf16"] = bf16_ms / row["ms"]
+    return {
+        "model": "step = GEMM FLOPs / peak + other kernels' bytes / bandwidth (no overlap)",
+        "device": device,
+        "shapes": shapes,
+        "counted_at": {"tokens": m, "hidden": h, "ffn": f, "scale": scale},
+        "cast_operand_elements": cast_elements,
+        "rows": rows,
+    }

@@ -1,0 +1,101 @@
+"""The lean eager path (issue 37, items 3 and 4; docs/design.md, section 6): the per-tensor cast seam
+`cast_with_amax`, its compiled kernel and the GEMM's compiled output give the eager kernels' bits;
+an FP8 training step makes few passes over the operands it casts and few aten and Python calls per
+GEMM (counts from fp8train.tools.bench.lean_path, which `fp8train bench cast` prints)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cast_gemm import DTYPES, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
+
+from fp8train import cast, gemm
+from fp8train.tools.bench import lean_path
+from fp8train.tools.bench.common import StepCensus
+
+
+def _matrix(encoding: str, x_dtype: torch.dtype) -> torch.Tensor:
+    """The hard values (every FP8 value, tie and neighbour, zeros, NaN, saturation, a wide sample) as
+    a 2-D tensor large enough for the compiled kernel."""
+    x = _hard_values(encoding).to(x_dtype)
+    return x[: x.numel() // 64 * 64].view(-1, 64)
+
+
+@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("x_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                           (torch.float32, "fp8")])  # fmt: skip
+def test_compiled_cast_gives_the_eager_casts_bits(encoding, x_dtype, dtype) -> None:
+    """The compiled kernel: cast_operand's values bit for bit (NaN stays NaN), their transposed copy,
+    and max|x| (NaN propagating) in the same call."""
+    dtype = DTYPES[encoding] if dtype == "fp8" else dtype
+    x = _matrix(encoding, x_dtype)
+    assert x.numel() >= cast.FUSED_MIN_ELEMENTS and cast._fused_applies(x, torch.tensor(1.0))
+    for scale in (3.0, 2.0**-7):
+        s = torch.tensor(scale)
+        amax_out = torch.zeros(())
+        with StepCensus() as census:
+            values, values_t = cast.cast_with_amax(x, s, encoding, dtype, transposed=True, amax_out=amax_out)
+        assert census.ops["fused_cast"] == 1  # the compiled kernel ran (as its op, under the counter)
+        want = cast.cast_operand(x, s, encoding, dtype)
+        assert values.dtype == dtype and bool(_same_bits(values, want).all())
+        assert values_t.is_contiguous() and bool(_same_bits(values_t, want.t()).all())
+        assert amax_out.isnan()  # the hard values hold a NaN
+    finite = torch.nan_to_num(x.float(), nan=0.0).to(x_dtype)
+    amax_out = torch.zeros(())
+    values, _ = cast.cast_with_amax(
+        finite, torch.tensor(3.0), encoding, dtype, transposed=False, amax_out=amax_out
+    )
+    assert torch.equal(amax_out, cast.amax(finite))
+    assert bool(_same_bits(values, cast.cast_operand(finite, torch.tensor(3.0), encoding, dtype)).all())
+
+
+def test_cast_seam_on_the_torch_path() -> None:
+    """Small tensors (and FP8TRAIN_FUSED_CAST=0) take torch's eager kernels: the same values, the amax
+    written, the transposed copy."""
+    x = torch.randn(48, 40) * 30
+    x[3, 5] = float("nan")
+    amax_out = torch.zeros(())
+    values, values_t = cast.cast_with_amax(
+        x, torch.tensor(2.0), "e4m3", torch.bfloat16, transposed=True, amax_out=amax_out
+    )
+    want = cast.cast_operand(x, torch.tensor(2.0), "e4m3", torch.bfloat16)
+    assert bool(_same_bits(values, want).all()) and bool(_same_bits(values_t, want.t()).all())
+    assert amax_out.isnan()
+    values, values_t = cast.cast_with_amax(x, torch.tensor(2.0), "e4m3", torch.float32, transposed=False,
+                                           amax_out=None)  # fmt: skip
+    assert values_t is None and values.dtype == torch.float32
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_compiled_gemm_output_gives_the_bf16_paths_bits(out_dtype) -> None:
+    """fp32 operands on the bf16 path (gemm.operand_dtype, a CPU without bf16 instructions): the
+    product rounded to bf16 and scaled in one compiled pass, the bits of the bf16 operands' path;
+    with a bias, the eager kernels."""
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(256, 512, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    b = (torch.randn(512, 512, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    sa, sb = torch.tensor(0.0371), torch.tensor(2.75)
+    for bias in (None, torch.randn(512, generator=g)):
+        with StepCensus() as census:
+            got = gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True)
+        want = gemm.gemm(a.bfloat16(), sa, b.bfloat16(), sb, out_dtype, bias)
+        assert got.dtype == out_dtype and torch.equal(got, want)
+        assert census.ops["scaled_output"] == (1 if bias is None else 0)
+
+
+def test_mlp_step_passes_and_calls_per_gemm() -> None:
+    """The FP8 MLP block 1024-4096-1024 on 256 tokens (delayed scaling, eager, fwd + bwd): at most 4
+    passes over the elements of the operands it casts in all its non-GEMM ops, the model's own
+    included (before: 14.4, measured at 74dd396: the cast's 8, the amax's, the GEMMs' upcasts and
+    output scaling); aten calls and fp8train's Python calls per FP8 GEMM bounded (before: 66 aten calls
+    beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds)."""
+    torch.set_num_threads(1)
+    r = lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1)
+    assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
+    assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
+    assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
+    assert r["extra_aten_calls_per_gemm"] <= 36
+    # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
+    # that grow with the stack's depth (pytest's is deep), not with the model
+    assert r["python_calls_per_gemm"] <= 120, r["python_calls_by_function"]
+    assert r["python_calls_per_added_gemm"] <= 76, r["python_calls_by_function"]
