@@ -22,6 +22,7 @@ from .modules import (
     StoredFP8Linear,
 )
 from .prepare import first_and_last_linear_filter, is_prepared, prepare
+from .quantization import register_recipe
 from .recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -77,4 +78,5 @@ __all__ = [
     "first_and_last_linear_filter",
     "broadcast_fp8_state",
     "reduce_sequence_parallel_grads",
+    "register_recipe",
 ]

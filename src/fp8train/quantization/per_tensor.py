@@ -17,6 +17,8 @@ __all__ = ["TensorQuantization"]
 class TensorQuantization(Quantization):
     """A recipe with one scale per tensor: each tensor's one operand serves both of its GEMMs."""
 
+    kernel = "tensorwise"
+
     @staticmethod
     def cast(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, encoding: str, dtype) -> Operand:
         return Operand(cast_operand(x, scale, encoding, dtype), scale_inv)
