@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..recipe import (
+    RECIPE_TYPES,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -116,10 +117,11 @@ def check_recipe(recipe, where: str) -> Recipe:
     """`recipe` if its type is a registered recipe (the door: checked once, where it comes in); a clear
     error naming the registered ones otherwise."""
     if type(recipe) not in RECIPES:
-        *others, last = [cls.__name__ for cls in RECIPES]
+        own = [cls.__name__ for cls in RECIPE_TYPES]
+        users = ", ".join(cls.__qualname__ for cls in RECIPES if cls not in RECIPE_TYPES)
         raise ValueError(
-            f"{where} must be a fp8train.{', '.join(others)} or {last} (or a recipe registered with "
-            f"fp8train.register_recipe), got {type(recipe).__name__}"
+            f"{where} must be a fp8train.{', '.join(own[:-1])} or {own[-1]}, or a recipe registered with "
+            f"fp8train.register_recipe{f' ({users})' if users else ''}, got {type(recipe).__name__}"
         )
     return recipe
 
