@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.formats import Format
+from fp8train.formats import Format, fp8_max
 from fp8train.quantization import RECIPES, quantization_of
 from fp8train.quantization.base import GradOperands, InputOperands, Quantization, WeightOperands
 from fp8train.quantization.current import current_scales
+from fp8train.quantization.delayed import DelayedQuantization
 from fp8train.quantization.per_tensor import TensorQuantization
 from fp8train.tools import cli
 
@@ -53,11 +54,29 @@ class HeadroomQuantization(TensorQuantization):
         return self.grad_operands(g2d, *_scales(g2d, self.grad_encoding), call)
 
 
+def mean_of_history(history: torch.Tensor) -> torch.Tensor:
+    """The amax a scale is computed from: the mean of each role's history (delayed scaling: the max)."""
+    return history.mean(dim=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanHistoryScaling(fp8train.DelayedScaling):
+    """Toy stateful recipe: delayed scaling's state and reduction, its amax the history's mean."""
+
+    amax_history_len: int = 4
+    amax_compute_algo: object = mean_of_history
+
+
+class MeanHistoryQuantization(DelayedQuantization):
+    kind = "mean_history"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     fp8train.register_recipe(HeadroomScaling, HeadroomQuantization)
+    fp8train.register_recipe(MeanHistoryScaling, MeanHistoryQuantization)
     yield
-    del RECIPES[HeadroomScaling]  # the registry as the rest of the suite expects it
+    del RECIPES[HeadroomScaling], RECIPES[MeanHistoryScaling]  # the registry the rest of the suite expects
 
 
 def _quantized(t: torch.Tensor) -> torch.Tensor:
@@ -218,3 +237,41 @@ def test_an_unregistered_recipe_is_refused_at_every_door_with_the_fix() -> None:
             ValueError, match=r"registered with fp8train.register_recipe \(HeadroomScaling\), got Unr"
         ):
             door()
+
+
+def _trained(recipe) -> fp8train.Linear:
+    torch.manual_seed(0)
+    module = fp8train.Linear(32, 16)
+    for step in range(3):
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            y = module(torch.randn(8, 32) * (step + 1))  # growing amaxes: the mean and the max differ
+        y.sum().backward()
+    return module
+
+
+def test_a_stateful_recipe_reuses_delayed_scalings_state_and_reduction_through_its_hooks() -> None:
+    """A subclass of DelayedScaling with its own kind: amax/ keeps its histories and reduces them as
+    delayed scaling's, and computes its scales through the hook (`amax_compute_algo`)."""
+    mean = _trained(MeanHistoryScaling())
+    same_hook = _trained(fp8train.DelayedScaling(amax_history_len=4, amax_compute_algo=mean_of_history))
+    plain = _trained(fp8train.DelayedScaling(amax_history_len=4))
+    assert (mean.recipe_kind, same_hook.recipe_kind) == ("mean_history", "delayed")
+    for key in ("scaling_fwd", "scaling_bwd"):
+        meta = mean.fp8_meta[key]
+        assert torch.equal(meta.amax_history, same_hook.fp8_meta[key].amax_history)
+        assert torch.equal(meta.scale, same_hook.fp8_meta[key].scale)
+        assert not torch.equal(meta.scale, plain.fp8_meta[key].scale)
+        amax = meta.amax_history.mean(dim=0)
+        seen = amax > 0
+        encoding = (
+            MeanHistoryScaling().fp8_format.fwd
+            if key == "scaling_fwd"
+            else MeanHistoryScaling().fp8_format.bwd
+        )
+        assert seen.any()
+        torch.testing.assert_close(meta.scale[seen], fp8_max(encoding) / amax[seen])  # margin 0
+    fwd = mean.fp8_meta["scaling_fwd"]
+    assert fwd.amax_history[0, 0] > fwd.amax_history[1, 0] > fwd.amax_history[2, 0] > 0  # three steps kept
+    with pytest.raises(RuntimeError, match="trained with mean_history scaling"):
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
+            mean(torch.randn(8, 32))

@@ -94,10 +94,11 @@ def _check_record(name: str, q: type, config_type: type) -> None:
         ):
             allowed = "a positive int or None" if attribute == "block" else "a positive int"
             raise ValueError(f"{where}: set the class attribute `{attribute}` to {allowed}, got {value!r}")
-    if q.reduces_amax and config_type is not DelayedScaling:  # amax/ reads DelayedScaling's fields
+    if q.reduces_amax and not issubclass(config_type, DelayedScaling):  # amax/ reads DelayedScaling's fields
         raise ValueError(
-            f"{where}: a recipe that reduces amaxes (`reduces_amax`, delayed scaling's state) cannot be "
-            "registered: fp8train's amax state serves DelayedScaling only (docs/design.md, section 9)"
+            f"{where}: a recipe that reduces amaxes (`reduces_amax`: delayed scaling's state and reduction) "
+            "must be a subclass of fp8train.DelayedScaling, whose fields are the hooks amax/ reads "
+            "(amax_compute_algo, scaling_factor_compute_algo, margin, amax_history_len; docs/design.md, 9.1)"
         )
     missing = [m for m in _OPERAND_METHODS if getattr(q, m) is getattr(Quantization, m)]
     if missing:
