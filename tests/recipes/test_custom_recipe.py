@@ -234,7 +234,8 @@ def test_an_unregistered_recipe_is_refused_at_every_door_with_the_fix() -> None:
         lambda: quantization_of(unregistered),
     ):
         with pytest.raises(
-            ValueError, match=r"registered with fp8train.register_recipe \(HeadroomScaling\), got Unr"
+            ValueError,
+            match=r"registered with fp8train.register_recipe \(HeadroomScaling, MeanHistoryScaling\)",
         ):
             door()
 
