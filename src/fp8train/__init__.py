@@ -27,6 +27,7 @@ from .modules import (
     unpad_groups,
 )
 from .prepare import first_and_last_linear_filter, is_prepared, prepare
+from .quantization import register_recipe
 from .recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -87,4 +88,5 @@ __all__ = [
     "first_and_last_linear_filter",
     "broadcast_fp8_state",
     "reduce_sequence_parallel_grads",
+    "register_recipe",
 ]

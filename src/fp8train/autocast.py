@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 from .amax import RegionSettings, enter_region, exit_region
 from .quantization import quantization_of
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .recipe import DelayedScaling, Recipe
 
 __all__ = ["fp8_autocast", "autocast"]
 
@@ -48,8 +48,8 @@ def fp8_autocast(
         fp8train.LayoutMismatchError, StateMismatchError, AmaxReductionError: an amax reduction found
             the ranks disagreeing, or failed (docs/design.md, section 4); every rank raises alike.
     """
-    recipe = DelayedScaling() if fp8_recipe is None else check_recipe(fp8_recipe, "fp8_recipe")
-    settings = RegionSettings(bool(enabled), bool(calibrating), recipe, quantization_of(recipe), fp8_group)
+    quantization = quantization_of(DelayedScaling() if fp8_recipe is None else fp8_recipe, "fp8_recipe")
+    settings = RegionSettings(bool(enabled), bool(calibrating), quantization.recipe, quantization, fp8_group)
     region = enter_region(settings)
     failed = False
     try:

@@ -17,15 +17,24 @@ import torch
 
 from .debug_switches import apply_environment
 from .fsdp import wrap_for_fsdp
-from .layer_coverage import KEPT_BY_FILTER, fp8_compatible, is_hf_conv1d, log_summary
+from .layer_coverage import (
+    KEPT_BY_FILTER,
+    fp8_compatible,
+    is_hf_conv1d,
+    log_coverage,
+    log_summary,
+    shape_fits,
+)
 from .modules.base import FP8Module
 from .modules.fp8_linear import fp8_linear
 from .modules.grouped_experts import FusedExperts, is_hf_fused_experts
 from .modules.linear import Linear
-from .recipe import Recipe, check_recipe
+from .quantization import quantization_of
+from .quantization.base import Quantization
+from .recipe import Recipe
 from .torch_internals import children_by_name
 
-__all__ = ["convert_to_fp8", "Conv1D", "fp8_compatible"]
+__all__ = ["convert_to_fp8", "convert_checked", "Conv1D", "fp8_compatible"]
 
 FilterFn = Callable[[torch.nn.Module, str], bool]
 
@@ -55,21 +64,19 @@ class Conv1D(FP8Module):
         return f"nf={self.out_features}, nx={self.in_features}"
 
 
-def _swap(
-    module: torch.nn.Module, fsdp_fp8_all_gather: bool, recipe: Optional[Recipe]
-) -> Optional[FP8Module]:
+def _swap(module: torch.nn.Module, fsdp_fp8_all_gather: bool, whole_blocks: int) -> Optional[FP8Module]:
     """The FP8 replacement of `module`, or None if it is not a layer this function converts."""
     if type(module) is torch.nn.Linear:
-        if not fp8_compatible(module.in_features, module.out_features, recipe):
+        if not shape_fits(module.in_features, module.out_features, whole_blocks):
             return None
         new = Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
         new.weight, new.bias = module.weight, module.bias
     elif is_hf_conv1d(module):
-        if not fp8_compatible(*module.weight.shape, recipe):
+        if not shape_fits(*module.weight.shape, whole_blocks):
             return None
         new = Conv1D(module.weight, module.bias)
     elif is_hf_fused_experts(module):  # transformers' fused MoE experts (3-D weights): one GEMM per expert
-        if not fp8_compatible(*module.down_proj.shape[1:], recipe):
+        if not shape_fits(*module.down_proj.shape[1:], whole_blocks):
             return None
         new = FusedExperts(module)
         new.train(module.training)
@@ -120,8 +127,19 @@ def convert_to_fp8(
     Raises:
         ValueError: `module_filter_fn` is not callable, or `recipe` is not a recipe.
     """
-    if recipe is not None:
-        check_recipe(recipe, "recipe")
+    quantization = None if recipe is None else quantization_of(recipe)
+    return convert_checked(model, module_filter_fn, quantization, fsdp_fp8_all_gather, log)
+
+
+def convert_checked(
+    model: torch.nn.Module,
+    module_filter_fn: Optional[FilterFn],
+    quantization: Optional[Quantization],
+    fsdp_fp8_all_gather: bool,
+    log: bool,
+) -> torch.nn.Module:
+    """`convert_to_fp8` of a recipe checked already (`prepare`'s): `quantization` is its record
+    (`quantization_of(recipe)`), None for no recipe."""
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise ValueError("module_filter_fn must be a callable (module, fqn) -> bool")
 
@@ -138,11 +156,11 @@ def convert_to_fp8(
         convertible = type(module) is torch.nn.Linear or is_hf_conv1d(module) or is_hf_fused_experts(module)
         if not convertible or not keep(module, fqn):
             return module
-        new = _swap(module, fsdp_fp8_all_gather, recipe)
+        new = _swap(module, fsdp_fp8_all_gather, 1 if quantization is None else quantization.whole_blocks)
         return module if new is None else new
 
     if type(model) is torch.nn.Linear or is_hf_conv1d(model):
-        return _converted(converted(model, ""), recipe, log)
+        return _converted(converted(model, ""), quantization, log)
     swapped: dict[int, torch.nn.Module] = {}  # a layer shared by several parents stays one module
     for fqn, parent in list(model.named_modules(remove_duplicate=False)):
         if isinstance(parent, FP8Module):
@@ -153,12 +171,15 @@ def convert_to_fp8(
             if id(child) not in swapped:
                 swapped[id(child)] = converted(child, f"{fqn}.{name}" if fqn else name)
             setattr(parent, name, swapped[id(child)])
-    return _converted(model, recipe, log)
+    return _converted(model, quantization, log)
 
 
-def _converted(model: torch.nn.Module, recipe: Optional[Recipe], log: bool) -> torch.nn.Module:
+def _converted(model: torch.nn.Module, quantization: Optional[Quantization], log: bool) -> torch.nn.Module:
     """A converted model: the switches of FP8TRAIN_HIGH_PRECISION applied, its coverage logged once."""
     apply_environment(model)
     if log:
-        log_summary(model, recipe)
+        if quantization is None:
+            log_summary(model)
+        else:
+            log_coverage(model, type(quantization))
     return model

@@ -133,20 +133,10 @@ def _scaled_mm_fits(device: torch.device, m: int, k: int, n: int) -> bool:
     return all(d % 16 == 0 and d > 0 for d in (m, k, n)) and kernel_runs("tensorwise", device)[0]
 
 
-# the torch._scaled_mm kernel of each recipe kind (quantization/*.py `kind`)
-RECIPE_KERNELS = {
-    "delayed": "tensorwise",
-    "current": "tensorwise",
-    "block": "block",
-    "mxfp8": "mxfp8",
-    "nvfp4": "nvfp4",
-}
-
-
-def recipe_gemm(kind: str, device: torch.device) -> tuple[str, str]:
-    """Which GEMM a recipe of `kind` runs on `device` for shapes its kernel takes, and why (what
-    `fp8train info` prints): "torch._scaled_mm (<kernel>)" or the emulation that replaces it."""
-    kernel = RECIPE_KERNELS[kind]
+def recipe_gemm(kernel: str, device: torch.device) -> tuple[str, str]:
+    """Which GEMM a recipe whose torch._scaled_mm kernel is `kernel` (its `Quantization.kernel`) runs
+    on `device` for shapes its kernel takes, and why (what `fp8train info` prints):
+    "torch._scaled_mm (<kernel>)" or the emulation that replaces it."""
     native, why = kernel_choice(kernel, device)
     if kernel == "tensorwise" and device.type == "cpu" and _forced() == "auto":
         why = "the CPU default is the exact emulation"

@@ -28,23 +28,20 @@ from . import gemm
 from .amax import current_call
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
-from .microscaling import MX_BLOCK, NVFP4_BLOCK
 from .modules.base import FP8Module
-from .quantization import RECIPES, quantization_of, recipe_kind
-from .quantization.block import TILE
-from .recipe import Recipe
+from .quantization import RECIPES, check_recipe, record_of_kind
+from .quantization.base import Quantization
+from .recipe import DelayedScaling, Recipe
 from .shape_rule import GEMM_MULTIPLE, why_off
 from .torch_internals import managed_by_fsdp2
 from .user_warnings import warn_user
 
 __all__ = [
     "LayerCoverage", "ModelCoverage", "coverage", "StepCoverage", "log_summary", "LOGGER",
-    "fp8_compatible", "is_hf_conv1d", "KEPT_BY_FILTER",
+    "fp8_compatible", "is_hf_conv1d", "KEPT_BY_FILTER", "shape_fits", "model_coverage", "log_coverage",
 ]  # fmt: skip
 
 LOGGER = logging.getLogger("fp8train")
-# the block each block-scaled recipe kind scales by (along a GEMM's reduction dimension)
-RECIPE_BLOCKS = {"block": TILE, "mxfp8": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 BLOCK_PATH = "block_dequantized"  # gemm.matmul: block-scaled operands dequantized, fp32 matmul
 
 
@@ -58,8 +55,14 @@ KEPT_BY_FILTER: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 def fp8_compatible(in_features: int, out_features: int, recipe: Optional[Recipe] = None) -> bool:
     """Whether an FP8 GEMM can take a weight of this shape: multiples of 16, and whole blocks of
     `recipe` where it has blocks that every GEMM dimension must fill (MXFP8: 32, NVFP4: 16)."""
-    blocks = 1 if recipe is None else quantization_of(recipe).whole_blocks
-    multiple = math.lcm(GEMM_MULTIPLE, blocks)
+    whole_blocks = 1 if recipe is None else RECIPES[type(check_recipe(recipe, "recipe"))].whole_blocks
+    return shape_fits(in_features, out_features, whole_blocks)
+
+
+def shape_fits(in_features: int, out_features: int, whole_blocks: int = 1) -> bool:
+    """`fp8_compatible` for a recipe already checked: multiples of 16 and of `whole_blocks` (its
+    `Quantization.whole_blocks`)."""
+    multiple = math.lcm(GEMM_MULTIPLE, whole_blocks)
     return in_features % multiple == 0 and out_features % multiple == 0
 
 
@@ -174,11 +177,11 @@ def gemm_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, 
     return []
 
 
-def gemm_path(kind: str, device: torch.device, tokens: int, in_features: int, out_features: int) -> str:
-    """The path an FP8 GEMM of this shape takes on `device` under a recipe of `kind`, as gemm.py
-    chooses it: a per-tensor path (`gemm.PATHS`), "scaled_mm:<kernel>" for a block-scaled kernel of
-    torch._scaled_mm (`gemm.kernel_choice`), else the block-dequantized emulation."""
-    kernel = gemm.RECIPE_KERNELS[kind]
+def gemm_path(kernel: str, device: torch.device, tokens: int, in_features: int, out_features: int) -> str:
+    """The path an FP8 GEMM of this shape takes on `device` under a recipe whose torch._scaled_mm
+    kernel is `kernel` (its `Quantization.kernel`), as gemm.py chooses it: a per-tensor path
+    (`gemm.PATHS`), "scaled_mm:<kernel>" for a block-scaled kernel of torch._scaled_mm
+    (`gemm.kernel_choice`), else the block-dequantized emulation."""
     if kernel == "tensorwise":
         return gemm.choose_path(device, tokens, in_features, out_features)
     fits = in_features % GEMM_MULTIPLE == 0 and out_features % GEMM_MULTIPLE == 0
@@ -188,24 +191,31 @@ def gemm_path(kind: str, device: torch.device, tokens: int, in_features: int, ou
 def whole_blocks(kind: str) -> int:
     """The block every GEMM dimension must fill under a recipe of `kind` (1: none); the recipe refuses
     other shapes, and convert_to_fp8 given the recipe keeps them in high precision."""
-    return next(q.whole_blocks for q in RECIPES.values() if q.kind == kind)
+    return record_of_kind(kind).whole_blocks
 
 
-def _recipe_kind(model: torch.nn.Module, recipe) -> str:
-    if recipe is None:
-        recipe = getattr(model.__dict__.get("forward"), "recipe", None)  # a prepared model's
+def _record(model: torch.nn.Module, recipe) -> type[Quantization]:
+    """The record of the recipe `model` trains with: `recipe` (checked here, the door), else a
+    prepared model's, else the kind its modules trained with, else delayed scaling's."""
     if recipe is not None:
-        return recipe_kind(recipe)
+        return RECIPES[type(check_recipe(recipe, "recipe"))]
+    prepared = getattr(model.__dict__.get("forward"), "quantization", None)  # a prepared model's
+    if prepared is not None:
+        return type(prepared)
     kinds = {m.recipe_kind for m in model.modules() if isinstance(m, FP8Module)} - {None}
-    return kinds.pop() if len(kinds) == 1 else "delayed"
+    return record_of_kind(kinds.pop()) if len(kinds) == 1 else RECIPES[DelayedScaling]
 
 
 def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
     """Every linear GEMM of `model`: FP8 or not, and why (see the module docstring). `recipe`: the
     recipe it trains with (default: a prepared model's, else the one its modules trained with, else
     delayed scaling); it decides the block and the path."""
-    kind = _recipe_kind(model, recipe)
-    block, whole = RECIPE_BLOCKS.get(kind), whole_blocks(kind)
+    return model_coverage(model, _record(model, recipe))
+
+
+def model_coverage(model: torch.nn.Module, record: type[Quantization]) -> ModelCoverage:
+    """`coverage` under a recipe already checked: `record` is its `Quantization` (class or object)."""
+    kind, block, whole = record.kind, record.block, record.whole_blocks
     layers = []
     for fqn, module in model.named_modules():
         for gemm_name, weight, k, n in gemm_weights(module):
@@ -222,7 +232,7 @@ def coverage(model: torch.nn.Module, recipe=None) -> ModelCoverage:
                 reason = "switched" if SWITCHES.high_precision_now(module) else "fp8"
             fp8 = reason == "fp8"
             padded = fp8 and block is not None and bool(k % block or n % block)
-            path = gemm_path(kind, weight.device, 16, k, n) if fp8 else None
+            path = gemm_path(record.kernel, weight.device, 16, k, n) if fp8 else None
             asked = reason in ("filter", "switched") or module in KEPT_BY_FILTER
             layers.append(
                 LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded, asked)
@@ -234,7 +244,12 @@ def log_summary(model: torch.nn.Module, recipe=None) -> ModelCoverage:
     """Log `coverage(model).summary()` (logger "fp8train", level INFO), and warn once (one UserWarning
     naming each layer and why) about the linear layers in high precision that the user did not ask for
     (not kept by a module_filter_fn or a switch); say so when nothing runs in FP8. Returns the coverage."""
-    report = coverage(model, recipe)
+    return log_coverage(model, _record(model, recipe))
+
+
+def log_coverage(model: torch.nn.Module, record: type[Quantization]) -> ModelCoverage:
+    """`log_summary` under a recipe already checked: `record` is its `Quantization` (class or object)."""
+    report = model_coverage(model, record)
     LOGGER.info(report.summary())
     unasked = [layer for layer in report.layers if not layer.fp8 and not layer.asked]
     nothing = bool(report.layers) and not any(layer.fp8 for layer in report.layers)
@@ -336,7 +351,9 @@ class StepCoverage:
         for (_, weight, k, n), tokens in zip(weights, rows):
             gemms = 1 + (training and x.requires_grad) + (training and weight.requires_grad)
             self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms
-            path = gemm_path(call.quantization.kind, weight.device, tokens, k, n) if fp8 else "high_precision"
+            path = "high_precision"
+            if fp8:
+                path = gemm_path(call.quantization.kernel, weight.device, tokens, k, n)
             self.gemms[path] += gemms
             if isinstance(weight, GatheredWeight) and weight.fp8:
                 self.gathered_bytes["fp8"] += weight.numel()

@@ -28,24 +28,30 @@ import torch
 import torch.distributed as dist
 
 from .amax import Region, RegionSettings, enter_region, exit_region
-from .convert import FilterFn, convert_to_fp8
-from .layer_coverage import coverage
+from .convert import FilterFn, convert_checked
+from .layer_coverage import model_coverage
 from .modules.base import FP8Module
 from .quantization import quantization_of
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .quantization.base import Quantization
+from .recipe import DelayedScaling, Recipe
 from .user_warnings import UNSET, renamed_argument
 
 __all__ = ["prepare", "is_prepared", "FP8Forward", "first_and_last_linear_filter"]
 
 
 class FP8Forward:
-    """`model.forward` of a prepared model: the model class's forward inside one FP8 region."""
+    """`model.forward` of a prepared model: the model class's forward inside one FP8 region.
+    `quantization`: the recipe's, made once where `prepare` checked the recipe (every region uses it)."""
 
-    def __init__(self, module: torch.nn.Module, recipe: Recipe, group: Any) -> None:
+    def __init__(self, module: torch.nn.Module, quantization: Quantization, group: Any) -> None:
         self.module = module
-        self.recipe = recipe
+        self.quantization = quantization
         self.group = group
         _skipped_by_compile()
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.quantization.recipe
 
     @property
     def __wrapped__(self) -> Callable:
@@ -67,14 +73,15 @@ class FP8Forward:
                 "pickled (a process group does not pickle): save its state_dict() instead, or deepcopy it "
                 "in this process"
             )
-        return {"module": self.module, "recipe": self.recipe, "group": None}
+        return {"module": self.module, "quantization": self.quantization, "group": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         _skipped_by_compile()  # unpickled in a process that has prepared nothing
 
     def __deepcopy__(self, memo: dict) -> FP8Forward:
-        return FP8Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.recipe, memo), self.group)
+        module = copy.deepcopy(self.module, memo)
+        return FP8Forward(module, copy.deepcopy(self.quantization, memo), self.group)
 
     def __repr__(self) -> str:
         return f"FP8Forward({type(self.module).__name__}.forward, recipe={self.recipe!r})"
@@ -84,7 +91,7 @@ def _forward_in_region(forward: FP8Forward, args: tuple, kwargs: dict) -> Any:
     """`fp8_autocast` around the model's forward, written out so that under `torch.compile(model)`
     the region's entry and exit run eagerly (they are not traceable) while the forward between them
     is compiled as usual (this frame is skipped, not what it calls: `_skipped_by_compile`)."""
-    region = _SKIPPED_BY_COMPILE["enter"](forward.recipe, forward.group)
+    region = _SKIPPED_BY_COMPILE["enter"](forward.quantization, forward.group)
     try:
         out = forward.__wrapped__(*args, **kwargs)
     except BaseException:
@@ -94,8 +101,8 @@ def _forward_in_region(forward: FP8Forward, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-def _enter(recipe: Recipe, group: Any) -> Optional[Region]:
-    return enter_region(RegionSettings(True, False, recipe, quantization_of(recipe), group))
+def _enter(quantization: Quantization, group: Any) -> Optional[Region]:
+    return enter_region(RegionSettings(True, False, quantization.recipe, quantization, group))
 
 
 def _exit(region: Optional[Region], failed: bool) -> None:
@@ -181,8 +188,8 @@ def prepare(
             f"this {type(model).__name__} has its own `forward` set on the instance (by a wrapper or a "
             "patch); call fp8train.prepare before whatever replaced it"
         )
-    recipe = DelayedScaling() if recipe is None else check_recipe(recipe, "recipe")
-    model = convert_to_fp8(model, module_filter_fn, recipe, fsdp_fp8_all_gather)
+    quantization = quantization_of(DelayedScaling() if recipe is None else recipe)  # the one check
+    model = convert_checked(model, module_filter_fn, quantization, fsdp_fp8_all_gather, True)
     if not any(isinstance(m, FP8Module) for m in model.modules()):
         raise ValueError(
             f"fp8train.prepare found no layer to train in FP8 in this {type(model).__name__}: no "
@@ -196,9 +203,9 @@ def prepare(
         for module in model.modules():
             if isinstance(module, FP8Module):
                 module.extra_state_as_tensor = True
-    model.forward = FP8Forward(model, recipe, amax_reduction_group)
+    model.forward = FP8Forward(model, quantization, amax_reduction_group)
     if verbose and _rank() == 0:
-        print(coverage(model, recipe).summary(), file=sys.stderr)
+        print(model_coverage(model, type(quantization)).summary(), file=sys.stderr)
     return model
 
 

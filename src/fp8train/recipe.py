@@ -2,10 +2,12 @@
 
 This is the vocabulary at the bottom of the package (it imports `formats` only): the amax protocol
 (`amax/`) reads `DelayedScaling`'s fields, and each recipe's behaviour lives in one file of
-`quantization/`, which maps every recipe type to its `Quantization` (`quantization.RECIPES`). Adding
-a recipe is its dataclass here (and its name in `Recipe`), its file there, and one line in
-`quantization.RECIPES` (docs/design.md, section 9). Data before code, as torchao's
-`float8/config.py` and TransformerEngine's `common/recipe`.
+`quantization/`, whose registry maps every recipe type to its `Quantization`, the record of its kind
+(`quantization.RECIPES`; `check_recipe` there accepts what is registered). A recipe of fp8train is its
+dataclass here (and its name in `Recipe`), its file there and one `register_recipe` line; a user's is
+its dataclass and its `Quantization` anywhere, registered with `fp8train.register_recipe`, with no
+edit of the library (docs/design.md, section 9). Data before code, as torchao's `float8/config.py` and
+TransformerEngine's `common/recipe`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ __all__ = [
     "NVFP4BlockScaling",
     "Recipe",
     "RECIPE_TYPES",
-    "check_recipe",
     "fp8_dtype",
     "fp8_max",
 ]
@@ -247,14 +248,4 @@ class NVFP4BlockScaling:
 
 
 Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
-RECIPE_TYPES: tuple[type, ...] = get_args(Recipe)  # each recipe is named once, in `Recipe`
-
-
-def check_recipe(recipe, where: str) -> Recipe:
-    """`recipe` if it is one of fp8train's recipes; a clear error naming them otherwise."""
-    if type(recipe) not in RECIPE_TYPES:
-        *others, last = [cls.__name__ for cls in RECIPE_TYPES]
-        raise ValueError(
-            f"{where} must be a fp8train.{', '.join(others)} or {last}, got {type(recipe).__name__}"
-        )
-    return recipe
+RECIPE_TYPES: tuple[type, ...] = get_args(Recipe)  # fp8train's own, each named once, in `Recipe`

@@ -324,7 +324,7 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
 
     seen = []
     for module in (block, mxfp8, nvfp4):
-        monkeypatch.setattr(module, "warn_emulated_on_cuda", lambda x, name: seen.append(name))
+        monkeypatch.setattr(module, "warn_emulated_on_cuda", lambda x, name, kernel: seen.append(name))
     x = torch.randn(32, 64)
     for recipe in (
         fp8train.Float8BlockScaling(),
@@ -340,10 +340,10 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     base._warn_emulated.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        base.warn_emulated_on_cuda(x, "NVFP4BlockScaling")  # a CPU tensor: nothing to say
+        base.warn_emulated_on_cuda(x, "NVFP4BlockScaling", "nvfp4")  # a CPU tensor: nothing to say
         monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")  # the CUDA branch, on the CPU
         for _ in range(3):
-            base.warn_emulated_on_cuda(x, "NVFP4BlockScaling")
+            base.warn_emulated_on_cuda(x, "NVFP4BlockScaling", "nvfp4")
     assert len(caught) == 1 and "fp8train.NVFP4BlockScaling on this GPU runs an emulated GEMM" in str(
         caught[0].message
     )

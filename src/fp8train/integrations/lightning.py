@@ -33,7 +33,8 @@ from ..amax import ending_step
 from ..autocast import autocast
 from ..convert import FilterFn, convert_to_fp8
 from ..modules.base import FP8Module
-from ..recipe import DelayedScaling, Recipe, check_recipe
+from ..quantization import check_recipe
+from ..recipe import DelayedScaling, Recipe
 from ..user_warnings import UNSET, renamed_argument
 from . import require
 

@@ -29,11 +29,12 @@ from ..amax import current_settings
 from ..convert import fp8_compatible
 from ..debug_switches import SWITCHES
 from ..fsdp import wrap_for_fsdp
-from ..layer_coverage import log_summary
+from ..layer_coverage import log_coverage
 from ..modules.base import FP8Module
 from ..modules.fp8_linear import fp8_linear
 from ..modules.grouped_experts import grouped_linear
 from ..prepare import FP8Forward, is_prepared
+from ..quantization import quantization_of
 from ..recipe import DelayedScaling, Format
 from . import require
 
@@ -126,8 +127,9 @@ def _fp8_root(config_cls: type, recipe: DelayedScaling) -> type:
         def build(self, **kwargs: Any):
             model = config_cls.build(self, **kwargs)
             if not is_prepared(model):
-                model.forward = FP8Forward(model, self.fp8_recipe, None)
-                log_summary(model, self.fp8_recipe)  # once per model built
+                quantization = quantization_of(self.fp8_recipe)
+                model.forward = FP8Forward(model, quantization, None)
+                log_coverage(model, type(quantization))  # once per model built
             return model
 
     FP8Root.__name__ = FP8Root.__qualname__ = "FP8" + config_cls.__qualname__.replace(".", "")

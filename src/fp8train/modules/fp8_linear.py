@@ -13,7 +13,7 @@ from .. import fsdp, saved, second_order
 from ..amax import Call, begin_call
 from ..cast import amax
 from ..fsdp import GatheredWeight
-from ..gemm import RECIPE_KERNELS, Operand, choose_path, kernel_choice, matmul, operand_dtype
+from ..gemm import Operand, choose_path, kernel_choice, matmul, operand_dtype
 from ..quantization.base import AMAX_IN_CAST, WeightOperands
 from ..shape_rule import weight_fits, why_off
 from ..tensor_parallel import (
@@ -132,7 +132,7 @@ def _warn_if_emulated_for_shape(module, weight: torch.Tensor, call: Call) -> Non
     FP8TRAIN_GEMM=scaled_mm) that is a fallback, and the module says so once."""
     if getattr(module, "shape_warned", False) or torch.compiler.is_compiling():
         return
-    kernel = RECIPE_KERNELS[call.quantization.kind]
+    kernel = call.quantization.kernel
     if not kernel_choice(kernel, weight.device)[0]:
         return  # the emulation is this device's path for every shape: nothing falls back
     module.shape_warned = True

@@ -24,7 +24,7 @@ from typing import ClassVar, NamedTuple, Optional
 import torch
 
 from ..amax import Call
-from ..gemm import RECIPE_KERNELS, Operand, kernel_choice
+from ..gemm import Operand, kernel_choice
 from ..torch_internals import constant_for_compile
 
 __all__ = [
@@ -60,11 +60,19 @@ class GradOperands(NamedTuple):
 
 
 class Quantization:
-    """How one recipe quantizes a linear layer's operands. Subclasses: one per recipe family, each in
-    its own file, registered in quantization/__init__.py.
+    """How one recipe quantizes a linear layer's operands, and the record of every fact the library
+    knows of its kind. Subclasses: one per recipe family, each in its own file, registered with its
+    recipe's dataclass (`quantization.register_recipe`, which checks that the record is complete); every
+    table of recipe kinds (GEMM kernel, coverage blocks, `fp8train info`) is read from the registry.
 
     Class attributes say how the recipe meets the rest of the library:
-    - `kind`: its name in checkpoints (a module trains under one kind) and in the weight cache;
+    - `kind`: its name in checkpoints (a module trains under one kind) and in the weight cache; one
+      registered recipe per kind;
+    - `kernel`: the torch._scaled_mm kernel its GEMMs take where the device runs it
+      (torch_internals.SCALED_MM_KERNELS: "tensorwise" for one scale per tensor, "block", "mxfp8",
+      "nvfp4"), else its emulation (`gemm.kernel_choice`, `fp8train info`);
+    - `block`: the block its scales cover along a GEMM's reduction dimension, to which operands off it
+      are padded (`coverage` says "padded"); None when its scales cover whole tensors;
     - `reduces_amax`: its scales come from amax histories shared by an amax group (delayed scaling):
       calls have plans with frozen scales, amaxes are recorded and reduced (amax/);
     - `casts_before_gather`: a tensor's scale is known before the tensor is whole, so sequence-parallel
@@ -78,6 +86,8 @@ class Quantization:
     """
 
     kind: ClassVar[str]
+    kernel: ClassVar[str]
+    block: ClassVar[Optional[int]] = None
     reduces_amax: ClassVar[bool] = False
     casts_before_gather: ClassVar[bool] = False
     whole_blocks: ClassVar[int] = 1  # tokens, in and out features must be multiples of it (MX, NVFP4)
@@ -133,22 +143,19 @@ def check_whole_blocks(tensor: torch.Tensor, names: tuple[str, str], block: int,
         )
 
 
-def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str) -> None:
+def warn_emulated_on_cuda(x: torch.Tensor, recipe_name: str, kernel: str) -> None:
     """Block-scaled recipes run an emulated GEMM where the GPU has no native kernel for them (the
-    kernel's capability or its probe, `gemm.kernel_choice`): say so on CUDA, once per recipe."""
+    `kernel`'s capability or its probe, `gemm.kernel_choice`): say so on CUDA, once per recipe."""
     if x.device.type == EMULATION_NOTED_ON:
-        _note_emulated(recipe_name, x.device)
-
-
-_RECIPE_KINDS = {"Float8BlockScaling": "block", "MXFP8BlockScaling": "mxfp8", "NVFP4BlockScaling": "nvfp4"}
+        _note_emulated(recipe_name, kernel, x.device)
 
 
 @constant_for_compile
-def _note_emulated(recipe_name: str, device: torch.device) -> bool:
+def _note_emulated(recipe_name: str, kernel: str, device: torch.device) -> bool:
     """Eager code calls it; torch.compile runs it while tracing and leaves it out of the graph (the
     mark), where `warnings.warn` cannot be traced (a graph break per layer, an error with
     fullgraph=True). Its result, always True, is the constant the graph would see."""
-    if not kernel_choice(RECIPE_KERNELS[_RECIPE_KINDS[recipe_name]], device)[0]:
+    if not kernel_choice(kernel, device)[0]:
         _warn_emulated(recipe_name)
     return True
 

@@ -64,6 +64,8 @@ def _tiles(x: torch.Tensor, power_2: bool, transposed: bool = False, fp8: bool =
 
 class BlockQuantization(Quantization):
     kind = "block"
+    kernel = "block"
+    block = TILE
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         """128x128 blocks, which serve w and w.T alike: one quantization for forward and dgrad."""
@@ -74,7 +76,7 @@ class BlockQuantization(Quantization):
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         """Along in_features for the forward; along the tokens, 1-byte, for the weight gradient."""
-        warn_emulated_on_cuda(x2d, "Float8BlockScaling")
+        warn_emulated_on_cuda(x2d, "Float8BlockScaling", self.kernel)
         power_2 = self.recipe.power_2_scale
         return InputOperands(_tiles(x2d, power_2), _tiles(x2d, power_2, transposed=True, fp8=True))
 

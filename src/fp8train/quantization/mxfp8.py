@@ -39,6 +39,8 @@ def _mx(x: torch.Tensor, dim: int, encoding: str, two_d: bool = False) -> Operan
 
 class MXFP8Quantization(Quantization):
     kind = "mxfp8"
+    kernel = "mxfp8"
+    block = MX_BLOCK
     whole_blocks = MX_BLOCK
     e8m0_scales = True
 
@@ -49,7 +51,7 @@ class MXFP8Quantization(Quantization):
         return WeightOperands(_mx(weight, 1, "e4m3"), _mx(weight, 0, "e4m3"))  # along in; along out
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
-        warn_emulated_on_cuda(x2d, "MXFP8BlockScaling")
+        warn_emulated_on_cuda(x2d, "MXFP8BlockScaling", self.kernel)
         check_whole_blocks(x2d, ("tokens", "in_features"), self.whole_blocks, "MXFP8BlockScaling")
         return InputOperands(_mx(x2d, 1, "e4m3"), _mx(x2d, 0, "e4m3"))  # along in; along the tokens
 

@@ -48,6 +48,8 @@ def _nvfp4(x: torch.Tensor, dim: int, two_d: bool = False, stochastic: bool = Fa
 
 class NVFP4Quantization(Quantization):
     kind = "nvfp4"
+    kernel = "nvfp4"
+    block = NVFP4_BLOCK
     whole_blocks = NVFP4_BLOCK
     e2m1_values = True
 
@@ -58,7 +60,7 @@ class NVFP4Quantization(Quantization):
         return WeightOperands(_nvfp4(weight, 1), _nvfp4(weight, 0))  # along in; along out
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
-        warn_emulated_on_cuda(x2d, "NVFP4BlockScaling")
+        warn_emulated_on_cuda(x2d, "NVFP4BlockScaling", self.kernel)
         check_whole_blocks(x2d, ("tokens", "in_features"), self.whole_blocks, "NVFP4BlockScaling")
         rotate = not self.recipe.disable_rht
         return InputOperands(_nvfp4(x2d, 1), _nvfp4(x2d, 0, rotate=rotate))  # along in; along the tokens

@@ -19,6 +19,8 @@ __all__ = ["TensorQuantization"]
 class TensorQuantization(Quantization):
     """A recipe with one scale per tensor: each tensor's one operand serves both of its GEMMs."""
 
+    kernel = "tensorwise"
+
     @staticmethod
     def cast(
         x: torch.Tensor,

@@ -181,7 +181,7 @@ def _info() -> int:
             print(f"  computed by the {kernel} GEMM kernel: {why}")
         print(f"GEMM of each recipe on {device} (where its kernel takes the shape; else the emulation):")
         for recipe, quantization in RECIPES.items():
-            gemm, why = recipe_gemm(quantization.kind, device)
+            gemm, why = recipe_gemm(quantization.kernel, device)
             print(f"  {recipe.__name__}: {gemm}: {why}")
         fast = [role for role in ("forward", "dgrad", "wgrad") if fast_accumulation(role)]
         print(
