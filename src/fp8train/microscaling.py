@@ -395,8 +395,30 @@ def random_hadamard_transform(
     ValueError) multiplied by `hadamard_matrix(signs)`, in float32: y = x @ M per block. M is
     orthogonal, so transforming both operands of a GEMM along its reduction dimension leaves the product
     unchanged (A M)(B M).T = A B.T, while spreading each block's outliers over all 16 elements. Each
-    output is a float32 sum of 16 products +-x/4 (each exact): rounding only in the additions."""
-    return _block_transform(x, _hadamard_on(x.device, signs), dim)
+    output is a float32 sum of 16 products +-x/4 (each exact): rounding only in the additions, which are
+    made in the fast Walsh-Hadamard butterfly order (`_butterfly_transform`), the fused kernel's
+    (kernels/triton_microscaling.py, `_fwht16`): the two agree bit for bit."""
+    return _butterfly_transform(x, signs, dim)
+
+
+def _butterfly_transform(x: torch.Tensor, signs: tuple[int, ...], dim: int) -> torch.Tensor:
+    """x @ M per block of n along `dim`, M = diag(signs) H / sqrt(n): z = x * (+-1/sqrt(n)) (exact for
+    n = 16), then log2(n) butterfly stages, index bit 0 first, each pair (a, b) -> (a + b, a - b), one
+    float32 rounding per addition; + 0.0 last: an exactly zero sum is +0.0, as from a matmul."""
+    n = len(signs)
+    moved = x.float().movedim(dim, -1)
+    if moved.shape[-1] % n:
+        raise ValueError(
+            f"the Hadamard transform works in blocks of {n}; dimension {dim} has {moved.shape[-1]}"
+        )
+    z = moved.unflatten(-1, (moved.shape[-1] // n, n)) * _hadamard_on(x.device, signs)[:, 0]
+    half = 1
+    while half < n:
+        pairs = z.unflatten(-1, (n // (2 * half), 2, half))
+        a, b = pairs.select(-2, 0), pairs.select(-2, 1)
+        z = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        half *= 2
+    return (z + 0.0).flatten(-2).movedim(-1, dim)
 
 
 def inverse_random_hadamard_transform(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,13 +38,29 @@ FP8 = {
 }
 
 
-def _load_interpreted():
-    """triton_microscaling.py loaded as a new module with the interpreter on for its decorators."""
-    path = Path(fp8train.__file__).parent / "kernels" / "triton_microscaling.py"
-    spec = importlib.util.spec_from_file_location("fp8train.kernels._triton_microscaling_interpreted", path)
+def _load_copy(filename: str):
+    """kernels/`filename` loaded as a new module (its decorators follow the interpreter setting now)."""
+    path = Path(fp8train.__file__).parent / "kernels" / filename
+    spec = importlib.util.spec_from_file_location(f"fp8train.kernels._{path.stem}_interpreted", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_interpreted():
+    """triton_microscaling.py loaded as a new module with the interpreter on for its decorators, its
+    rounding helpers (`from .rounding import ...`) from an interpreted copy of rounding.py put in
+    sys.modules while it imports: the process's own rounding module may have been decorated compiled."""
+    name = "fp8train.kernels.rounding"
+    before = sys.modules.get(name)
+    sys.modules[name] = _load_copy("rounding.py")
+    try:
+        return _load_copy("triton_microscaling.py")
+    finally:
+        if before is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = before
 
 
 with triton.knobs.runtime.scope():
@@ -52,11 +69,11 @@ with triton.knobs.runtime.scope():
 
     @triton.jit
     def _fp8_helpers_kernel(x_ptr, r_ptr, c_ptr, n, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
-                            BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                            BLOCK: tl.constexpr):  # fmt: skip
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        r = tm.round_to_fp8_grid(tl.load(x_ptr + i, mask=i < n, other=0.0), MANT, MIN_EXP)
+        r = tm.round_to_fp8(tl.load(x_ptr + i, mask=i < n, other=0.0), MANT, MIN_EXP)
         tl.store(r_ptr + i, r, mask=i < n)
-        tl.store(c_ptr + i, tm.fp8_code(r, MANT, MIN_EXP, BIAS).to(tl.uint8), mask=i < n)
+        tl.store(c_ptr + i, tm.fp8_byte(r, MANT, MIN_EXP).to(tl.uint8), mask=i < n)
 
     @triton.jit
     def _e2m1_kernel(x_ptr, r_ptr, n, BLOCK: tl.constexpr):
@@ -124,15 +141,15 @@ def _grid_points(grid: list[float]) -> torch.Tensor:
 
 @pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
 def test_fp8_rounding_and_bytes_equal_the_fp8_cast(encoding: str) -> None:
-    """round_to_fp8_grid equals torch's FP8 cast (round to nearest even, -0.0 kept) and fp8_code its
+    """rounding.round_to_fp8 equals torch's FP8 cast (round to nearest even, -0.0 kept) and fp8_byte its
     byte, on every FP8 value, every tie, their float32 neighbours, float32 subnormals and NaN."""
-    dtype, fmax, mant, min_exp, bias, grid = FP8[encoding]
+    dtype, fmax, mant, min_exp, _, grid = FP8[encoding]
     tiny = torch.tensor([1e-45, 1e-40, 2.0**-126, 2.0 ** (min_exp - mant - 1), 2.0 ** (min_exp - mant - 2)])
     x = torch.cat([_grid_points(grid), _with_neighbours(tiny), torch.tensor([0.0, -0.0, NAN])])
     x = x.clamp(-fmax, fmax)  # the helper's domain: saturated products (NaN stays)
     rounded = torch.empty_like(x)
     codes = torch.empty(x.shape, dtype=torch.uint8)
-    _launch(_fp8_helpers_kernel, x.numel(), x, rounded, codes, MANT=mant, MIN_EXP=min_exp, BIAS=bias)
+    _launch(_fp8_helpers_kernel, x.numel(), x, rounded, codes, MANT=mant, MIN_EXP=min_exp)
     expected = x.to(dtype)
     _assert_same(rounded, expected.float(), f"{encoding} rounding")
     _assert_same(codes.view(dtype), expected, f"{encoding} bytes")
@@ -521,7 +538,7 @@ def test_the_kernels_compile_for_a_gpu_with_exact_arithmetic() -> None:
         triton.knobs.runtime.interpret = False
         compiled = _load_interpreted()  # the same file, decorated for compilation
     assert not isinstance(compiled._mx_blocks_kernel, InterpretedFunction)
-    mx = {"LIMIT": 448.0, "MANT": 3, "MIN_EXP": -6, "BIAS": 7, "B": 32}
+    mx = {"LIMIT": 448.0, "MANT": 3, "MIN_EXP": -6, "B": 32}
     nv = {"x_ptr": "*i16", "v_ptr": "*fp32", "s_ptr": "*u8", "u_ptr": "*fp32", "s_enc_ptr": "*fp32"}
     mx_ptrs = {"x_ptr": "*i16", "v_ptr": "*u8", "s_ptr": "*u8", "vr_ptr": "*u8", "sr_ptr": "*u8"}
     plain = {"STOCHASTIC": True, "OUT_FP8": False, "IN_BF16": True}

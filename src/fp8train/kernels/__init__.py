@@ -12,13 +12,20 @@ the tests' way) and the caller allows it explicitly.
 - `cast_with_amax`: delayed scaling's cast with the scale in force, recording max|x| (one read);
 - `amax_then_cast`: current scaling's amax, then the cast with its scale (two reads);
 - `cast_tiles_1x128`, `cast_blocks_128x128`: block scaling's operands, as quantization/block.py
-  makes them.
+  makes them;
+- `microscaling()`: the module of the MXFP8 and NVFP4 kernels (triton_microscaling.py).
+
+`use_fused_kernels(x)` is the recipes' one dispatch rule, read at each call from the environment:
+`FP8TRAIN_FUSED_KERNELS` = auto (default: the kernels wherever `fused_cast_available`) | off (the
+torch path everywhere) | interpret (the kernels on CPU tensors in Triton's interpreter too, for
+tests: TRITON_INTERPRET=1 must be set before the kernels are first imported).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Optional
 
 import torch
@@ -26,6 +33,9 @@ import torch
 from ..operand import Operand
 
 __all__ = [
+    "ENV_FUSED_KERNELS",
+    "use_fused_kernels",
+    "microscaling",
     "fused_cast_available",
     "interpreted",
     "cast_with_amax",
@@ -48,6 +58,43 @@ def _kernels():
     from . import triton_cast  # imports triton: only here, on first use
 
     return triton_cast
+
+
+def microscaling():
+    """triton_microscaling.py, the MXFP8 and NVFP4 kernels (imports triton: only on first use)."""
+    from . import triton_microscaling
+
+    return triton_microscaling
+
+
+ENV_FUSED_KERNELS = "FP8TRAIN_FUSED_KERNELS"
+_FUSED_MODES = ("auto", "off", "interpret")
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the recipes quantize `x` with the fused kernels (`FP8TRAIN_FUSED_KERNELS`, read at each
+    call): never under torch.compile (inductor fuses the torch path) nor with `off`; with `auto`
+    (default) where `fused_cast_available(x.device)`; with `interpret` also on CPU tensors, in
+    Triton's interpreter, which must then be on (else an error: a forced kernel never silently falls
+    back to the torch path)."""
+    if torch.compiler.is_compiling():
+        return False
+    mode = os.environ.get(ENV_FUSED_KERNELS, "auto").strip().lower() or "auto"
+    if mode not in _FUSED_MODES:
+        raise ValueError(
+            f"{ENV_FUSED_KERNELS}={mode!r} is not valid: auto (the default: the fused Triton kernels on "
+            "CUDA devices), off (the torch path everywhere) or interpret (tests: the kernels also on CPU "
+            "tensors, with TRITON_INTERPRET=1 set before they are imported)"
+        )
+    if mode == "off":
+        return False
+    if mode == "interpret" and x.device.type == "cpu" and not interpreted():
+        raise RuntimeError(
+            f"{ENV_FUSED_KERNELS}=interpret runs the kernels on CPU tensors in Triton's interpreter, "
+            "which is off: set TRITON_INTERPRET=1 (and install triton and numpy) before fp8train's kernels "
+            f"are first imported, e.g. in the environment of the process, or unset {ENV_FUSED_KERNELS}"
+        )
+    return fused_cast_available(x.device, allow_interpreter=mode == "interpret")
 
 
 def interpreted() -> bool:

@@ -28,8 +28,10 @@ and max-reductions need not propagate NaN on a GPU: NaN is tracked explicitly (a
 clamps are written as selects, which keep NaN as torch's clamp does. Every launch disables fp fusion
 (`_OPTIONS`): no multiply-add is contracted, each float32 operation rounds once, as numpy does in the
 interpreter. bf16 inputs are read as their bits and widened by a shift. The kernels use only Triton's
-core builtins and their own @triton.jit helpers (see `_max_along`), so an interpreted copy of this
-module runs in a process that imported triton without TRITON_INTERPRET (the tests load one).
+core builtins, their own @triton.jit helpers and those of kernels/rounding.py shared with
+triton_cast.py (`round_to_fp8`, `fp8_byte`, `max_along`: tl.max's reduction without tl.max), so an
+interpreted copy of this module runs in a process that imported triton without TRITON_INTERPRET (the
+tests load one, with an interpreted copy of rounding.py in place while it imports).
 
 Triton is optional for fp8train: this module imports it, so dispatch to it only where it imports (and
 only for CUDA tensors; CPU tensors run here only in the interpreter).
@@ -44,9 +46,7 @@ import triton
 import triton.language as tl
 
 from ..microscaling import MX_BLOCK, NVFP4_BLOCK, RHT_SIGNS, nvfp4_tensor_scale
-from ..torch_internals import triton_max_combine
-
-MAX_COMBINE = triton_max_combine()  # tl.max's own combine function (torch_internals says why)
+from .rounding import fp8_byte, max_along, round_to_fp8
 
 __all__ = [
     "mx_quantize",
@@ -60,8 +60,8 @@ __all__ = [
 
 Amax = Union[torch.Tensor, float]
 
-# (largest finite value, mantissa bits, smallest normal exponent, exponent bias) of each encoding
-_FP8 = {"e4m3": (448.0, 3, -6, 7), "e5m2": (57344.0, 2, -14, 15)}
+# (largest finite value, mantissa bits, smallest normal exponent) of each encoding
+_FP8 = {"e4m3": (448.0, 3, -6), "e5m2": (57344.0, 2, -14)}
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # Compile options of every launch: no fused multiply-adds, so that each float32 operation rounds once on
 # the device as it does in the interpreter (numpy); the interpreter ignores the option.
@@ -88,22 +88,6 @@ def _with_sign_of(r, t):
 
 
 @triton.jit
-def round_to_fp8_grid(t, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-    """t (float32, |t| at most the format's largest value, or NaN) rounded to the nearest FP8 value of
-    the format with MANT mantissa bits and smallest normal exponent MIN_EXP, ties to even, with t's
-    sign (-0.0 for a negative value that rounds to zero); NaN stays NaN.
-
-    `cast._round_to_fp8_grid`'s argument: k = 1.5 * 2**(e + 23 - MANT), 2**e the binade of |t| (at
-    least the smallest normal), puts t + k in the binade whose float32 spacing is the FP8 spacing at
-    e; float32's round-to-nearest-even of the sum is the FP8 rounding of t, and subtracting k is exact
-    (Sterbenz). k is an exact product (1.5 times a power of two), so an fma contraction of k's product
-    into the addition rounds once, the same."""
-    k = _binade(t, MIN_EXP) * (1.5 * 2.0 ** (23 - MANT))
-    r = (t + k) - k
-    return _with_sign_of(tl.abs(r), t)
-
-
-@triton.jit
 def round_to_e2m1(t):
     """t (float32) rounded to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} with t's sign, saturating at
     +-6, ties to even; NaN stays NaN: `microscaling.e2m1_round` (nearest), k = 1.5 * 2**(e + 22) with
@@ -112,23 +96,6 @@ def round_to_e2m1(t):
     m = tl.where(m > 6.0, 6.0, m)  # a select keeps NaN
     k = _binade(m, 0) * (1.5 * 2.0**22)
     return _with_sign_of((m + k) - k, t)
-
-
-@triton.jit
-def fp8_code(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
-    """The FP8 byte (int32 in [0, 255]) of v, a float32 that is exactly an FP8 value of the format
-    (MANT mantissa bits, smallest normal exponent MIN_EXP, exponent bias BIAS), or NaN (0x7F with v's
-    sign, torch's NaN byte for both encodings). Normal values: the exponent rebiased and the top MANT
-    mantissa bits; subnormal ones: |v| / 2**(MIN_EXP - MANT), an exact small integer."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    exponent = (bits >> 23) & 0xFF
-    normal = ((exponent - 127 + BIAS) << MANT) | ((bits & 0x7FFFFF) >> (23 - MANT))
-    magnitude = tl.abs(v)
-    small = tl.where(magnitude < 2.0**MIN_EXP, magnitude, 0.0)  # NaN too: no float-to-int of NaN
-    code = tl.where(magnitude >= 2.0**MIN_EXP, normal, (small * 2.0 ** (MANT - MIN_EXP)).to(tl.int32))
-    code = tl.where(v != v, 0x7F, code)
-    return code | sign
 
 
 @triton.jit
@@ -175,16 +142,6 @@ def mx_multiplier(byte):
 
 
 @triton.jit
-def _max_along(x, AXIS: tl.constexpr):
-    """The max reduction of `tl.max` (its own combine function, which Triton's interpreter maps to numpy
-    by identity), called through the core `tl.reduce`: `tl.max` itself is a @triton.jit function of
-    Triton's standard library, compiled or interpreted as Triton was imported, so an interpreted kernel
-    could not call it in a process that imported triton without TRITON_INTERPRET. NaN is not
-    propagated (the callers track it)."""
-    return tl.reduce(x, AXIS, MAX_COMBINE)
-
-
-@triton.jit
 def _nan_to_flag(x):
     """(|x| with NaN as 0, 1 where x is NaN else 0): a block's amax and its NaN flag reduce with
     Triton's max, which need not propagate NaN on a GPU."""
@@ -194,13 +151,13 @@ def _nan_to_flag(x):
 
 @triton.jit
 def _mx_codes(
-    x, multiplier, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr
+    x, multiplier, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr
 ):
     """fp8(saturate(x * multiplier)) as FP8 bytes: the product of a power of two is exact (an
     underflow only touches values far below the FP8 subnormals); the clamp is a select (NaN kept)."""
     p = x * multiplier
     p = tl.where(p > LIMIT, LIMIT, tl.where(p < -LIMIT, -LIMIT, p))
-    return fp8_code(round_to_fp8_grid(p, MANT, MIN_EXP), MANT, MIN_EXP, BIAS)
+    return fp8_byte(round_to_fp8(p, MANT, MIN_EXP), MANT, MIN_EXP)
 
 
 # ---- MXFP8 kernels -------------------------------------------------------------------------------------
@@ -209,7 +166,7 @@ def _mx_codes(
 @triton.jit
 def _mx_blocks_kernel(
     x_ptr, v_ptr, s_ptr, P, N, Q, sxp, sxn, sxq, svp, svn, svq, ssp, ssn, ssq, LIMIT: tl.constexpr,
-    MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr, B: tl.constexpr, BP: tl.constexpr,
+    MANT: tl.constexpr, MIN_EXP: tl.constexpr, B: tl.constexpr, BP: tl.constexpr,
     BN: tl.constexpr, BQ: tl.constexpr, IN_BF16: tl.constexpr,
 ):
     """x viewed as [P, N, Q], blocks of B along N: one [BP, BN, BQ] tile per program (BN a multiple of
@@ -221,12 +178,12 @@ def _mx_blocks_kernel(
     inside = (p < P) & (n < N) & (q < Q)
     x = _as_float32(tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0), IN_BF16)
     magnitude, nan = _nan_to_flag(tl.reshape(x, (BP, BN // B, B, BQ)))
-    amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BP, BN/B, BQ]
+    amax = tl.where(max_along(nan, 2) > 0, float("nan"), max_along(magnitude, 2))  # [BP, BN/B, BQ]
     byte = e8m0_byte(amax, LIMIT)
     multiplier = tl.reshape(
         tl.broadcast_to(mx_multiplier(byte)[:, :, None, :], (BP, BN // B, B, BQ)), (BP, BN, BQ)
     )
-    codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
+    codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP)
     tl.store(v_ptr + p * svp + n * svn + q * svq, codes.to(tl.uint8), mask=inside)
     nb = tl.program_id(1) * (BN // B) + tl.arange(0, BN // B)[None, :, None]
     tl.store(s_ptr + p * ssp + nb * ssn + q * ssq, byte.to(tl.uint8), mask=(p < P) & (nb * B < N) & (q < Q))
@@ -235,7 +192,7 @@ def _mx_blocks_kernel(
 @triton.jit
 def _mx_matrix_kernel(
     x_ptr, vr_ptr, sr_ptr, vc_ptr, sc_ptr, R, C, sxr, sxc, svr_r, svr_c, ssr_r, ssr_c, svc_r, svc_c, ssc_r,
-    ssc_c, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr,
+    ssc_c, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
     B: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, IN_BF16: tl.constexpr, ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr, TWO_D: tl.constexpr,
 ):
@@ -248,29 +205,29 @@ def _mx_matrix_kernel(
     x = _as_float32(tl.load(x_ptr + r * sxr + c * sxc, mask=inside, other=0), IN_BF16)
     if ROWWISE:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR, BC // B, B)))
-        amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BR, BC/B]
+        amax = tl.where(max_along(nan, 2) > 0, float("nan"), max_along(magnitude, 2))  # [BR, BC/B]
         byte = e8m0_byte(amax, LIMIT)
         multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, :, None], (BR, BC // B, B)), (BR, BC))
-        codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
+        codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP)
         tl.store(vr_ptr + r * svr_r + c * svr_c, codes.to(tl.uint8), mask=inside)
         cb = tl.program_id(1) * (BC // B) + tl.arange(0, BC // B)[None, :]
         tl.store(sr_ptr + r * ssr_r + cb * ssr_c, byte.to(tl.uint8), mask=(r < R) & (cb * B < C))
     if COLUMNWISE:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // B, B, BC)))
-        amax = tl.where(_max_along(nan, 1) > 0, float("nan"), _max_along(magnitude, 1))  # [BR/B, BC]
+        amax = tl.where(max_along(nan, 1) > 0, float("nan"), max_along(magnitude, 1))  # [BR/B, BC]
         byte = e8m0_byte(amax, LIMIT)
         multiplier = tl.reshape(tl.broadcast_to(mx_multiplier(byte)[:, None, :], (BR // B, B, BC)), (BR, BC))
-        codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP, BIAS)
+        codes = _mx_codes(x, multiplier, LIMIT, MANT, MIN_EXP)
         tl.store(vc_ptr + r * svc_r + c * svc_c, codes.to(tl.uint8), mask=inside)
         rb = tl.program_id(0) * (BR // B) + tl.arange(0, BR // B)[:, None]
         tl.store(sc_ptr + rb * ssc_r + c * ssc_c, byte.to(tl.uint8), mask=(rb * B < R) & (c < C))
     if TWO_D:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // B, B, BC // B, B)))
-        any_nan = _max_along(_max_along(nan, 3), 1)
-        amax = tl.where(any_nan > 0, float("nan"), _max_along(_max_along(magnitude, 3), 1))
+        any_nan = max_along(max_along(nan, 3), 1)
+        amax = tl.where(any_nan > 0, float("nan"), max_along(max_along(magnitude, 3), 1))
         byte = e8m0_byte(amax, LIMIT)  # [BR/B, BC/B]
         multiplier = tl.broadcast_to(mx_multiplier(byte)[:, None, :, None], (BR // B, B, BC // B, B))
-        codes = _mx_codes(x, tl.reshape(multiplier, (BR, BC)), LIMIT, MANT, MIN_EXP, BIAS)
+        codes = _mx_codes(x, tl.reshape(multiplier, (BR, BC)), LIMIT, MANT, MIN_EXP)
         tl.store(vr_ptr + r * svr_r + c * svr_c, codes.to(tl.uint8), mask=inside)
         rb = tl.program_id(0) * (BR // B) + tl.arange(0, BR // B)[:, None]
         cb = tl.program_id(1) * (BC // B) + tl.arange(0, BC // B)[None, :]
@@ -349,7 +306,7 @@ def _nvfp4_block_scales(amax, s_enc):
     product = amax * s_enc
     s = (product.to(tl.float64) / 6.0).to(tl.float32)
     s = tl.where(s > 448.0, 448.0, s)  # a select keeps NaN
-    s_dec = round_to_fp8_grid(s, 3, -6)
+    s_dec = round_to_fp8(s, 3, -6)
     q = (s_dec.to(tl.float64) / s_enc.to(tl.float64)).to(tl.float32)
     enc = (1.0 / tl.where(q == 0.0, 1.0, q).to(tl.float64)).to(tl.float32)
     enc = tl.where(q == 0.0, float("inf"), enc)  # 1 / 0, without dividing by zero
@@ -395,7 +352,7 @@ def _store_value(
         u = tl.load(u_base + ELEMENT * sun, mask=inside, other=0.0)
     value = _nvfp4_value(x, enc, u, STOCHASTIC)
     if OUT_FP8:
-        tl.store(v_base + ELEMENT * svn, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
+        tl.store(v_base + ELEMENT * svn, fp8_byte(value, 3, -6).to(tl.uint8), mask=inside)
     else:
         tl.store(v_base + ELEMENT * svn, value, mask=inside)
 
@@ -479,7 +436,7 @@ def _nvfp4_plain_kernel(
     inside = (p < P) & (n < N) & (q < Q)
     x = _as_float32(tl.load(x_ptr + p * sxp + n * sxn + q * sxq, mask=inside, other=0), IN_BF16)
     magnitude, nan = _nan_to_flag(tl.reshape(x, (BP, NBK, 16, BQ)))
-    amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BP, NBK, BQ]
+    amax = tl.where(max_along(nan, 2) > 0, float("nan"), max_along(magnitude, 2))  # [BP, NBK, BQ]
     s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))
     enc = tl.reshape(tl.broadcast_to(enc[:, :, None, :], (BP, NBK, 16, BQ)), (BP, NBK * 16, BQ))
     u = 0.0
@@ -487,13 +444,13 @@ def _nvfp4_plain_kernel(
         u = tl.load(u_ptr + p * sup + n * sun + q * suq, mask=inside, other=0.0)
     value = _nvfp4_value(x, enc, u, STOCHASTIC)
     if OUT_FP8:
-        tl.store(v_ptr + p * svp + n * svn + q * svq, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
+        tl.store(v_ptr + p * svp + n * svn + q * svq, fp8_byte(value, 3, -6).to(tl.uint8), mask=inside)
     else:
         tl.store(v_ptr + p * svp + n * svn + q * svq, value, mask=inside)
     nb = tl.program_id(1) * NBK + tl.arange(0, NBK)[None, :, None]
     tl.store(
         s_ptr + p * ssp + nb * ssn + q * ssq,
-        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+        fp8_byte(s_dec, 3, -6).to(tl.uint8),
         mask=(p < P) & (nb * 16 < N) & (q < Q),
     )
 
@@ -508,7 +465,7 @@ def _rowwise_slice(
     along Q: its values into vr and its block scales ([P, N, ceil(Q/16)]) into sr."""
     inside = (p < P) & (n < N) & (q < Q)
     magnitude, nan = _nan_to_flag(tl.reshape(x, (BP, NBK, BQ // 16, 16)))
-    amax = tl.where(_max_along(nan, 3) > 0, float("nan"), _max_along(magnitude, 3))  # [BP, NBK, BQ/16]
+    amax = tl.where(max_along(nan, 3) > 0, float("nan"), max_along(magnitude, 3))  # [BP, NBK, BQ/16]
     s_dec, enc = _nvfp4_block_scales(amax, s_enc_r)
     enc = tl.reshape(tl.broadcast_to(enc[:, :, :, None], (BP, NBK, BQ // 16, 16)), (BP, NBK, BQ))
     _nvfp4_write(
@@ -518,7 +475,7 @@ def _rowwise_slice(
     qb = tl.program_id(2) * (BQ // 16) + tl.arange(0, BQ // 16)[None, None, :]
     tl.store(
         sr_ptr + p * ssr_p + n * ssr_n + qb * ssr_q,
-        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+        fp8_byte(s_dec, 3, -6).to(tl.uint8),
         mask=(p < P) & (n < N) & (qb * 16 < Q),
     )
 
@@ -614,7 +571,7 @@ def _nvfp4_rotated_kernel(
     s_dec, enc = _nvfp4_block_scales(amax, tl.load(s_enc_ptr))
     tl.store(
         s_ptr + p * ssp + (n0 // 16) * ssn + q * ssq,
-        fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+        fp8_byte(s_dec, 3, -6).to(tl.uint8),
         mask=inside & (n0 < N),
     )
     v_base = v_ptr + p * svp + n0 * svn + q * svq
@@ -640,8 +597,8 @@ def _nvfp4_rotated_kernel(
 @triton.jit
 def _tile_amax(magnitude, nan):
     """max over a 3-D tile of |x| (NaN as 0) and of its NaN flags: the tile's amax, NaN if any."""
-    amax = _max_along(_max_along(_max_along(magnitude, 2), 1), 0)
-    any_nan = _max_along(_max_along(_max_along(nan, 2), 1), 0)
+    amax = max_along(max_along(max_along(magnitude, 2), 1), 0)
+    any_nan = max_along(max_along(max_along(nan, 2), 1), 0)
     return tl.where(any_nan > 0, float("nan"), amax)
 
 
@@ -690,7 +647,7 @@ def _nvfp4_write(v_ptr, u_ptr, x, enc, inside, STOCHASTIC: tl.constexpr, OUT_FP8
         u = tl.load(u_ptr, mask=inside, other=0.0)
     value = _nvfp4_value(x, enc, u, STOCHASTIC)
     if OUT_FP8:
-        tl.store(v_ptr, fp8_code(value, 3, -6, 7).to(tl.uint8), mask=inside)
+        tl.store(v_ptr, fp8_byte(value, 3, -6).to(tl.uint8), mask=inside)
     else:
         tl.store(v_ptr, value, mask=inside)
 
@@ -715,7 +672,7 @@ def _nvfp4_matrix_kernel(
     cb = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)[None, :]
     if ROWWISE:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR, BC // 16, 16)))
-        amax = tl.where(_max_along(nan, 2) > 0, float("nan"), _max_along(magnitude, 2))  # [BR, BC/16]
+        amax = tl.where(max_along(nan, 2) > 0, float("nan"), max_along(magnitude, 2))  # [BR, BC/16]
         s_dec, enc = _nvfp4_block_scales(amax, s_enc)
         enc = tl.reshape(tl.broadcast_to(enc[:, :, None], (BR, BC // 16, 16)), (BR, BC))
         _nvfp4_write(
@@ -724,12 +681,12 @@ def _nvfp4_matrix_kernel(
         )
         tl.store(
             sr_ptr + r * ssr_r + cb * ssr_c,
-            fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+            fp8_byte(s_dec, 3, -6).to(tl.uint8),
             mask=(r < R) & (cb * 16 < C),
         )
     if COLUMNWISE:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // 16, 16, BC)))
-        amax = tl.where(_max_along(nan, 1) > 0, float("nan"), _max_along(magnitude, 1))  # [BR/16, BC]
+        amax = tl.where(max_along(nan, 1) > 0, float("nan"), max_along(magnitude, 1))  # [BR/16, BC]
         s_dec, enc = _nvfp4_block_scales(amax, s_enc)
         enc = tl.reshape(tl.broadcast_to(enc[:, None, :], (BR // 16, 16, BC)), (BR, BC))
         _nvfp4_write(
@@ -738,13 +695,13 @@ def _nvfp4_matrix_kernel(
         )
         tl.store(
             sc_ptr + rb * ssc_r + c * ssc_c,
-            fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+            fp8_byte(s_dec, 3, -6).to(tl.uint8),
             mask=(rb * 16 < R) & (c < C),
         )
     if TWO_D:
         magnitude, nan = _nan_to_flag(tl.reshape(x, (BR // 16, 16, BC // 16, 16)))
-        any_nan = _max_along(_max_along(nan, 3), 1)
-        amax = tl.where(any_nan > 0, float("nan"), _max_along(_max_along(magnitude, 3), 1))
+        any_nan = max_along(max_along(nan, 3), 1)
+        amax = tl.where(any_nan > 0, float("nan"), max_along(max_along(magnitude, 3), 1))
         s_dec, enc = _nvfp4_block_scales(amax, s_enc)  # [BR/16, BC/16]
         enc = tl.reshape(tl.broadcast_to(enc[:, None, :, None], (BR // 16, 16, BC // 16, 16)), (BR, BC))
         _nvfp4_write(
@@ -753,7 +710,7 @@ def _nvfp4_matrix_kernel(
         )
         tl.store(
             sr_ptr + rb * ssr_r + cb * ssr_c,
-            fp8_code(s_dec, 3, -6, 7).to(tl.uint8),
+            fp8_byte(s_dec, 3, -6).to(tl.uint8),
             mask=(rb * 16 < R) & (cb * 16 < C),
         )
 # fmt: on
@@ -836,7 +793,7 @@ def mx_quantize(
     if encoding not in _FP8:
         raise ValueError(f"MX encoding {encoding!r} is not one of {sorted(_FP8)}")
     _check_block(block)
-    limit, mant, min_exp, bias = _FP8[encoding]
+    limit, mant, min_exp = _FP8[encoding]
     xf = _as_float(x.detach())
     if two_d:
         if xf.dim() != 2:
@@ -854,7 +811,7 @@ def mx_quantize(
         grid = (triton.cdiv(p, bp), triton.cdiv(n, bn), triton.cdiv(q, bq))
         _mx_blocks_kernel[grid](
             _readable(x3), v3, s3, p, n, q, *x3.stride(), *v3.stride(), *s3.stride(),
-            LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BP=bp, BN=bn, BQ=bq,
+            LIMIT=limit, MANT=mant, MIN_EXP=min_exp, B=block, BP=bp, BN=bn, BQ=bq,
             IN_BF16=x3.dtype == torch.bfloat16,
         **_OPTIONS,
         )  # fmt: skip
@@ -879,7 +836,7 @@ def mx_quantize_both(
 
 
 def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, columnwise: bool, two_d: bool):
-    limit, mant, min_exp, bias = _FP8[encoding]
+    limit, mant, min_exp = _FP8[encoding]
     r, c = xf.shape
     rb, cb = -(-r // block), -(-c // block)
     if two_d:
@@ -898,7 +855,7 @@ def _mx_matrix(xf: torch.Tensor, encoding: str, block: int, rowwise: bool, colum
         _mx_matrix_kernel[grid](
             _readable(xf), vr, sr, vc, sc, r, c,
             *xf.stride(), *vr.stride(), *sr.stride(), *vc.stride(), *sc.stride(),
-            LIMIT=limit, MANT=mant, MIN_EXP=min_exp, BIAS=bias, B=block, BR=br, BC=bc,
+            LIMIT=limit, MANT=mant, MIN_EXP=min_exp, B=block, BR=br, BC=bc,
             ROWWISE=rowwise, COLUMNWISE=columnwise, TWO_D=two_d, IN_BF16=xf.dtype == torch.bfloat16,
         **_OPTIONS,
         )  # fmt: skip
@@ -981,9 +938,8 @@ def nvfp4_quantize_rotated(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`nvfp4_quantize(random_hadamard_transform(x.float(), signs, dim), dim, ...)` with the transform in
     the kernel (16-blocks along `dim`, a multiple of 16, else ValueError): nothing transformed is
-    written. Bit for bit wherever the transform's float32 sums are exact whatever their order; in
-    general the transform's 16-term sums are added in a fixed butterfly order (`_fwht16`) where the
-    torch path leaves the order to the matmul, so a value may differ from it by the sums' rounding."""
+    written. Bit for bit: the transform's 16-term sums are added in a fixed butterfly order
+    (`_fwht16`), the torch path's (`microscaling._butterfly_transform`)."""
     return _nvfp4(x, dim, global_amax, False, stochastic, generator, values_dtype, tuple(signs))
 
 

@@ -5,6 +5,10 @@ own amax (docs/design.md, section 9).
 The GEMM (`gemm.matmul`) is torch's 1x128/128x128 block-scaled `_scaled_mm` on Hopper (SM90,
 cuBLASLt >= 12.9) for whole tiles (block_gemm.py), else emulated: operands dequantized tile by tile
 (exact with power-of-2 scales) and multiplied in fp32.
+
+The operands are cast by the fused Triton kernels where `kernels.use_fused_kernels` says so (CUDA with
+Triton): 128x128 weight blocks by `cast_blocks_128x128`, an input's or a gradient's two copies by one
+`cast_tiles_1x128` read; bit for bit the torch path here, which runs everywhere else.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..amax import Call
 from ..cast import cast_operand
 from ..formats import fp8_max
@@ -62,6 +67,19 @@ def _tiles(x: torch.Tensor, power_2: bool, transposed: bool = False, fp8: bool =
     return Operand(q, scale_inv, (1, TILE), transposed)
 
 
+def _fused_grad_tiles(g2d: torch.Tensor, power_2: bool, needs: tuple[bool, bool]) -> GradOperands:
+    """`quantize_grad`'s operands from the fused kernel: both copies in one read of g2d, or the
+    wgrad copy alone from g2d.t() (the torch path's `_tiles(g2d, power_2, transposed=True)`)."""
+    if needs[0]:
+        transposed_dtype = torch.float32 if needs[1] else None
+        dgrad, wgrad = kernels.cast_tiles_1x128(g2d, power_2, transposed_dtype=transposed_dtype)
+        return GradOperands(dgrad, wgrad)
+    if not needs[1]:
+        return GradOperands(None, None)
+    stored, _ = kernels.cast_tiles_1x128(g2d.t(), power_2)
+    return GradOperands(None, Operand(stored.values, stored.scale_inv, stored.block, True))
+
+
 class BlockQuantization(Quantization):
     kind = "block"
     kernel = "block"
@@ -69,6 +87,8 @@ class BlockQuantization(Quantization):
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         """128x128 blocks, which serve w and w.T alike: one quantization for forward and dgrad."""
+        if kernels.use_fused_kernels(weight):
+            return WeightOperands.same(kernels.cast_blocks_128x128(weight, self.recipe.power_2_scale))
         q, scale_inv = quantize_tiles(
             weight.detach(), TILE, self.recipe.power_2_scale, dtype=torch.float8_e4m3fn
         )
@@ -78,11 +98,16 @@ class BlockQuantization(Quantization):
         """Along in_features for the forward; along the tokens, 1-byte, for the weight gradient."""
         warn_emulated_on_cuda(x2d, "Float8BlockScaling", self.kernel)
         power_2 = self.recipe.power_2_scale
+        if kernels.use_fused_kernels(x2d):
+            fp8 = torch.float8_e4m3fn
+            return InputOperands(*kernels.cast_tiles_1x128(x2d, power_2, transposed_dtype=fp8))
         return InputOperands(_tiles(x2d, power_2), _tiles(x2d, power_2, transposed=True, fp8=True))
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         """Along out_features for dgrad, along the tokens for wgrad."""
         power_2 = self.recipe.power_2_scale
+        if kernels.use_fused_kernels(g2d):
+            return _fused_grad_tiles(g2d, power_2, needs)
         dgrad = _tiles(g2d, power_2) if needs[0] else None
         wgrad = _tiles(g2d, power_2, transposed=True) if needs[1] else None
         return GradOperands(dgrad, wgrad)
