@@ -1,7 +1,8 @@
 """The recipes' dispatch to the fused Triton kernels (kernels.use_fused_kernels; docs/design.md, section
 6, "Fused quantization kernels"): with the kernels forced (FP8TRAIN_FUSED_KERNELS=interpret, Triton's
-interpreter on CPU tensors) an fp8train.Linear's forward and backward under each block-scaled recipe
-equal the torch path's (FP8TRAIN_FUSED_KERNELS=off) bit for bit, outputs and gradients, and the kernels
+interpreter on CPU tensors) an fp8train.Linear's forward and backward under each recipe (delayed
+scaling: two steps, with its amax histories and scales) equal the torch path's
+(FP8TRAIN_FUSED_KERNELS=off) bit for bit, outputs and gradients, and the kernels
 were called, each the number of times the recipe needs (counted by wrapping the kernel modules' public
 functions): a dispatch that silently fell back to the torch path fails.
 
@@ -43,11 +44,13 @@ def count_calls(module, names):
         setattr(module, name, counted)
 
 
-count_calls(triton_cast, ["cast_tiles"])
+count_calls(triton_cast, ["cast_tiles", "cast_tensor", "amax_then_cast"])
 count_calls(kernels.microscaling(), kernels.microscaling().__all__)
 
 F = fp8train.Format
 RECIPES = {
+    "delayed": fp8train.DelayedScaling(amax_history_len=4),
+    "current": fp8train.Float8CurrentScaling(),
     "block": fp8train.Float8BlockScaling(),
     "block-no-power-2": fp8train.Float8BlockScaling(power_2_scale=False),
     "mxfp8": fp8train.MXFP8BlockScaling(),
@@ -69,10 +72,19 @@ def run(recipe):
     x.requires_grad_(True)
     grad_out = torch.randn(64, 256)
     torch.manual_seed(1)  # stochastic rounding draws from here, in the same order on both paths
-    with fp8train.fp8_autocast(fp8_recipe=recipe):
-        y = layer(x)
-    y.backward(grad_out)
-    return {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad}
+    # delayed scaling: a second step casts with the scales of the amaxes the first one's casts took
+    for _ in range(2 if isinstance(recipe, fp8train.DelayedScaling) else 1):
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x)
+        y.backward(grad_out)
+    out = {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad}
+    if isinstance(recipe, fp8train.DelayedScaling):
+        fp8train.synchronize()
+        for d in ("scaling_fwd", "scaling_bwd"):
+            meta = layer.fp8_meta[d]
+            out.update({f"amax_history_{d}": meta.amax_history.clone(), f"scale_{d}": meta.scale.clone()})
+    return out
 
 
 report = {}
@@ -95,6 +107,8 @@ print("REPORT" + json.dumps(report))
 # The kernels each recipe's layer calls in one forward and backward (weight, input, output gradient);
 # nvfp4_amax: the per-tensor amax read of the 16x16 weight blocks and of each un-rotated pair of copies.
 EXPECTED_CALLS = {
+    "delayed": {"cast_tensor": 6},  # weight, input and gradient, in each of the two steps
+    "current": {"amax_then_cast": 3},
     "block": {"cast_tiles": 3},
     "block-no-power-2": {"cast_tiles": 3},
     "mxfp8": {"mx_quantize_both": 3},

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..amax import Call
 from ..cast import amax
-from ..formats import FLOAT32_MAX, fp8_max
+from ..formats import FLOAT32_MAX, fp8_dtype, fp8_max
+from ..operand import Operand
 from .base import GradOperands, InputOperands, WeightOperands
 from .per_tensor import TensorQuantization
 
@@ -36,14 +38,23 @@ def current_scales(x: torch.Tensor, encoding: str) -> tuple[torch.Tensor, torch.
 class CurrentQuantization(TensorQuantization):
     kind = "current"
 
+    def current_operand(self, x: torch.Tensor, encoding: str, dtype: torch.dtype) -> Operand:
+        """x cast with the scale of its own amax: the amax read, then the cast (two reads of x; one
+        fused kernel each where `kernels.use_fused_kernels`, the same bits)."""
+        if kernels.use_fused_kernels(x):
+            cast = kernels.amax_then_cast(x, encoding, dtype, transposed=False)
+            return Operand(cast.values, cast.scale_inv)
+        return self.cast(x, *current_scales(x, encoding), encoding, dtype)
+
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
-        return WeightOperands.same(
-            self.cast(weight, *current_scales(weight, "e4m3"), "e4m3", call.operand_dtype)
-        )
+        return WeightOperands.same(self.current_operand(weight, "e4m3", call.operand_dtype))
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
-        operand = self.cast(x2d, *current_scales(x2d, "e4m3"), "e4m3", call.operand_dtype)
+        operand = self.current_operand(x2d, "e4m3", call.operand_dtype)
         return InputOperands(operand, operand)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
-        return self.grad_operands(g2d, *current_scales(g2d, self.grad_encoding), call)
+        encoding = self.grad_encoding
+        dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
+        operand = self.current_operand(g2d, encoding, dtype)
+        return GradOperands(operand, operand)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..amax import Call
 from ..cast import cast_with_amax
 from ..formats import fp8_dtype
@@ -30,8 +31,14 @@ class TensorQuantization(Quantization):
         dtype: torch.dtype,
         amax_out: Optional[torch.Tensor] = None,
     ) -> Operand:
-        """x's operand (`cast.cast_with_amax`; its amax into `amax_out` when given)."""
-        values, _ = cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
+        """x's operand (`cast.cast_with_amax`, or its fused kernel where `kernels.use_fused_kernels`:
+        the same bits; its amax into `amax_out` when given, in the same read)."""
+        if kernels.use_fused_kernels(x):
+            if amax_out is not None:
+                amax_out.zero_()  # the kernel maxes into it
+            values, _ = kernels.cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
+        else:
+            values, _ = cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
         return Operand(values, scale_inv)
 
     def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
