@@ -80,7 +80,8 @@ class FP8GroupedExperts(FP8Module, _TitanGroupedExperts):
     """torchtitan's GroupedExperts (w1_EFD, w2_EDF, w3_EFD: (experts, out, in) each, its initialisation
     and sharding hooks) with one FP8 GEMM per expert and weight inside an FP8 region: w1's experts are
     GEMMs 0..E-1, w3's E..2E-1, w2's 2E..3E-1, each with its own roles. Outside a region (or held in
-    high precision by a switch) it runs torchtitan's own forward, bit for bit."""
+    high precision by a switch) it runs torchtitan's own forward, bit for bit. `config`: torchtitan's
+    GroupedExperts config (the number of experts, dimensions and initialisation)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(_TitanGroupedExperts.Config):
@@ -94,6 +95,7 @@ class FP8GroupedExperts(FP8Module, _TitanGroupedExperts):
         self.init_fp8_state()
 
     def gemm_weights(self) -> list[torch.Tensor]:
+        """The weight of each GEMM, in GEMM order (one per expert): what the module casts to FP8."""
         weights = (self.w1_EFD, self.w3_EFD, self.w2_EDF)
         return [w for weight in weights for w in _local(weight).detach().unbind(0)]
 
@@ -102,6 +104,8 @@ class FP8GroupedExperts(FP8Module, _TitanGroupedExperts):
         return num_tokens_per_expert.tolist() * 3
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """torchtitan's call: `x_RD` (routed tokens, dim) grouped by expert, `num_tokens_per_expert_E`
+        (experts,) the tokens of each; silu(x w1) * (x w3) then w2, per expert. Returns (tokens, dim)."""
         settings = current_settings()
         if settings is None or not settings.active or SWITCHES.high_precision_now(self):
             return _TitanGroupedExperts.forward(self, x_RD, num_tokens_per_expert_E)

@@ -45,7 +45,8 @@ def grouped_linear(
     `x` (tokens, in); `weight` (E, out, in); `offs` (E,) int32 end offsets (grouped_mm's convention,
     read on the host); `bias` (E, out) or None. Under MXFP8 and NVFP4 each group's rows must be whole
     blocks (32, 16): refused otherwise, or with `pad_to_blocks` padded with zero rows for the GEMMs
-    (`pad_groups`; the rows of the output are the same, the padding's gradient is dropped)."""
+    (`pad_groups`; the rows of the output are the same, the padding's gradient is dropped).
+    `is_first_microbatch`: TransformerEngine's weight caching across microbatches."""
     where = f"{type(module).__name__} grouped_linear"
     if weight.dim() != 3 or x.shape[-1] != weight.shape[2]:
         raise ValueError(
@@ -80,7 +81,18 @@ def grouped_linear(
 class ExpertsLinear(FP8Module):
     """One linear layer per expert with the weights as one (num_experts, out, in) tensor `weight`
     (and `bias` (num_experts, out) with bias=True), each initialised as torch.nn.Linear's:
-    `forward(x, offs)` with grouped_mm's offsets (`grouped_linear`)."""
+    `forward(x, offs)` with grouped_mm's offsets (`grouped_linear`).
+
+    Args:
+        num_experts: the number of experts, each its own GEMM.
+        in_features: the input features of every expert.
+        out_features: the output features of every expert.
+        bias: whether the experts have a bias (one (num_experts, out_features) tensor).
+        params_dtype: the parameters' dtype (default: torch's default dtype).
+        device: where the parameters are made ("meta" for a deferred build).
+
+    Raises:
+        ValueError: `num_experts` is not an int >= 1."""
 
     def __init__(
         self,
@@ -116,6 +128,7 @@ class ExpertsLinear(FP8Module):
         self.forget_cached_weights()
 
     def gemm_weights(self) -> list[torch.Tensor]:
+        """The weight of each GEMM, in GEMM order (one per expert): what the module casts to FP8."""
         return list(self.weight.unbind(0))
 
     def gemm_tokens(self, x: torch.Tensor, offs: torch.Tensor, *args, **kwargs) -> list[int]:
@@ -125,6 +138,9 @@ class ExpertsLinear(FP8Module):
     def forward(
         self, x: torch.Tensor, offs: torch.Tensor, is_first_microbatch: Optional[bool] = None
     ) -> torch.Tensor:
+        """`grouped_linear` of `x` (tokens, in_features) with the end offsets `offs` (num_experts,
+        int32) of each expert's rows; `is_first_microbatch` as TransformerEngine's (weight caching).
+        Returns (tokens, out_features)."""
         return grouped_linear(self, x, self.weight, offs, self.bias, 0, is_first_microbatch)
 
     def extra_repr(self) -> str:

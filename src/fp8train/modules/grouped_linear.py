@@ -141,8 +141,19 @@ class GroupedLinear(FP8Module):
     GroupedLinear): `forward(inp, m_splits)` multiplies the first m_splits[0] rows of `inp` by
     `weight0`, the next m_splits[1] by `weight1`, ...; parameters `weight{i}` (out x in) and `bias{i}`,
     each initialised as torch.nn.Linear's. FP8 inside an FP8 region under every recipe, each GEMM with
-    its own delayed-scaling roles (see the module docstring); `fsdp_fp8_all_gather`: FSDP2 gathers the
-    weights in FP8, each with its GEMM's scale."""
+    its own delayed-scaling roles (see the module docstring).
+
+    Args:
+        num_gemms: the number of groups (experts), each its own GEMM and weight.
+        in_features: the input features of every group.
+        out_features: the output features of every group.
+        bias: whether each group has a bias `bias{i}`.
+        params_dtype: the parameters' dtype (default: torch's default dtype).
+        device: where the parameters are made ("meta" for a deferred build).
+        fsdp_fp8_all_gather: FSDP2 gathers the weights in FP8, each with its GEMM's scale.
+
+    Raises:
+        ValueError: `num_gemms` is not an int >= 1."""
 
     def __init__(
         self,
@@ -170,6 +181,7 @@ class GroupedLinear(FP8Module):
             self.register_parameter(f"bias{i}", b)
 
     def gemm_weights(self) -> list[torch.Tensor]:
+        """The weight of each GEMM, in GEMM order (one per expert): what the module casts to FP8."""
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     def reset_parameters(self) -> None:
@@ -187,6 +199,22 @@ class GroupedLinear(FP8Module):
     def forward(
         self, inp: torch.Tensor, m_splits: Splits, is_first_microbatch: Optional[bool] = None
     ) -> torch.Tensor:
+        """The groups' outputs in the rows of their inputs.
+
+        Args:
+            inp: (..., in_features); its rows (all dimensions but the last, flattened) in consecutive
+                groups.
+            m_splits: the rows of each group, `num_gemms` of them summing to the rows of `inp` (0 for
+                an expert that received no token: its output has no row, its history does not roll).
+            is_first_microbatch: TransformerEngine's weight caching across microbatches (True: cast
+                the weights and keep them; False: reuse them; None: cast every call).
+
+        Returns:
+            (..., out_features).
+
+        Raises:
+            ValueError: `inp`'s features or `m_splits` do not fit, or (MXFP8, NVFP4) a group is not
+                whole blocks (pad it: `pad_groups`)."""
         if inp.shape[-1] != self.in_features:
             raise ValueError(
                 f"GroupedLinear: input has {inp.shape[-1]} features, expected {self.in_features}"
@@ -220,7 +248,8 @@ def pad_groups(x: torch.Tensor, m_splits: Sequence[int], multiple: int) -> tuple
 
 
 def unpad_groups(y: torch.Tensor, m_splits: Sequence[int], padded_splits: Sequence[int]) -> torch.Tensor:
-    """The rows of the original groups from the output of padded groups (`pad_groups`' inverse)."""
+    """The rows of the original groups from the output of padded groups (`pad_groups`' inverse): `y`
+    holds groups of `padded_splits` rows, of which the first `m_splits` rows of each are kept."""
     if list(m_splits) == list(padded_splits):
         return y
     return torch.cat([part[:n] for part, n in zip(y.split(list(padded_splits)), m_splits)])
