@@ -65,10 +65,10 @@ def weight_casts(monkeypatch) -> CastCounter:
     counter = CastCounter()
     real = TensorQuantization.cast
 
-    def counting(x, scale, scale_inv, encoding, dtype):
+    def counting(x, scale, scale_inv, encoding, dtype, amax_out=None):
         if any(x.data_ptr() == w.data_ptr() for w in counter.weights):
             counter.casts.append(float(scale))
-        return real(x, scale, scale_inv, encoding, dtype)
+        return real(x, scale, scale_inv, encoding, dtype, amax_out)
 
     monkeypatch.setattr(TensorQuantization, "cast", staticmethod(counting))
     return counter

@@ -56,10 +56,10 @@ def cast_log(monkeypatch) -> list:
     log: list = []
     real = TensorQuantization.cast
 
-    def spy(x, scale, scale_inv, encoding, dtype):
+    def spy(x, scale, scale_inv, encoding, dtype, amax_out=None):
         if encoding == "e4m3":
             log.append((in_backward(), float(scale)))
-        return real(x, scale, scale_inv, encoding, dtype)
+        return real(x, scale, scale_inv, encoding, dtype, amax_out)
 
     monkeypatch.setattr(TensorQuantization, "cast", staticmethod(spy))
     return log
