@@ -77,16 +77,17 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     (default) where `fused_cast_available(x.device)`; with `interpret` also on CPU tensors, in
     Triton's interpreter, which must then be on (else an error: a forced kernel never silently falls
     back to the torch path)."""
-    if torch.compiler.is_compiling():
+    mode = os.environ.get(ENV_FUSED_KERNELS, "auto")
+    if (mode == "auto" and not x.is_cuda) or torch.compiler.is_compiling():  # the CPU's case, cheaply
         return False
-    mode = os.environ.get(ENV_FUSED_KERNELS, "auto").strip().lower() or "auto"
+    mode = mode.strip().lower() or "auto"
     if mode not in _FUSED_MODES:
         raise ValueError(
             f"{ENV_FUSED_KERNELS}={mode!r} is not valid: auto (the default: the fused Triton kernels on "
             "CUDA devices), off (the torch path everywhere) or interpret (tests: the kernels also on CPU "
             "tensors, with TRITON_INTERPRET=1 set before they are imported)"
         )
-    if mode == "off":
+    if mode == "off" or (mode == "auto" and not x.is_cuda):
         return False
     if mode == "interpret" and x.device.type == "cpu" and not interpreted():
         raise RuntimeError(
