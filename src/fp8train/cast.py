@@ -258,10 +258,30 @@ def compiled_variant(kernel, key: tuple):
         fn = type(kernel)(code, kernel.__globals__, name)
         # emulate_precision_casts: a rounding to bf16 inside the kernel is kept (inductor would
         # otherwise compute through it in fp32)
+        # benchmark_harness off: inductor would write a benchmark main into the module, reading
+        # sys.argv as strings (a script's sys.argv may hold other objects)
+        options = {"emulate_precision_casts": True, "benchmark_harness": False}
         compiled = _FUSED_VARIANTS[(kernel, key)] = torch.compile(
-            fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+            fn, dynamic=True, fullgraph=True, options=options
         )
     return compiled
+
+
+def run_compiled(run, *args):
+    """`run(*args)` (a compiled kernel's call); None if it fails (no C++ compiler, an inductor bug):
+    then every compiled kernel of fp8train is off for the process, with one warning, and the caller
+    computes the same values with torch's eager kernels."""
+    try:
+        return run(*args)
+    except Exception as err:
+        _FUSED_FAILED.append(f"{type(err).__name__}: {err}")
+        warnings.warn(
+            f"fp8train's compiled kernels failed ({_FUSED_FAILED[0][:300]}); casts and GEMM outputs run as "
+            f"torch's eager kernels from now on (slower, the same values). Set {ENV_FUSED_CAST}=0 to skip "
+            "the attempt",
+            stacklevel=4,
+        )
+        return None
 
 
 def _run_fused(
@@ -302,14 +322,7 @@ def _fused_cast(
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
     run = _fused_cast_op if dispatch_mode_active() else _run_fused
-    try:
-        out = run(x.detach(), scale, encoding, dtype, transposed, amax_out)
-    except Exception as err:  # a compilation failure (no C++ compiler, an inductor bug): eager from now on
-        _FUSED_FAILED.append(f"{type(err).__name__}: {err}")
-        warnings.warn(
-            f"fp8train's compiled cast failed ({_FUSED_FAILED[0][:300]}); casts run as torch's eager "
-            f"kernels from now on (slower, the same values). Set {ENV_FUSED_CAST}=0 to skip the attempt",
-            stacklevel=3,
-        )
+    out = run_compiled(run, x.detach(), scale, encoding, dtype, transposed, amax_out)
+    if out is None:
         return None
     return out[0], (out[1] if transposed else None)

@@ -247,7 +247,9 @@ def gemm(
     if bf16_output and a.dtype == torch.float32 and b.dtype == torch.float32:
         y = torch.mm(a, b)  # fp32 operands of the bf16 path: its rounding in the output's one pass
         if y.numel() >= FUSED_MIN_ELEMENTS and fused_output_applies(y, scale, bias):
-            return scaled_output(y, scale, out_dtype)
+            out = scaled_output(y, scale, out_dtype)
+            if out is not None:
+                return out
         y = y.to(torch.bfloat16)
     elif (bf16_output and a.dtype == torch.float32) or (
         a.dtype == torch.bfloat16 and bf16_kernel(a.device)[0] == "fp32"

@@ -48,7 +48,8 @@ def _(y, scale, out_dtype):
     return torch.empty_like(y, dtype=out_dtype)
 
 
-def scaled_output(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_output(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
     """y (the fp32 product of FP8 values) rounded to bf16, times `scale` (1 element, fp32), as
-    `out_dtype`: one pass."""
-    return (_scaled_output_op if dispatch_mode_active() else _run)(y, scale, out_dtype)
+    `out_dtype`: one pass; None where the compiled kernel cannot run here (`cast.run_compiled`: the
+    caller computes it eagerly)."""
+    return cast.run_compiled(_scaled_output_op if dispatch_mode_active() else _run, y, scale, out_dtype)

@@ -99,3 +99,44 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     # that grow with the stack's depth (pytest's is deep), not with the model
     assert r["python_calls_per_gemm"] <= 120, r["python_calls_by_function"]
     assert r["python_calls_per_added_gemm"] <= 76, r["python_calls_by_function"]
+
+
+_BROKEN_COMPILER = r"""
+import pathlib, sys, warnings, torch
+import fp8train
+sys.argv.append(pathlib.Path("a-path"))  # a script's argv may hold other objects than strings
+torch.set_num_threads(1)
+torch.manual_seed(0)
+layer, x = fp8train.Linear(512, 512), torch.randn(256, 512, requires_grad=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling()):
+            y = layer(x)
+        y.square().mean().backward()
+said = [str(w.message) for w in caught if "compiled kernels failed" in str(w.message)]
+torch.save({"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "said": said}, sys.argv[1])
+"""
+
+
+def test_a_compiled_kernel_that_cannot_be_built_falls_back_to_the_same_values(tmp_path) -> None:
+    """Where inductor cannot build the compiled cast or GEMM output (here: no working C++ compiler), the
+    step runs on torch's eager kernels with the same bits as FP8TRAIN_FUSED_CAST=0, saying so once."""
+    import os
+    import subprocess
+    import sys
+
+    def run(name: str, **env_vars: str) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), **env_vars}
+        path = tmp_path / f"{name}.pt"
+        done = subprocess.run([sys.executable, "-c", _BROKEN_COMPILER, str(path)], env=env, timeout=600,
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return torch.load(path)
+
+    eager = run("eager", FP8TRAIN_FUSED_CAST="0")
+    assert eager["said"] == []
+    broken = run("broken", CXX="/bin/false")
+    assert len(broken["said"]) == 1, broken["said"]
+    for key in ("y", "dx", "dw"):
+        assert torch.equal(broken[key], eager[key]), key
