@@ -92,6 +92,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "convert",
             "prepare",
             "pipeline",
+            "expert_parallel",
             "recompute",
             "checkpoint_files",
             "inspection",

@@ -9,6 +9,7 @@ from .checkpoint_files import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
 from .distributed import broadcast_fp8_state
 from .errors import AmaxReductionError, LayoutMismatchError, StateMismatchError
+from .expert_parallel import ExpertParallel
 from .inspection import reduction_stats, reset_reduction_stats, synchronize
 from .layer_coverage import coverage
 from .modules import (
@@ -89,4 +90,5 @@ __all__ = [
     "broadcast_fp8_state",
     "reduce_sequence_parallel_grads",
     "register_recipe",
+    "ExpertParallel",
 ]

@@ -11,7 +11,8 @@ asks of the protocol:
   form, the role layout (`roles`);
 - the step boundary: `end_step`, `end_step_on`, `ending_step`, `parameters_loaded`;
 - FSDP2's FP8 gathers: `current_settings`, `outermost_region`, `amax_group_of`, `replaying`;
-- readers: `views` (fp8train.inspection), `HostMirror` (telemetry), `check_stage_group` (pipeline);
+- readers: `views` (fp8train.inspection), `HostMirror` (telemetry), `check_stage_group` (pipeline),
+  `expert_group_error` (expert_parallel);
 - `settings`: the knobs (async switch, initial wire size, verdict lag); `update_scaling`: the fused
   update (its benchmark).
 """
@@ -22,7 +23,7 @@ import torch
 
 from . import roles, views
 from .calls import Call, begin_call, current_call
-from .membership import check_stage_group
+from .membership import check_stage_group, expert_group_error
 from .meta import ScalingMeta, decode_extra_state
 from .plans import recomputation_context_fn
 from .reduction import AmaxGroup
@@ -39,7 +40,8 @@ __all__ = [
     "register_module", "module_of", "ScalingMeta", "decode_extra_state", "roles",
     "end_step", "end_step_on", "ending_step", "parameters_loaded",
     "current_settings", "outermost_region", "amax_group_of", "replaying",
-    "views", "HostMirror", "check_stage_group", "settings", "ENV_ASYNC", "update_scaling",
+    "views", "HostMirror", "check_stage_group", "expert_group_error",
+    "settings", "ENV_ASYNC", "update_scaling",
 ]  # fmt: skip
 
 

@@ -6,12 +6,16 @@ same on every rank (no collective), so every rank raises alike before any collec
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from .settings import settings
 
-__all__ = ["world_if_default", "reduces_across_ranks", "check_amax_group", "check_stage_group"]
+__all__ = [
+    "world_if_default", "reduces_across_ranks", "check_amax_group", "check_stage_group", "expert_group_error",
+]  # fmt: skip
 
 
 def world_if_default(process_group):
@@ -58,6 +62,10 @@ def check_amax_group(module: torch.nn.Module, amax_process_group, reduces: bool)
     """The amax group must contain the module's TP group: else the TP ranks would cast the shards of
     one tensor with different scales. Local and the same on every rank (no collective): every rank
     raises alike, before any collective of the region."""
+    ep_group = getattr(module, "expert_parallel_group", None)  # set by fp8train.ExpertParallel
+    error = expert_group_error(type(module).__name__, amax_process_group, ep_group) if reduces else None
+    if error:
+        raise ValueError(error)
     tp = getattr(module, "tp", None)
     if tp is None or not tp.active:
         return
@@ -71,3 +79,29 @@ def check_amax_group(module: torch.nn.Module, amax_process_group, reduces: bool)
             "every tp_group (TP x DP; the default is all ranks) and not one that spans pipeline stages, "
             "with reduce_amax=True"
         )
+
+
+def expert_group_error(where: str, amax_process_group, ep_group, recipe=None) -> Optional[str]:
+    """The error of an amax group holding other ranks of an expert-parallel group (None: fine, or
+    `ep_group` is None). Experts split over `ep_group` are different experts on each of its ranks:
+    MAX-reducing their amaxes together would scale each expert from another's. With `recipe`, only
+    where it reduces across ranks. Local and the same on every rank of a regular (EP x DP) layout;
+    expert_parallel.py agrees it over the EP group before any token moves."""
+    if ep_group is None:
+        return None
+    amax_group, ep_group = world_if_default(amax_process_group), world_if_default(ep_group)
+    if recipe is not None and not reduces_across_ranks(recipe, amax_group):
+        return None
+    amax_ranks = sorted(dist.get_process_group_ranks(amax_group))
+    ep_ranks = sorted(dist.get_process_group_ranks(ep_group))
+    shared = sorted((set(amax_ranks) & set(ep_ranks)) - {dist.get_rank()})
+    if not shared:
+        return None
+    return (
+        f"{where}: the experts are split over ep_group {ep_ranks} (a different expert on each of its ranks) "
+        f"but their amax group holds {amax_ranks}, with ep_group ranks {shared}: different experts' amaxes "
+        "would be MAX-reduced together and each expert scaled from another's. Give the experts the amax "
+        "group of the data-parallel replicas of this rank's experts (ExpertParallel(..., amax_group="
+        "dp_group), every rank creating every group; with no replica a single-rank group, or "
+        "DelayedScaling(reduce_amax=False)), not the ep_group or the world"
+    )
