@@ -319,7 +319,7 @@ class ExpertParallel(torch.nn.Module):
         else:
             with fp8_autocast(settings.enabled, settings.calibrating, settings.recipe, self.amax_group):
                 out = self.experts(local, m_splits)
-        return combine(out.reshape(len(local), -1), handle)
+        return combine(out.reshape(-1, out.shape[-1]), handle)
 
     def extra_repr(self) -> str:
         return (
