@@ -74,8 +74,8 @@ def _region_error(ep_group, amax_group) -> Optional[str]:
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group) -> None:
-    """`dist.all_to_all_single`, looked up per call (a byte counter may wrap it); 1-byte floats and
-    bf16 travel as raw bytes (gloo moves no float8 dtype)."""
+    """`dist.all_to_all_single`, looked up per call (a byte counter may wrap it); 1-byte floats
+    travel as raw bytes (gloo moves no float8 dtype)."""
     wire_out, wire_in = out, inp
     if inp.dtype.itemsize == 1 and inp.is_floating_point():
         wire_out, wire_in = out.view(torch.uint8), inp.view(torch.uint8)
@@ -164,8 +164,9 @@ def dispatch(
         local expert (GroupedLinear's m_splits), and the handle for `combine`.
 
     Raises:
-        ValueError: bad sizes or expert ids (before any collective), or (on every rank of the group)
-            an amax group that holds other ranks of the group (ExpertParallel's check)."""
+        ValueError: bad sizes (before any collective), or, on every rank of the group after the
+            count exchange, expert ids out of range on some rank or an amax group that holds other
+            ranks of the group (ExpertParallel's check)."""
     group = dist.group.WORLD if group is None else group
     world = dist.get_world_size(group)
     if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
@@ -181,28 +182,21 @@ def dispatch(
     local = num_experts // world
     flat = expert_ids.reshape(-1).long()
     slots = flat.numel() // max(tokens.shape[0], 1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"expert parallelism: expert_ids must lie in [0, {num_experts}), got "
-                         f"[{int(flat.min())}, {int(flat.max())}]")  # fmt: skip
     with torch.no_grad():
+        # the ranks' verdicts travel with the counts, so that every rank raises alike (none is left
+        # waiting in the rows' all-to-all): 1, this rank's experts would run in a bad amax group;
+        # 2, its expert ids are out of range (counted clamped, then refused)
+        out_of_range = ((flat < 0) | (flat >= num_experts)).any()
         order = torch.argsort(flat, stable=True)
-        per_expert = torch.bincount(flat, minlength=num_experts).view(world, local)
-        flag = torch.full((world, 1), int(_error is not None), dtype=torch.int64)
+        per_expert = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts).view(world, local)
+        flag = (out_of_range.long() * _BAD_IDS + int(_error is not None) * _BAD_GROUP).expand(world, 1)
         sent = torch.cat([per_expert, flag], 1)
         got = torch.empty_like(sent)
         _all_to_all(got, sent, None, None, group)
-        counts = torch.cat([got.reshape(-1), per_expert.sum(1)]).tolist()  # one host read
+        counts = torch.cat([got.reshape(-1), per_expert.sum(1)]).tolist()  # the one host read
     table = [counts[s * (local + 1) : (s + 1) * (local + 1)] for s in range(world)]
     send_rows = counts[world * (local + 1) :]
-    if any(row[local] for row in table):
-        flagged = [s for s in range(world) if table[s][local]]
-        if _error is not None:
-            raise ValueError(_error)
-        raise ValueError(
-            f"ExpertParallel: ep_group ranks {flagged} run their experts in an amax group that holds other "
-            "ranks of their ep_group (their error says which); this rank stops with them. Give the experts "
-            "the amax group of the data-parallel replicas of each rank's experts"
-        )
+    _raise_flagged([row[local] for row in table], _error, num_experts, group)
     recv_counts = [row[:local] for row in table]
     recv_rows = [sum(row) for row in recv_counts]
     rows = tokens[order // slots] if slots else tokens[:0]
@@ -211,11 +205,34 @@ def dispatch(
         if fp8
         else _AllToAll.apply(rows, send_rows, recv_rows, group)
     )
-    regroup = _regroup_index(recv_counts, world, local)
+    regroup = _regroup_index(recv_counts, world, local).to(tokens.device)
     m_splits = [sum(recv_counts[s][j] for s in range(world)) for j in range(local)]
     handle = Dispatched(group, order, regroup, send_rows, recv_rows, m_splits, recv_counts,
                         tuple(expert_ids.shape))  # fmt: skip
     return exchanged[regroup], m_splits, handle
+
+
+_BAD_GROUP, _BAD_IDS = 1, 2
+
+
+def _raise_flagged(flags: list[int], error: Optional[str], num_experts: int, group) -> None:
+    """Raise on every rank of the group when any rank flagged a verdict (`dispatch`)."""
+    if not any(flags):
+        return
+    if error is not None:
+        raise ValueError(error)
+    bad_ids = [dist.get_global_rank(group, s) for s, f in enumerate(flags) if f & _BAD_IDS]
+    if bad_ids:
+        raise ValueError(
+            f"expert parallelism: expert ids must lie in [0, {num_experts}); ranks {bad_ids} gave others;"
+            " every rank of the group stops here, before the rows move"
+        )
+    flagged = [dist.get_global_rank(group, s) for s, f in enumerate(flags) if f & _BAD_GROUP]
+    raise ValueError(
+        f"ExpertParallel: ep_group ranks {flagged} run their experts in an amax group that "
+        "holds other ranks of their ep_group (their error says which); this rank stops with them. Give the "
+        "experts the amax group of the data-parallel replicas of each rank's experts"
+    )
 
 
 def _regroup_index(recv_counts: list[list[int]], world: int, local: int) -> torch.Tensor:
@@ -244,10 +261,10 @@ def combine(local_out: torch.Tensor, handle: Dispatched) -> torch.Tensor:
             f"{len(handle.regroup)} dispatched rows, got {tuple(local_out.shape)}"
         )
     received_order = torch.empty_like(handle.regroup)
-    received_order[handle.regroup] = torch.arange(len(handle.regroup))
+    received_order[handle.regroup] = torch.arange(len(handle.regroup), device=handle.regroup.device)
     back = _AllToAll.apply(local_out[received_order], handle.recv_rows, handle.send_rows, handle.group)
     unsort = torch.empty_like(handle.order)
-    unsort[handle.order] = torch.arange(len(handle.order))
+    unsort[handle.order] = torch.arange(len(handle.order), device=handle.order.device)
     return back[unsort].view(*handle.slots_shape, local_out.shape[1])
 
 

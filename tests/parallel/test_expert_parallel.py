@@ -360,6 +360,10 @@ def _wrong_group_ranks(rank: int, world: int) -> dict:
         pair = dist.new_group([0, 1])
         out["some ranks"] = _error_of(lambda: run_in(pair if rank < 2 else singles[rank]))
     out["fine"] = _error_of(lambda: run_in(singles[rank]))  # the rank alone: no error
+    bad_ids = ids.clone()
+    if rank == 0:
+        bad_ids[0, 0] = E  # out of range on one rank: every rank stops before the rows move
+    out["bad ids"] = _error_of(lambda: dispatch(x, bad_ids, E, None))
     return out
 
 
@@ -373,6 +377,7 @@ def test_an_amax_group_holding_ep_peers_is_refused_on_every_rank(world: int) -> 
     runs = run_ranks(_wrong_group_ranks, world, timeout_s=60, pg_timeout_s=30)
     for rank, out in enumerate(runs):
         assert out.pop("fine") == "no error", rank
+        assert f"must lie in [0, {E}); ranks [0] gave others" in out.pop("bad ids"), rank
         for case, message in out.items():
             assert "ep_group" in message and "data-parallel replicas" in message, (rank, case, message)
             if case != "some ranks" or rank < 2:
