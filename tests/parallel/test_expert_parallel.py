@@ -7,7 +7,7 @@ there). Verdicts by values:
   bit for bit, a single-process reference that runs all E experts on every rank's tokens (rows
   selected per expert with masks, not with the EP code's sort): outputs, token gradients, each
   expert's weight and bias gradients, and each expert's amax histories and scales, over 2 steps of
-  delayed scaling;
+  delayed scaling (and outside any FP8 region, in high precision);
 - with the FP8 dispatch the same holds against the reference fed the tokens rounded by an
   independent 1x128 E4M3/power-of-two quantization (straight-through gradient), that rounding stays
   within the E4M3 bound, and under Float8BlockScaling the forward equals the unrounded reference;
@@ -19,6 +19,8 @@ there). Verdicts by values:
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -121,6 +123,13 @@ class _StraightThrough(torch.autograd.Function):
 # ---- the workers ----------------------------------------------------------------------------------------
 
 
+def _region(recipe, group=None):
+    """An FP8 region of `recipe`, or none (high precision) for recipe None."""
+    if recipe is None:
+        return contextlib.nullcontext()
+    return fp8train.fp8_autocast(fp8_recipe=recipe, fp8_group=group)
+
+
 def _singles(world: int):
     return [dist.new_group([r]) for r in range(world)]
 
@@ -133,7 +142,7 @@ def _ep_run(rank, world, singles, recipe, steps, fp8_dispatch, first=0) -> dict:
     for step in range(first, first + steps):
         x, ids, gate, gout = _batch(rank, step)
         x.requires_grad_()
-        with fp8train.fp8_autocast(fp8_recipe=recipe):
+        with _region(recipe):
             y = layer(x, ids)
         _loss(y, gate, gout).backward()
         out["y"].append(y.detach())
@@ -162,7 +171,7 @@ def _reference(world, single, recipe, steps, fp8_dispatch, first=0) -> dict:
         flat = ids.reshape(-1)
         where = [(flat == e).nonzero().squeeze(1) for e in range(E)]
         rows = torch.cat([xin[w // TOP_K] for w in where])
-        with fp8train.fp8_autocast(fp8_recipe=recipe, fp8_group=single):
+        with _region(recipe, single):
             ys = experts(rows, [len(w) for w in where])
         y = ys.new_zeros(len(flat), HIDDEN).index_put((torch.cat(where),), ys).view(-1, TOP_K, HIDDEN)
         _loss(y, gate, gout).backward()
@@ -179,7 +188,7 @@ def _equal_to_reference_ranks(rank: int, world: int, scenarios: list[str]) -> di
 
     def run_one(name: str):
         fp8_dispatch = name.startswith("fp8")
-        recipe = fp8train.Float8BlockScaling() if name == "fp8 block" else DELAYED
+        recipe = {"fp8 block": fp8train.Float8BlockScaling(), "high precision": None}.get(name, DELAYED)
         steps = 1 if name == "fp8 block" else 2
         got = _ep_run(rank, world, singles, recipe, steps, fp8_dispatch)
         if rank == 0:  # after every rank's EP run (the reference's region is rank 0's alone)
@@ -227,9 +236,11 @@ def _check_against_reference(runs: list[dict], world: int, exact_state: bool = T
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_equals_a_single_process_reference_bit_for_bit(world: int) -> None:
-    runs = scenario_outcome(run_ranks(_equal_to_reference_ranks, world, ["bf16"], timeout_s=90), "bf16")
-    _check_against_reference(runs, world)
-    ref = runs[0]["ref"]
+    scenarios = ["delayed", "high precision"] if world == 2 else ["delayed"]
+    both = run_ranks(_equal_to_reference_ranks, world, scenarios, timeout_s=90)
+    for name in scenarios:
+        _check_against_reference(scenario_outcome(both, name), world)
+    ref = scenario_outcome(both, "delayed")[0]["ref"]
     # the uneven routing happened: expert 3 empty in step 1 (its input history did not roll there)
     up_fwd_history = ref["state"][1][0]
     assert torch.equal(up_fwd_history[0, 3 * 3], ref["state"][0][0][0, 3 * 3])
