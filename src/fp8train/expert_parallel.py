@@ -286,7 +286,8 @@ class ExpertParallel(torch.nn.Module):
             of this rank's experts (a single-rank group when there is none). The experts run in a
             region of this group nested in the caller's (same recipe). None: they run in the
             caller's region and its group, checked the same way.
-        fp8_dispatch: send the dispatched rows as E4M3 with E8M0 scales per 128 values.
+        fp8_dispatch: inside an FP8 region (enabled), send the dispatched rows as E4M3 with E8M0
+            scales per 128 values; outside one they travel in the tokens' dtype.
 
     Raises:
         ValueError (every rank): `amax_group` holds other ranks of `ep_group`; at run time, the same
@@ -327,10 +328,11 @@ class ExpertParallel(torch.nn.Module):
             tokens: (T, hidden) this rank's tokens.
             expert_ids: (T,) or (T, k) the experts of each token (the router's top-k choice)."""
         error = _region_error(self.ep_group, self.amax_group)
-        local, m_splits, handle = dispatch(
-            tokens, expert_ids, self.num_experts, self.ep_group, self.fp8_dispatch, _error=error
-        )
         settings = current_settings()
+        fp8 = self.fp8_dispatch and settings is not None and settings.enabled  # FP8 inside FP8 regions only
+        local, m_splits, handle = dispatch(
+            tokens, expert_ids, self.num_experts, self.ep_group, fp8, _error=error
+        )
         if self.amax_group is None or settings is None:
             out = self.experts(local, m_splits)
         else:

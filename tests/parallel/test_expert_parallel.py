@@ -10,7 +10,8 @@ there). Verdicts by values:
   delayed scaling (and outside any FP8 region, in high precision);
 - with the FP8 dispatch the same holds against the reference fed the tokens rounded by an
   independent 1x128 E4M3/power-of-two quantization (straight-through gradient), that rounding stays
-  within the E4M3 bound, and under Float8BlockScaling the forward equals the unrounded reference;
+  within the E4M3 bound, and under Float8BlockScaling the forward equals the unrounded reference
+  (outside any FP8 region, nothing is rounded);
   the dispatch's all-to-all bytes (counted by wrapping the collective) are <= 0.55x the bf16 ones;
 - EP=2 x DP=2 (4 ranks) with the DP group as amax group: the replicas of an expert hold identical
   scales, its input amax is the MAX of the replicas' own rows, and the EP peers' amaxes differ;
@@ -188,11 +189,12 @@ def _equal_to_reference_ranks(rank: int, world: int, scenarios: list[str]) -> di
 
     def run_one(name: str):
         fp8_dispatch = name.startswith("fp8")
-        recipe = {"fp8 block": fp8train.Float8BlockScaling(), "high precision": None}.get(name, DELAYED)
+        recipes = {"fp8 block": fp8train.Float8BlockScaling(), "high precision": None, "fp8 outside": None}
+        recipe = recipes.get(name, DELAYED)
         steps = 1 if name == "fp8 block" else 2
         got = _ep_run(rank, world, singles, recipe, steps, fp8_dispatch)
         if rank == 0:  # after every rank's EP run (the reference's region is rank 0's alone)
-            got["ref"] = _reference(world, singles[0], recipe, steps, fp8_dispatch and name != "fp8 block")
+            got["ref"] = _reference(world, singles[0], recipe, steps, name == "fp8 delayed")
         return got
 
     return run_scenarios(scenarios, run_one)
@@ -270,7 +272,7 @@ def _fp8_bytes_ratio(rank: int, world: int) -> float:
 
 
 def _fp8_ranks(rank: int, world: int) -> dict:
-    out = _equal_to_reference_ranks(rank, world, ["fp8 delayed", "fp8 block"])
+    out = _equal_to_reference_ranks(rank, world, ["fp8 delayed", "fp8 block", "fp8 outside"])
     out["bytes"] = ("ok", _fp8_bytes_ratio(rank, world))
     return out
 
@@ -286,6 +288,8 @@ def test_fp8_dispatch_is_exact_against_the_rounded_reference_and_halves_the_byte
     block = scenario_outcome(runs, "fp8 block")
     for rank, run in enumerate(block):
         assert torch.equal(run["y"][0], block[0]["ref"]["y"][0][rank * TOKENS : (rank + 1) * TOKENS])
+    # outside every FP8 region the rows travel unrounded: the high-precision reference, bit for bit
+    _check_against_reference(scenario_outcome(runs, "fp8 outside"), 2)
     ratios = scenario_outcome(runs, "bytes")
     print(f"FP8 dispatch bytes / bf16 dispatch bytes (hidden {HIDDEN}, scales and counts included): {ratios}")
     assert all(r <= 0.55 for r in ratios), ratios
