@@ -4,9 +4,10 @@ expert-parallel (EP) group, tokens sent to their experts' ranks and back by all-
 
 E experts over the W ranks of `ep_group`: rank r holds experts r*E/W .. (r+1)*E/W - 1 (its local
 experts, in order). `dispatch` sorts this rank's (token, slot) rows by expert, exchanges the row
-counts (one small all-to-all: W x (E/W) counts, plus a flag for the amax-group check), then sends the
-rows (one all-to-all with the exchanged split sizes); the received rows are regrouped by local expert
-(source ranks in order within each), ready for `GroupedLinear(inp, m_splits)`. `combine` undoes it:
+counts (one small all-to-all: W x (E/W) counts, plus each rank's verdicts: amax group, expert ids),
+then sends the rows (one all-to-all with the exchanged split sizes); the received rows are
+regrouped by local expert (source ranks in order within each), ready for
+`GroupedLinear(inp, m_splits)`. `combine` undoes it:
 the reverse regrouping, the reverse all-to-all, the original row order. Both are differentiable: the
 backward of an all-to-all is the all-to-all with the split sizes swapped.
 
@@ -20,16 +21,18 @@ amax_group is given) before any token moves: each rank's verdict travels in the 
 every rank of `ep_group` raises alike (no rank is left waiting in an all-to-all), and the experts'
 modules are marked so that `amax.membership.check_amax_group` refuses them in such a group anywhere.
 
-FP8 dispatch (`fp8_dispatch=True`): the rows travel as E4M3 with one E8M0 (power-of-two) scale per
-128 values of a row (`comm.wire.encode`), 1 + 1/128 bytes a value against bf16's 2 (0.504x for
-hidden sizes that are multiples of 128, the scales included); decoded exactly (FP8 value times a
-power of two, exact in float32 and bf16) into the tokens' dtype. The gradient travels back in the
-tokens' dtype (straight through the rounding, as every FP8 cast of the library). Why 1x128 chunks
-and power-of-two scales, not one float scale per row: the scale travels in the row's own bytes (one
-message, no second collective), an outlier spoils 128 values instead of a row, decoding is a shift
-(exact), and under Float8BlockScaling (power-of-two scales, 1x128 input tiles along the features,
-E4M3) the expert GEMM's forward input is the FP8 value it would have cast from the original rows: the
-decoded tile re-casts to itself (DeepSeek-V3 dispatches its FP8 1x128 tiles the same way).
+FP8 dispatch (`fp8_dispatch=True`, inside an enabled FP8 region): the rows travel as E4M3 with one
+E8M0 (power-of-two) scale per 128 values of a row (`comm.wire.encode`), 1 + 1/128 bytes a value
+against bf16's 2 (0.504x for hidden sizes that are multiples of 128, the scales included); decoded
+exactly (FP8 value times a power of two, exact in float32 and bf16) into the tokens' dtype. The
+gradient travels back in the tokens' dtype (straight through the rounding, as every FP8 cast of the
+library). Why 1x128 chunks and power-of-two scales, not one float scale per row: the scale travels
+in the row's own bytes (one message, no second collective), an outlier spoils 128 values instead of
+a row, decoding is a shift (exact), and under Float8BlockScaling (power-of-two scales, 1x128 input
+tiles along the features, E4M3) the expert GEMM's forward input is the FP8 value it would have cast
+from the original rows: the decoded tile re-casts to itself (DeepSeek-V3 quantizes the activations
+before its dispatch to 1x128-tile FP8 for that reason: its up-projection's FP8 forward takes them as
+they are).
 """
 
 from __future__ import annotations
