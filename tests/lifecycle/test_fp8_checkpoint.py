@@ -1007,3 +1007,64 @@ def test_stored_experts_refuse_an_intermediate_size_off_the_block() -> None:
         BlockFormatError, match=r"experts\.0\.gate_proj\.weight has 64 rows .* not a multiple of 128"
     ):
         fp8train.StoredFP8Experts.from_expert_tensors(*per, torch.nn.functional.silu)
+
+
+def test_convert_a_built_transformers_fp8_moe_shares_its_expert_tensors(
+    qwen3_moe_checkpoint, tmp_path
+) -> None:
+    """transformers' own FP8 experts (FP8Experts: what it builds on a GPU, the fused layout) become
+    StoredFP8Experts holding the very same tensors; the export writes them per expert, the bytes and
+    keys of the per-expert checkpoint they were stacked from."""
+    from transformers import AutoConfig, FineGrainedFP8Config, Qwen3MoeForCausalLM
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    from fp8train.integrations.fp8_checkpoint import (
+        convert_fp8_model,
+        export_fp8_checkpoint,
+        load_fp8_checkpoint,
+    )
+
+    config = AutoConfig.from_pretrained(qwen3_moe_checkpoint)
+    quantization = config.quantization_config
+    del config.quantization_config
+    model = Qwen3MoeForCausalLM(config)
+    replace_with_fp8_linear(
+        model, ["lm_head", "gate"], FineGrainedFP8Config(weight_block_size=(B, B)), pre_quantized=True
+    )
+    stored = read(qwen3_moe_checkpoint)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "weight_scale_inv"):
+                for key in ("weight", "weight_scale_inv"):
+                    setattr(module, key, torch.nn.Parameter(stored[f"{name}.{key}"], requires_grad=False))
+            elif type(module).__name__ == "FP8Experts":  # its parameters are on "meta": assigned
+                for suffix in ("", "_scale_inv"):
+                    per = [
+                        [stored[f"{name}.{e}.{p}.weight{suffix}"] for e in range(4)]
+                        for p in ("gate_proj", "up_proj", "down_proj")
+                    ]
+                    gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(per[0], per[1])])
+                    setattr(module, f"gate_up_proj{suffix}", torch.nn.Parameter(gate_up, requires_grad=False))
+                    setattr(
+                        module,
+                        f"down_proj{suffix}",
+                        torch.nn.Parameter(torch.stack(per[2]), requires_grad=False),
+                    )
+            else:
+                for key, tensor in module.named_parameters(recurse=False):
+                    full = f"{name}.{key}" if name else key
+                    if full in stored:
+                        tensor.copy_(stored[full])
+    fp8_experts = model.model.layers[0].mlp.experts
+    pointer = fp8_experts.gate_up_proj.data_ptr()
+    convert_fp8_model(model)
+    converted = model.model.layers[0].mlp.experts
+    assert isinstance(converted, fp8train.StoredFP8Experts) and converted.gate_up_proj.data_ptr() == pointer
+    ids = tokens(4)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):  # the model the checkpoint loads as
+        assert torch.equal(model(ids).logits, load_fp8_checkpoint(qwen3_moe_checkpoint)(ids).logits)
+    model.config.quantization_config = quantization
+    out = str(tmp_path / "out")
+    export_fp8_checkpoint(model, out)
+    exported = read(out)
+    assert stored.keys() == exported.keys() and all(same_bytes(stored[k], exported[k]) for k in stored)

@@ -370,11 +370,20 @@ def convert_fp8_model(
 ) -> torch.nn.Module:
     """An already built model whose quantized linears hold FP8 tensors (transformers' FP8Linear:
     float8 `weight` and `weight_scale_inv`) with those layers swapped for `StoredFP8Linear`, sharing
-    the very tensors (nothing copied). `recipe`: the block recipe of the new layers (`StoredFP8Linear`);
+    the very tensors (nothing copied), and its FP8 fused experts (transformers' FP8Experts: float8
+    `gate_up_proj`, `down_proj` and their `*_scale_inv`) swapped for `StoredFP8Experts` likewise (an
+    export writes them per expert, DeepSeek-V3's names). `recipe`: the block recipe of the new layers;
     `compute_dtype`: their high-precision dtype (default: the model's floating dtype). In place;
-    returns `model`. Raises BlockFormatError for a block size other than 128x128."""
-    tensors = {}
+    returns `model`. Raises BlockFormatError for a block size other than 128x128, or FP8 experts of a
+    form StoredFP8Experts does not compute (a bias, no gate, a clamped or soft-capped activation)."""
+    tensors, experts = {}, {}
     for name, module in model.named_modules():
+        if _is_fp8_experts(module, name):
+            experts[name] = StoredFP8Experts(
+                module.gate_up_proj.data, module.gate_up_proj_scale_inv.data, module.down_proj.data,
+                module.down_proj_scale_inv.data, module.act_fn, recipe=recipe, name=name,
+            )  # fmt: skip
+            continue
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
             tensors[f"{name}.weight"] = weight.data
@@ -390,8 +399,29 @@ def convert_fp8_model(
                 tensors[f"{name}.bias"] = module.bias.data
     layers = _stored_layers(tensors, model)
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1]
-    _swap_in(model, layers, recipe, compute_dtype or (dtypes[0] if dtypes else torch.float32))
+    _swap_in(model, layers, recipe, compute_dtype or (dtypes[0] if dtypes else torch.float32), experts)
     return model
+
+
+def _is_fp8_experts(module: torch.nn.Module, name: str) -> bool:
+    """transformers' FP8 fused experts (FP8Experts); a form StoredFP8Experts does not compute is refused."""
+    cls = type(module)
+    if cls.__name__ != "FP8Experts" or not cls.__module__.startswith("transformers."):
+        return False
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != BLOCK:
+        raise BlockFormatError(f"{name} has block_size {block}, not Float8BlockScaling's {list(BLOCK)}")
+    extras = {
+        "has_bias": False, "has_gate": True, "activation_scheme": "dynamic", "swiglu_alpha": None,
+        "swiglu_limit": None, "gate_softcap": None, "up_softcap": None,
+    }  # fmt: skip
+    odd = {k: getattr(module, k, v) for k, v in extras.items() if getattr(module, k, v) != v}
+    if odd:
+        raise BlockFormatError(
+            f"{name} (transformers' FP8Experts) has {odd}: StoredFP8Experts computes gated experts without "
+            "a bias, with dynamic activation scales and a plain activation only"
+        )
+    return True
 
 
 def full_finetuning(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
