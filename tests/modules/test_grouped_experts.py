@@ -481,3 +481,18 @@ def test_grouped_in_place_ops_on_outputs_work_as_out_of_place(name: str) -> None
         (grad,) = torch.autograd.grad(y.square().sum(), x)
         results.append((y.detach(), grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_grouped_weight_gradient_that_would_miss_a_term_is_refused_by_name() -> None:
+    """As for Linear: differentiating an expert's weight gradient whose input requires grad needs that
+    input, which FP8 does not keep: an error naming create_graph, never a number without the term; the
+    first layer's input is data, so its experts' weight gradients are complete and differentiable."""
+    torch.manual_seed(0)
+    model = _GroupedPair()
+    with fp8train.fp8_autocast():
+        y = model(torch.randn(8, 16))
+    y.sum().backward(create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        model.experts.weight.grad.square().sum().backward()  # its input (tanh of grouped) requires grad
+    (second,) = torch.autograd.grad(model.grouped.weight2.grad.square().sum(), model.grouped.weight2)
+    assert torch.isfinite(second).all() and second.abs().sum() > 0
