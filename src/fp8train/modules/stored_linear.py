@@ -154,7 +154,7 @@ def exclude_stored_from_ddp(model: torch.nn.Module) -> torch.nn.Module:
         for name, module in model.named_modules()
         if isinstance(module, StoredFP8Parameters)
         for param, p in module.named_parameters(recurse=False)
-        if p.is_floating_point() and p.element_size() == 1 or param.endswith("scale_inv")
+        if (p.is_floating_point() and p.element_size() == 1) or param.endswith("scale_inv")
     ]
     ddp_ignore(model, names)
     return model
