@@ -107,8 +107,8 @@ def check_stored_weight(
         raise BlockFormatError(f"{name} is {weight.dtype}, a block-FP8 weight is torch.float8_e4m3fn")
     if weight.dim() != 2:
         raise BlockFormatError(
-            f"{name} has shape {tuple(weight.shape)}: a stored linear weight is 2-D [out, in] "
-            "(fused or grouped expert tensors are not supported; experts stored as separate linears are)"
+            f"{name} has shape {tuple(weight.shape)}: a stored linear weight is 2-D [out, in] (fused "
+            "experts load from per-expert 2-D tensors, DeepSeek-V3's layout: StoredFP8Experts)"
         )
     if scale_inv is None:
         raise BlockFormatError(f"{name} is FP8 but the checkpoint has no {name}_scale_inv for it")

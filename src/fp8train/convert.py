@@ -79,8 +79,11 @@ def _swap(module: torch.nn.Module, fsdp_fp8_all_gather: bool, whole_blocks: int)
         if not shape_fits(*module.down_proj.shape[1:], whole_blocks):
             return None
         new = FusedExperts(module)
+        if fsdp_fp8_all_gather:  # each expert gathered in FP8 with its GEMM's scale (fsdp.py)
+            wrap_for_fsdp(new.gate_up_proj, 0)
+            wrap_for_fsdp(new.down_proj, new.num_experts)
         new.train(module.training)
-        return new  # FSDP2's FP8 gather takes 2-D weights only: the experts' weights are gathered as they are
+        return new
     else:
         return None
     if fsdp_fp8_all_gather:

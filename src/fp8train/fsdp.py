@@ -112,26 +112,55 @@ class FSDPFP8Weight(torch.Tensor):
         dtype = mp_policy.param_dtype or self.dtype
         shard = self._data.to(dtype)
         ranks = dist.get_process_group_ranks(mesh.get_group())
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2 gathers shards padded to the first one's size
+        if shard.dim() == 3:  # experts (E, out, in): GEMMs gemm_index + e, FSDP2 shards the experts
+            return self._experts_pre_all_gather(shard, ranks, rows, module, mesh, outer_size, dtype)
         gather = weight_gather(module, self.gemm_index, ranks)
         precision = "hp" if gather.scales is None else "fp8"
-        if getattr(self, "_last_precision", precision) != precision:
-            # sized and typed for the other precision: FSDP2 remakes them
-            reset_fsdp_gather_buffers()
-        self._last_precision = precision
+        self._note_precision(precision)
         shard_amax = None
         if precision == "fp8":
             shard_amax = amax(shard)  # of what is cast: the weight role's amax, recorded in forward
             shard = quantize(shard, gather.scales[0], "e4m3").view(torch.uint8)
-        rows = -(-outer_size[0] // mesh.size())  # FSDP2 gathers shards padded to the first one's size
         if shard.shape[0] < rows:  # FP8 zero is the zero byte
             shard = torch.cat([shard, shard.new_zeros((rows - shard.shape[0], *shard.shape[1:]))])
         return (shard,), (gather, shard_amax, (self, mesh, tuple(outer_size), dtype))
 
+    def _note_precision(self, precision: str) -> None:
+        if getattr(self, "_last_precision", precision) != precision:
+            # sized and typed for the other precision: FSDP2 remakes them
+            reset_fsdp_gather_buffers()
+        self._last_precision = precision
+
+    def _experts_pre_all_gather(self, shard, ranks, rows, module, mesh, outer_size, dtype):
+        """`fsdp_pre_all_gather` of a 3-D weight whose expert e feeds GEMM gemm_index + e (ExpertsLinear,
+        FusedExperts): each expert's gather is its GEMM's (`weight_gather`), and this rank's experts
+        (FSDP2 shards dim 0: experts rank * rows on) are cast each with its own GEMM's weight scale.
+        The shard amax is per expert, 0 for the experts this rank does not hold (the MAX over the amax
+        group, which contains the sharding group, is then each whole expert's)."""
+        gathers = [weight_gather(module, self.gemm_index + e, ranks) for e in range(outer_size[0])]
+        precision = "hp" if gathers[0].scales is None else "fp8"
+        self._note_precision(precision)
+        shard_amax = None
+        if precision == "fp8":
+            first = ranks.index(dist.get_rank()) * rows
+            shard_amax = shard.new_zeros(outer_size[0], dtype=torch.float32)
+            values = torch.empty_like(shard, dtype=torch.uint8)
+            for e in range(shard.shape[0]):
+                shard_amax[first + e] = amax(shard[e])
+                values[e] = quantize(shard[e], gathers[first + e].scales[0], "e4m3").view(torch.uint8)
+            shard = values
+        if shard.shape[0] < rows:  # FP8 zero is the zero byte
+            shard = torch.cat([shard, shard.new_zeros((rows - shard.shape[0], *shard.shape[1:]))])
+        return (shard,), (gathers, shard_amax, (self, mesh, tuple(outer_size), dtype))
+
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out: Optional[GatheredWeight] = None):
         (data,) = outputs
         gather, shard_amax, context = metadata
+        experts = gather if isinstance(gather, list) else None  # a 3-D weight: one gather per expert
+        gather = experts[0] if experts else gather
         values = data if gather.scales is None else data.view(torch.float8_e4m3fn)
-        state = _Gathered(gather, values, shard_amax, context)
+        state = _Gathered(gather, values, shard_amax, context, experts)
         if out is not None:  # later gathers refill the weight FSDP2 already handed to the module
             out._state.__dict__.update(state.__dict__)
             # its buffers may have been remade for a new precision: FSDP2 frees what it is given here
@@ -143,11 +172,12 @@ class FSDPFP8Weight(torch.Tensor):
 class _Gathered:
     """What a gathered weight holds; shared by every alias FSDP2 makes of it."""
 
-    def __init__(self, gather: WeightGather, data: torch.Tensor, shard_amax, context) -> None:
+    def __init__(self, gather: WeightGather, data: torch.Tensor, shard_amax, context, experts=None) -> None:
         self.gather = gather  # FP8 (with its scales and region) or the parameter dtype
         self.data = data  # FP8 values (padded rows included) or the weight in its parameter dtype
-        self.shard_amax = shard_amax  # of this rank's shard, as cast (FP8 only)
+        self.shard_amax = shard_amax  # of this rank's shard, as cast (FP8 only; per expert for experts)
         self.shard, self.mesh, self.size, self.dtype = context
+        self.experts = experts  # a 3-D weight's gather per expert (its GEMMs'), else None
 
 
 class GatheredWeight(torch.Tensor):
@@ -155,12 +185,15 @@ class GatheredWeight(torch.Tensor):
     module that owns it; or, gathered outside an FP8 region, the weight itself (every op sees it)."""
 
     @staticmethod
-    def __new__(cls, state: _Gathered, shape, dtype, transposed: bool = False):
+    def __new__(cls, state: _Gathered, shape, dtype, transposed: bool = False, expert: Optional[int] = None):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=state.data.device)
 
-    def __init__(self, state: _Gathered, shape, dtype, transposed: bool = False) -> None:
+    def __init__(
+        self, state: _Gathered, shape, dtype, transposed: bool = False, expert: Optional[int] = None
+    ) -> None:
         self._state = state
         self.transposed = transposed  # a (in, out) weight used as weight.t(): transformers' Conv1D
+        self.expert = expert  # one expert (dim-0 slice, `unbind`) of a gathered 3-D weight, or None
 
     @property
     def fp8(self) -> bool:
@@ -168,17 +201,18 @@ class GatheredWeight(torch.Tensor):
 
     @property
     def gather(self) -> WeightGather:
-        return self._state.gather
+        return self._state.gather if self.expert is None else self._state.experts[self.expert]
 
     def fp8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The FP8 weight (unpadded) and its scale_inv."""
         state = self._state
-        return self._oriented(state.data[: state.size[0]]), state.gather.scales[1]
+        return self._oriented(state.data[: state.size[0]]), self.gather.scales[1]
 
     def shard_amax(self) -> torch.Tensor:
         """The amax of this rank's shard of the weight as it was cast (in the parameter dtype): the
         MAX over the amax group, which contains the sharding group, is the whole weight's."""
-        return self._state.shard_amax
+        amaxes = self._state.shard_amax
+        return amaxes if self.expert is None else amaxes[self.expert]
 
     def high_precision(self) -> torch.Tensor:
         """The weight in its parameter dtype: itself, or gathered again from the shards (all ranks)."""
@@ -194,6 +228,7 @@ class GatheredWeight(torch.Tensor):
         return self._oriented(full[: state.size[0]])
 
     def _oriented(self, weight: torch.Tensor) -> torch.Tensor:
+        weight = weight if self.expert is None else weight[self.expert]
         return weight.t() if self.transposed else weight
 
     def __repr__(self) -> str:
@@ -203,12 +238,23 @@ class GatheredWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         first = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GatheredWeight))
         if func in (aten.detach.default, aten.alias.default):  # FSDP2's and autograd's aliases
-            return GatheredWeight(first._state, first.shape, first.dtype, first.transposed)
+            return GatheredWeight(first._state, first.shape, first.dtype, first.transposed, first.expert)
         if func in (aten.as_strided.default, aten.view.default) and tuple(args[1]) in (
             tuple(first.shape),
             first._state.size,
         ):  # and its view of the padded rows as the parameter's shape
-            return GatheredWeight(first._state, torch.Size(args[1]), first.dtype, first.transposed)
+            return GatheredWeight(
+                first._state, torch.Size(args[1]), first.dtype, first.transposed, first.expert
+            )
+        dim = (
+            (args[1] if len(args) > 1 else (kwargs or {}).get("dim", 0)) if func is aten.unbind.int else None
+        )
+        if dim in (0, -3) and first.fp8 and first._state.experts is not None and first.expert is None:
+            # a 3-D weight gathered in FP8: its experts, each for its own GEMM (grouped_linear)
+            experts = range(first.shape[0])
+            return tuple(
+                GatheredWeight(first._state, first.shape[1:], first.dtype, False, e) for e in experts
+            )
         if func is aten.t.default or (func is aten.transpose.int and {d % 2 for d in args[1:3]} == {0, 1}):
             return GatheredWeight(first._state, first.shape[::-1], first.dtype, not first.transposed)
         if first.fp8:

@@ -82,3 +82,62 @@ def test_in_fp8_each_expert_equals_fp8_linears_bit_for_bit() -> None:
         fp8.zero_grad()
     hist = fp8.fp8_meta["scaling_fwd"].amax_history
     assert hist[0, 3 * 1] == 0 and hist[0, 3 * 0] > 0  # expert 1 (no token): its w1 input never rolled
+
+
+def _fsdp_titan_experts(rank: int, world: int) -> dict:
+    """FP8GroupedExperts (3 experts: uneven over 2 ranks) sharded by FSDP2, without and with
+    fsdp_fp8_all_gather, trained 3 steps on per-rank tokens (an expert empty on rank 0)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import digest, fp8_state
+
+    torch.set_num_threads(1)
+    out = {}
+    for option in (False, True):
+        torch.manual_seed(0)
+        experts = FP8GroupedExperts.Config(
+            dim=DIM, hidden_dim=HIDDEN, num_experts=3, fsdp_fp8_all_gather=option
+        ).build()
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_(0, 0.2)
+        fully_shard(experts)
+        gathers = []
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        real = getattr(dist, name)
+
+        def counted(*args, real=real, gathers=gathers, **kwargs):
+            gathers.append(kwargs.get("input_tensor", args[1] if len(args) > 1 else None).dtype)
+            return real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+        try:
+            opt = torch.optim.SGD(experts.parameters(), lr=0.05)
+            steps = []
+            for step in range(3):
+                counts = torch.tensor([4, 0, 6] if rank == 0 else [3, 5, 2])
+                x = torch.randn(10, DIM, generator=torch.Generator().manual_seed(10 * rank + step))
+                with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
+                    loss = experts(x, counts).square().mean()
+                loss.backward()
+                grads = [p.grad.full_tensor() for p in experts.parameters()]
+                steps.append(digest([loss.detach(), grads, fp8_state(experts)]))
+                opt.step()
+                opt.zero_grad()
+        finally:
+            setattr(dist, name, real)
+        out[option] = {"steps": steps, "gathers": gathers}
+    return out
+
+
+@pytest.mark.multirank
+def test_fsdp2_gathers_torchtitan_experts_in_fp8_bit_for_bit() -> None:
+    from multirank import run_ranks
+
+    runs = run_ranks(_fsdp_titan_experts, 2, timeout_s=180, pg_timeout_s=60)
+    for out in runs:
+        assert out[True]["steps"] == out[False]["steps"]
+        assert out[True]["gathers"] and all(d == torch.uint8 for d in out[True]["gathers"])
+        assert all(d == torch.float32 for d in out[False]["gathers"])
+    assert runs[0][True]["steps"][-1] != runs[1][True]["steps"][-1]

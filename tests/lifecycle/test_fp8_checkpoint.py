@@ -317,7 +317,10 @@ KEY = "model.layers.1.mlp.up_proj.weight"
             lambda t, c: c["quantization_config"].update(weight_block_size=[1, 128]),
             "weight_block_size=[1, 128]",
         ),
-        (lambda t, c: t.update({KEY: t[KEY][None]}), "fused or grouped expert tensors are not supported"),
+        (
+            lambda t, c: t.update({KEY: t[KEY][None]}),
+            "is a 3-D FP8 tensor (1, 320, 192): fused expert tensors are read per expert",
+        ),
         (lambda t, c: t.pop("model.norm.weight"), "has no tensor for model.norm.weight"),
         (
             lambda t, c: t.update({"model.norm.weight": t["model.norm.weight"][:-1].clone()}),
@@ -697,3 +700,397 @@ def test_a_model_of_stored_fp8_layers_pickles(tmp_path) -> None:
                 assert torch.equal(copied.weight_scale_inv, layer.weight_scale_inv)
         with torch.no_grad(), fp8train.autocast(recipe=RECIPE):
             assert torch.equal(other(x), expected)
+
+
+# ---- fused experts (transformers' Qwen3-MoE and Mixtral) from per-expert FP8 tensors ----------------
+EXPERT_NAMES = {"qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2"))}  # fmt: skip
+
+
+def write_moe_checkpoint(directory: str, family: str, hidden: int = 256, ue8m0: bool = False):
+    """A tiny Qwen3-MoE or Mixtral (4 experts of intermediate 128, top-2, 2 layers; built from its config)
+    in DeepSeek-V3's per-expert layout, `<layer>.<experts>.<e>.<gate|up|down>.weight` (Mixtral's
+    original names: block_sparse_moe, w1/w3/w2), every linear but lm_head and the router quantized by
+    `deepseek_quantize`. Returns transformers' model with the dequantized weights (eager experts)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    common = dict(
+        vocab_size=256, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, max_position_embeddings=64, num_experts_per_tok=2, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )  # fmt: skip
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **common, intermediate_size=256, moe_intermediate_size=128, num_experts=4, decoder_sparse_step=1
+        )
+        model_class = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.MixtralConfig(**common, intermediate_size=128, num_local_experts=4)
+        model_class = transformers.MixtralForCausalLM
+    torch.manual_seed(0)
+    model = model_class(config)
+    model.config._experts_implementation = "eager"
+    tensors = {}
+
+    def stored(key: str, w: torch.Tensor) -> torch.Tensor:
+        q, s = deepseek_quantize(w.detach(), ue8m0)
+        tensors[key], tensors[key + "_scale_inv"] = q, s.to(torch.float8_e8m0fnu) if ue8m0 else s
+        return dequantize_ref(q, s)
+
+    path, (gate, up, down) = EXPERT_NAMES[family]
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(stored(f"{name}.weight", module.weight))
+            elif type(module).__name__.endswith("Experts"):
+                prefix, inter = f"{name.rsplit('.mlp.experts', 1)[0]}.{path}", module.down_proj.shape[2]
+                for e, (gate_up, down_proj) in enumerate(zip(module.gate_up_proj, module.down_proj)):
+                    gate_up[:inter] = stored(f"{prefix}.{e}.{gate}.weight", gate_up[:inter])
+                    gate_up[inter:] = stored(f"{prefix}.{e}.{up}.weight", gate_up[inter:])
+                    down_proj.copy_(stored(f"{prefix}.{e}.{down}.weight", down_proj))
+    for key, value in model.state_dict().items():
+        if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors.setdefault(key, value.contiguous())
+    os.makedirs(directory, exist_ok=True)
+    quantization = dict(QUANT, modules_to_not_convert=["lm_head", "gate"])
+    config.quantization_config = dict(quantization, **({"scale_fmt": "ue8m0"} if ue8m0 else {}))
+    config.save_pretrained(directory)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.nn.Module]:
+    directory = str(tmp_path_factory.mktemp("moe") / request.param)
+    return request.param, directory, write_moe_checkpoint(directory, request.param)
+
+
+def _random_stored_experts(hidden: int = 192, inter: int = 128, experts: int = 3, ue8m0: bool = True):
+    """StoredFP8Experts of random per-expert tensors (hidden off the block: partial blocks), and the
+    dequantized (gate_up, down) they hold, by the independent reference."""
+    torch.manual_seed(0)
+    per = [
+        [deepseek_quantize(torch.randn(*shape) * 0.05, ue8m0) for _ in range(experts)]
+        for shape in ((inter, hidden), (inter, hidden), (hidden, inter))
+    ]
+    layer = fp8train.StoredFP8Experts.from_expert_tensors(*per, torch.nn.functional.silu, name="experts")
+    gate_up = torch.stack(
+        [torch.cat([dequantize_ref(*g), dequantize_ref(*u)]) for g, u in zip(per[0], per[1])]
+    )
+    down = torch.stack([dequantize_ref(*d) for d in per[2]])
+    return layer, gate_up, down, per
+
+
+def test_stored_experts_gemms_use_the_stored_operands() -> None:
+    """Each expert's GEMM (gate_up and down, hidden off the block) against the independent reference:
+    y = tile-quantized x @ dequantized W.T within the fp32 accumulation bound, dx = tile-quantized dy @ W
+    likewise, an expert with no token included; the weights are the stored bytes (no high-precision
+    copy) and get no gradient."""
+    layer, gate_up, down, per = _random_stored_experts()
+    assert layer.gate_up_proj.dtype == torch.float8_e4m3fn and layer.gate_up_proj.shape == (3, 256, 192)
+    assert {p.dtype for p in layer.parameters()} == {torch.float8_e4m3fn, torch.float32}
+    assert same_bytes(layer.gate_up_proj[1, 128:], per[1][1][0]) and same_bytes(
+        layer.down_proj[2], per[2][2][0]
+    )
+    counts = [5, 0, 3]
+    for first, weights, features in ((0, gate_up, 192), (3, down, 128)):
+        x = torch.randn(sum(counts), features, requires_grad=True)
+        with fp8train.autocast(recipe=RECIPE):
+            y = layer._experts_gemm(x, counts, first)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        rows = torch.tensor(counts).cumsum(0).tolist()
+        for e, (start, end) in enumerate(zip([0] + rows[:-1], rows)):
+            if start == end:
+                continue
+            xq, gq, w = tile_quantize_ref(x.detach()[start:end]), tile_quantize_ref(dy[start:end]), weights[e]
+            assert torch.all((y.detach()[start:end] - xq @ w.t()).abs() <= fp32_gemm_bound(xq, w.t()))
+            assert torch.all((x.grad[start:end] - gq @ w).abs() <= fp32_gemm_bound(gq, w))
+    assert all(p.grad is None and not p.requires_grad for p in layer.parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_stored_experts_compute_transformers_experts_on_the_dequantized_weights(family: str) -> None:
+    """Outside an FP8 region: transformers' own eager experts over the dequantized weights, bit for bit.
+    Inside one (block scaling): FusedExperts (fp8train's FP8 experts) over the dequantized weights,
+    whose power-of-2 block scales requantize to the same operand: the same output and input gradient,
+    bit for bit. Copies (deepcopy, pickle) compute the same."""
+    import copy
+    import pickle
+
+    import transformers
+
+    from fp8train.modules import FusedExperts
+
+    layer, gate_up, down, _ = _random_stored_experts(experts=4)
+    common = dict(hidden_size=192, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=128, num_experts=4)
+        experts = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+    else:
+        config = transformers.MixtralConfig(**common, intermediate_size=128, num_local_experts=4)
+        experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(config)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    reference = copy.deepcopy(experts)
+    fused = FusedExperts(experts)
+    tokens = 12
+    top_k_index = torch.randint(0, 4, (tokens, 2), generator=torch.Generator().manual_seed(1))
+    top_k_index[:, 0] = torch.where(top_k_index[:, 0] == 3, 0, top_k_index[:, 0])  # expert 3: top-2 only
+    top_k_weights = torch.rand(tokens, 2)
+    x = torch.randn(tokens, 192)
+    with torch.no_grad():
+        assert torch.equal(layer(x, top_k_index, top_k_weights), reference(x, top_k_index, top_k_weights))
+    results = []
+    for module in (layer, fused, copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        xx = x.clone().requires_grad_(True)
+        with fp8train.autocast(recipe=RECIPE):
+            y = module(xx, top_k_index, top_k_weights)
+        y.backward(torch.ones_like(y))
+        results.append((y.detach(), xx.grad))
+    for y, dx in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(dx, results[0][1])
+    assert not torch.equal(results[0][0], reference(x, top_k_index, top_k_weights).detach())  # FP8: not hp
+
+
+def test_fused_experts_checkpoint_loads_as_stored_experts_and_exports_bit_for_bit(moe_checkpoint, tmp_path):
+    """Per-expert FP8 tensors load into StoredFP8Experts holding the stored bytes (fused, no
+    high-precision copy); the model computes transformers' reference outside FP8 and trains (LoRA on
+    attention, FP8) with the experts' bytes unchanged; the export has the same keys and bytes, and
+    transformers' own load of it holds the same dequantized experts."""
+    import peft
+    import transformers
+
+    from fp8train.integrations.fp8_checkpoint import (
+        export_fp8_checkpoint,
+        full_finetuning,
+        load_fp8_checkpoint,
+    )
+    from fp8train.integrations.peft_fp8 import lora_config
+
+    family, directory, reference = moe_checkpoint
+    model = load_fp8_checkpoint(directory)
+    stored = read(directory)
+    path, (gate, up, down) = EXPERT_NAMES[family]
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, fp8train.StoredFP8Experts)
+    prefix = f"model.layers.1.{path}.2"
+    assert same_bytes(experts.gate_up_proj[2, :128], stored[f"{prefix}.{gate}.weight"])
+    assert same_bytes(experts.gate_up_proj[2, 128:], stored[f"{prefix}.{up}.weight"])
+    assert torch.equal(experts.down_proj_scale_inv[2], stored[f"{prefix}.{down}.weight_scale_inv"])
+    assert {t.dtype for t in experts.parameters()} == {torch.float8_e4m3fn, torch.float32}
+    ids = tokens(0)
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    report = fp8train.coverage(model, RECIPE)
+    assert sum(1 for row in report.layers if row.layer == "StoredFP8Experts" and row.frozen and row.fp8) == 16
+
+    out = str(tmp_path / "out")
+    export_fp8_checkpoint(model, out)
+    exported = read(out)
+    assert stored.keys() == exported.keys() and all(same_bytes(stored[k], exported[k]) for k in stored)
+
+    tuned = peft.get_peft_model(model, lora_config(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW([p for p in tuned.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = loss_of(tuned, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    export_fp8_checkpoint(tuned, out)
+    after = read(out)
+    expert_keys = [k for k in stored if f".{path}." in k]
+    assert len(expert_keys) == 2 * 4 * 3 * 2 and all(same_bytes(after[k], stored[k]) for k in expert_keys)
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ours = load_fp8_checkpoint(directory)
+    for layer in range(2):
+        hf = theirs.model.layers[layer].mlp.experts
+        gate_up, down_proj = ours.model.layers[layer].mlp.experts.dequantized()
+        assert torch.equal(hf.gate_up_proj, gate_up) and torch.equal(hf.down_proj, down_proj)
+    with pytest.warns(UserWarning, match=r"2 fused experts modules .* stay frozen FP8"):
+        full_finetuning(ours)  # the rest trains; the experts stay stored
+    assert isinstance(ours.model.layers[0].mlp.experts, fp8train.StoredFP8Experts)
+    assert isinstance(ours.model.layers[0].self_attn.q_proj, fp8train.BlockFP8Linear)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_checkpoint(tmp_path_factory) -> str:
+    directory = str(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+    write_moe_checkpoint(directory, "qwen3_moe")
+    return directory
+
+
+EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: [t.pop(EXPERT), t.pop(EXPERT + "_scale_inv")], f"the checkpoint has no {EXPERT}"),
+        (
+            lambda t: t.pop(EXPERT + "_scale_inv"),
+            f"{EXPERT} is FP8 but the checkpoint has no {EXPERT}_scale_inv",
+        ),
+        (
+            lambda t: t.update({EXPERT + "_scale_inv": torch.ones(2, 2)}),
+            f"{EXPERT}_scale_inv has shape (2, 2)",
+        ),
+        (
+            lambda t: t.update({EXPERT: t[EXPERT][:, :128].clone(), EXPERT + "_scale_inv": torch.ones(1, 1)}),
+            f"{EXPERT} has shape (128, 128), but expert 0's gate (128, 256) makes it (128, 256)",
+        ),
+        (
+            lambda t: t[EXPERT + "_scale_inv"].__setitem__((0, 1), float("nan")),
+            f"{EXPERT}_scale_inv has a scale of nan in block (0, 1)",
+        ),
+        (
+            lambda t: t.update({EXPERT.replace(".2.", ".4."): t[EXPERT].clone()}),
+            f"{EXPERT.replace('.2.', '.4.')} is not a tensor of model.layers.1.mlp.experts",
+        ),
+        (
+            lambda t: t.update({EXPERT.replace("weight", "bias"): torch.zeros(128)}),
+            f"{EXPERT.replace('weight', 'bias')} is not a tensor of model.layers.1.mlp.experts",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.mlp.experts.gate_up_proj": torch.zeros(4, 256, 256)}),
+            "has tensors the model does not: model.layers.1.mlp.experts.gate_up_proj",
+        ),
+    ],
+    ids=[
+        "missing-expert",
+        "missing-scale",
+        "scale-shape",
+        "weight-shape",
+        "nan-scale",
+        "no-such-expert",
+        "bias",
+        "fused-and-per-expert",
+    ],  # fmt: skip
+)
+def test_bad_fused_experts_checkpoint_is_a_clear_error_and_nothing_is_loaded(
+    qwen3_moe_checkpoint, tmp_path, edit, message
+) -> None:
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    from fp8train.integrations.fp8_checkpoint import BlockFormatError, load_fp8_checkpoint
+
+    bad = str(tmp_path / "bad")
+    _corrupt(qwen3_moe_checkpoint, bad, lambda t, c: edit(t))
+    with pytest.raises(BlockFormatError, match=__import__("re").escape(message)):
+        load_fp8_checkpoint(bad)
+    config = AutoConfig.from_pretrained(qwen3_moe_checkpoint)
+    del config.quantization_config
+    model = Qwen3MoeForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BlockFormatError, match=__import__("re").escape(message)):
+        load_fp8_checkpoint(bad, model=model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(
+        isinstance(m, (fp8train.StoredFP8Linear, fp8train.StoredFP8Experts)) for m in model.modules()
+    )
+
+
+def test_stored_experts_refuse_an_intermediate_size_off_the_block() -> None:
+    """gate and up share one tensor of 128x128 blocks: an intermediate size off 128 would put gate and up
+    rows in one block, so it is refused, naming the first gate tensor."""
+    from fp8train.block_format import BlockFormatError
+
+    per = [[deepseek_quantize(torch.randn(*shape))] for shape in ((64, 128), (64, 128), (128, 64))]
+    with pytest.raises(
+        BlockFormatError, match=r"experts\.0\.gate_proj\.weight has 64 rows .* not a multiple of 128"
+    ):
+        fp8train.StoredFP8Experts.from_expert_tensors(*per, torch.nn.functional.silu)
+
+
+def test_convert_a_built_transformers_fp8_moe_shares_its_expert_tensors(
+    qwen3_moe_checkpoint, tmp_path
+) -> None:
+    """transformers' own FP8 experts (FP8Experts: what it builds on a GPU, the fused layout) become
+    StoredFP8Experts holding the very same tensors; the export writes them per expert, the bytes and
+    keys of the per-expert checkpoint they were stacked from."""
+    from transformers import AutoConfig, FineGrainedFP8Config, Qwen3MoeForCausalLM
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    from fp8train.integrations.fp8_checkpoint import (
+        convert_fp8_model,
+        export_fp8_checkpoint,
+        load_fp8_checkpoint,
+    )
+
+    config = AutoConfig.from_pretrained(qwen3_moe_checkpoint)
+    quantization = config.quantization_config
+    del config.quantization_config
+    model = Qwen3MoeForCausalLM(config)
+    replace_with_fp8_linear(
+        model, ["lm_head", "gate"], FineGrainedFP8Config(weight_block_size=(B, B)), pre_quantized=True
+    )
+    stored = read(qwen3_moe_checkpoint)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "weight_scale_inv"):
+                for key in ("weight", "weight_scale_inv"):
+                    setattr(module, key, torch.nn.Parameter(stored[f"{name}.{key}"], requires_grad=False))
+            elif type(module).__name__ == "FP8Experts":  # its parameters are on "meta": assigned
+                for suffix in ("", "_scale_inv"):
+                    per = [
+                        [stored[f"{name}.{e}.{p}.weight{suffix}"] for e in range(4)]
+                        for p in ("gate_proj", "up_proj", "down_proj")
+                    ]
+                    gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(per[0], per[1])])
+                    setattr(module, f"gate_up_proj{suffix}", torch.nn.Parameter(gate_up, requires_grad=False))
+                    setattr(
+                        module,
+                        f"down_proj{suffix}",
+                        torch.nn.Parameter(torch.stack(per[2]), requires_grad=False),
+                    )
+            else:
+                for key, tensor in module.named_parameters(recurse=False):
+                    full = f"{name}.{key}" if name else key
+                    if full in stored:
+                        tensor.copy_(stored[full])
+    fp8_experts = model.model.layers[0].mlp.experts
+    pointer = fp8_experts.gate_up_proj.data_ptr()
+    convert_fp8_model(model)
+    converted = model.model.layers[0].mlp.experts
+    assert isinstance(converted, fp8train.StoredFP8Experts) and converted.gate_up_proj.data_ptr() == pointer
+    ids = tokens(4)
+    with torch.no_grad(), fp8train.autocast(recipe=RECIPE):  # the model the checkpoint loads as
+        assert torch.equal(model(ids).logits, load_fp8_checkpoint(qwen3_moe_checkpoint)(ids).logits)
+    model.config.quantization_config = quantization
+    out = str(tmp_path / "out")
+    export_fp8_checkpoint(model, out)
+    exported = read(out)
+    assert stored.keys() == exported.keys() and all(same_bytes(stored[k], exported[k]) for k in stored)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8train.DelayedScaling(), fp8train.Float8CurrentScaling(), fp8train.MXFP8BlockScaling()],
+    ids=["delayed", "current", "mxfp8"],
+)
+def test_stored_experts_train_under_other_recipes_whatever_the_routing(recipe) -> None:
+    """The stored operands under the region's recipe for the activations (MXFP8: each expert's rows
+    padded to 32, the routing off it): output and input gradient within FP8 rounding of the
+    dequantized computation, none exact, no weight gradient."""
+    layer, gate_up, down, _ = _random_stored_experts(hidden=256, experts=4)
+    top_k_index = torch.randint(0, 4, (10, 2), generator=torch.Generator().manual_seed(2))
+    top_k_weights = torch.rand(10, 2)
+    x = torch.randn(10, 256)
+    results = []
+    for enabled in (False, True):
+        xx = x.clone().requires_grad_(True)
+        with fp8train.autocast(enabled=enabled, recipe=recipe):
+            y = layer(xx, top_k_index, top_k_weights)
+        y.backward(torch.ones_like(y))
+        results.append((y.detach(), xx.grad))
+    (y_hp, dx_hp), (y_fp8, dx_fp8) = results
+    for fp8, hp in ((y_fp8, y_hp), (dx_fp8, dx_hp)):
+        assert 0 < float((fp8 - hp).norm() / hp.norm()) < 0.1
+    assert all(p.grad is None for p in layer.parameters())

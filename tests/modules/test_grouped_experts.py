@@ -14,6 +14,7 @@ import fp8train
 from fp8train.layer_coverage import StepCoverage
 from fp8train.modules.grouped_experts import FusedExperts, grouped_linear
 from helpers import fp8_state
+from multirank import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -255,3 +256,243 @@ def test_hf_experts_fp8_state_round_trips_through_the_state_dict() -> None:
     for a, b in zip(fp8_state(model), fp8_state(fresh)):
         assert torch.equal(a, b)
     assert any(t.any() for t in fp8_state(fresh))
+
+
+# ---- FSDP2 gathers 3-D expert weights in FP8 ------------------------------------------------------------
+class _ShardedExperts(torch.nn.Module):
+    """An ExpertsLinear of 3 experts (uneven over 2 ranks: 2 and 1) feeding transformers' Qwen3-MoE
+    fused experts (4 experts) converted to FusedExperts: 3-D weights of both kinds."""
+
+    def __init__(self, option: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = fp8train.ExpertsLinear(3, 32, 48, fsdp_fp8_all_gather=option)
+        config = transformers.Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=32, num_experts=4)
+        self.experts = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+        with torch.no_grad():
+            for p in self.experts.parameters():
+                p.normal_(0, 0.1)
+        fp8train.convert_to_fp8(self, fsdp_fp8_all_gather=option, log=False)
+
+    def forward(self, x, offs, top_k_index, top_k_weights) -> torch.Tensor:
+        return self.experts(self.up(x, offs), top_k_index, top_k_weights)
+
+
+def _fsdp_experts_ranks(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import digest
+
+    torch.set_num_threads(1)
+    out = {}
+    for option in (False, True):
+        model = _ShardedExperts(option)
+        assert isinstance(model.experts, FusedExperts)
+        fully_shard(model.up)
+        fully_shard(model.experts)
+        fully_shard(model)
+        gathers = []
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        real = getattr(dist, name)
+
+        def counted(*args, real=real, gathers=gathers, **kwargs):
+            tensor = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+            gathers.append(tensor.dtype)
+            return real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            snapshots = []
+            for step in range(3):
+                g = torch.Generator().manual_seed(10 * rank + step)
+                x = torch.randn(8, 32, generator=g) * (1 + rank)
+                offs = torch.tensor(
+                    [3, 3, 8] if rank == 0 else [2, 6, 7], dtype=torch.int32
+                )  # an empty expert
+                top_k_index = torch.randint(0, 3 if rank == 0 else 4, (8, 2), generator=g)  # uneven routing
+                with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
+                    loss = model(x, offs, top_k_index, torch.rand(8, 2, generator=g)).square().mean()
+                loss.backward()
+                grads = [p.grad.full_tensor() for p in model.parameters()]
+                snapshots.append(digest([loss.detach(), grads, fp8_state(model)]))
+                opt.step()
+                opt.zero_grad()
+        finally:
+            setattr(dist, name, real)
+        out[option] = {"steps": snapshots, "gathers": gathers}
+    return out
+
+
+@pytest.mark.multirank
+def test_two_ranks_fsdp2_gathers_3d_expert_weights_in_fp8_bit_for_bit() -> None:
+    """ExpertsLinear and FusedExperts with fsdp_fp8_all_gather: FSDP2 shards the experts (dim 0, uneven),
+    each rank casts its experts with their own GEMMs' delayed scales and gathers bytes; training equals
+    the run with high-precision gathers bit for bit (losses, gradients, FP8 state), on both ranks."""
+    runs = run_ranks(_fsdp_experts_ranks, 2, timeout_s=180, pg_timeout_s=60)
+    for out in runs:
+        assert out[True]["steps"] == out[False]["steps"]
+        assert out[True]["gathers"] and all(d == torch.uint8 for d in out[True]["gathers"])
+        assert all(d == torch.float32 for d in out[False]["gathers"])
+    assert runs[0][True]["steps"][-1] != runs[1][True]["steps"][-1]  # per-rank data: a real run
+
+
+# ---- what real jobs do around the loop: meta builds, copies, EMA, double backward, in-place ops ----------
+REAL_JOB_RECIPES = {
+    "delayed": fp8train.DelayedScaling(amax_history_len=4),
+    "current": fp8train.Float8CurrentScaling(),
+    "block": fp8train.Float8BlockScaling(),
+}
+
+
+class _GroupedPair(torch.nn.Module):
+    """GroupedLinear (3 experts, bias) -> tanh -> ExpertsLinear (3 experts, bias), expert 1 empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grouped = fp8train.GroupedLinear(3, 16, 32)
+        self.experts = fp8train.ExpertsLinear(3, 32, 16, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+        return self.experts(torch.tanh(self.grouped(x, [3, 0, 5])), offs)
+
+
+def _pair_steps(model: torch.nn.Module, recipe, steps: int = 3) -> list[float]:
+    from helpers import sgd_step
+
+    return [
+        sgd_step(model, torch.randn(8, 16, generator=torch.Generator().manual_seed(s)), recipe, 0.1)
+        for s in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("name", ["delayed", "block"])
+def test_grouped_meta_build_then_to_empty_and_reset_trains_like_a_build_on_the_device(name: str) -> None:
+    from helpers import digest
+
+    torch.manual_seed(0)
+    built = _GroupedPair()
+    with torch.device("meta"):
+        meta = _GroupedPair()
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    torch.manual_seed(0)  # reset_parameters draws what construction drew from the same seed
+    meta.grouped.reset_parameters()
+    meta.experts.reset_parameters()
+    assert digest(meta.state_dict()) == digest(built.state_dict())
+    recipe = REAL_JOB_RECIPES[name]
+    assert _pair_steps(meta, recipe) == _pair_steps(built, recipe)
+    assert digest(fp8_state(meta)) == digest(fp8_state(built))
+
+
+@pytest.mark.parametrize("name", list(REAL_JOB_RECIPES))
+def test_grouped_copies_and_an_ema_of_a_trained_model(name: str) -> None:
+    """deepcopy and pickle of a trained pair hold its FP8 state and train on as it does; an EMA model
+    (torch's AveragedModel) averages the experts' weights and runs in an FP8 region with its own state."""
+    import pickle
+
+    from helpers import digest
+
+    recipe = REAL_JOB_RECIPES[name]
+    torch.manual_seed(0)
+    model = _GroupedPair()
+    twin = copy.deepcopy(model)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    )
+    expected = [p.detach().clone() for p in model.parameters()]
+    for step in range(3):
+        _pair_steps(model, recipe, steps=1)
+        _pair_steps(twin, recipe, steps=1)
+        ema.update_parameters(model)
+        if step:  # the first update copies; later ones are p_ema + 0.1 (p - p_ema), torch's lerp
+            expected = [e.lerp(p.detach(), 0.1) for e, p in zip(expected, model.parameters())]
+        else:
+            expected = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(e, p) for e, p in zip(expected, ema.module.parameters()))
+    for made in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert digest(fp8_state(made)) == digest(fp8_state(twin))
+        assert digest(made.state_dict()) == digest(twin.state_dict())
+        assert _pair_steps(made, recipe, steps=2) == _pair_steps(copy.deepcopy(twin), recipe, steps=2)
+    with fp8train.fp8_autocast(fp8_recipe=recipe), torch.no_grad():
+        out = ema(torch.randn(8, 16))
+    assert torch.isfinite(out).all() and out.abs().sum() > 0
+    assert _pair_steps(model, recipe, steps=1) == _pair_steps(twin, recipe, steps=1)  # the original trains on
+
+
+@pytest.mark.parametrize("name", list(REAL_JOB_RECIPES))
+def test_grouped_gradient_penalty_and_create_graph(name: str) -> None:
+    """create_graph=True through both grouped forms: the first-order FP8 gradients are the same values
+    as without it, and a gradient penalty (WGAN-GP) reaches every expert's weight, as close to high
+    precision as the first derivative is (4x its deviation + 2%, the Linear rule); an expert with no
+    token gets a zero second-order gradient."""
+    recipe = REAL_JOB_RECIPES[name]
+
+    def first_order(create_graph: bool):
+        torch.manual_seed(0)
+        model = _GroupedPair()
+        x = torch.randn(8, 16, requires_grad=True)
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            y = model(x)
+        return torch.autograd.grad(y.square().sum(), [x, *model.parameters()], create_graph=create_graph)
+
+    for plain, differentiable in zip(first_order(False), first_order(True)):
+        assert torch.equal(plain, differentiable.detach())
+
+    def penalty(enabled: bool, seed: int):
+        torch.manual_seed(seed)
+        model = _GroupedPair()
+        x = torch.randn(8, 16, requires_grad=True)
+        with fp8train.fp8_autocast(enabled=enabled, fp8_recipe=recipe):
+            y = model(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+        return g.detach(), [model.grouped.weight0, model.grouped.weight2, model.experts.weight]
+
+    for seed in range(2):
+        g_hp, hp = penalty(False, seed)
+        g_fp8, fp8 = penalty(True, seed)
+        floor = float((g_fp8 - g_hp).norm() / g_hp.norm())
+        assert 0 < floor < 0.1
+        for p, reference in zip(fp8, hp):
+            assert p.grad is not None
+            assert float((p.grad - reference.grad).norm() / reference.grad.norm()) < 4 * floor + 0.02
+        assert torch.equal(fp8[2].grad[1], torch.zeros_like(fp8[2].grad[1]))  # expert 1: no token
+
+
+@pytest.mark.parametrize("name", list(REAL_JOB_RECIPES))
+def test_grouped_in_place_ops_on_outputs_work_as_out_of_place(name: str) -> None:
+    """relu_ on GroupedLinear's output, mul_/add_ on ExpertsLinear's: the same values and input gradient
+    as the out-of-place ops."""
+    torch.manual_seed(0)
+    model = _GroupedPair()
+    x = torch.randn(8, 16, requires_grad=True)
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+    results = []
+    for in_place in (False, True):
+        pair = copy.deepcopy(model)  # the same FP8 state for both
+        with fp8train.fp8_autocast(fp8_recipe=REAL_JOB_RECIPES[name]):
+            h = pair.grouped(x, [3, 0, 5])
+            h = torch.relu_(h) if in_place else torch.relu(h)
+            y = pair.experts(h, offs)
+            y = y.mul_(2.0).add_(1.0) if in_place else y * 2.0 + 1.0
+        (grad,) = torch.autograd.grad(y.square().sum(), x)
+        results.append((y.detach(), grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_grouped_weight_gradient_that_would_miss_a_term_is_refused_by_name() -> None:
+    """As for Linear: differentiating an expert's weight gradient whose input requires grad needs that
+    input, which FP8 does not keep: an error naming create_graph, never a number without the term; the
+    first layer's input is data, so its experts' weight gradients are complete and differentiable."""
+    torch.manual_seed(0)
+    model = _GroupedPair()
+    with fp8train.fp8_autocast():
+        y = model(torch.randn(8, 16))
+    y.sum().backward(create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        model.experts.weight.grad.square().sum().backward()  # its input (tanh of grouped) requires grad
+    (second,) = torch.autograd.grad(model.grouped.weight2.grad.square().sum(), model.grouped.weight2)
+    assert torch.isfinite(second).all() and second.abs().sum() > 0

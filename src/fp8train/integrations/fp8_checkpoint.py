@@ -3,8 +3,10 @@ them with their quantized linears as frozen `StoredFP8Linear` layers (the stored
 high-precision copy), fine-tune (LoRA on top: fp8train.integrations.peft_fp8; or fully:
 `full_finetuning`), and export in the same format (docs/guide.md, "Fine-tuning an FP8 checkpoint").
 
-Experts stored as separate linears are linears like any other; fused or grouped expert tensors (3-D
-`weight`s) are refused.
+Experts stored as separate linears are linears like any other. transformers' fused experts (Qwen3-MoE,
+Mixtral: 3-D `gate_up_proj` / `down_proj`) load from DeepSeek-V3's per-expert layout
+(`<experts>.<e>.gate_proj.weight` + `weight_scale_inv`, ... ; Mixtral's `w1`/`w3`/`w2`) as frozen
+`StoredFP8Experts` and export to the same keys and bytes; 3-D FP8 tensors in a checkpoint are refused.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from typing import Any, Iterator, Optional
 
 import torch
@@ -26,8 +29,11 @@ from ..block_format import (
     scales_to_float32,
     scales_to_format,
 )
+from ..modules.grouped_experts import FusedExperts, is_hf_fused_experts
+from ..modules.stored_experts import PROJECTIONS, StoredFP8Experts
 from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
 from ..recipe import Float8BlockScaling
+from ..user_warnings import warn_user
 from . import require
 
 _transformers = require("transformers", "hf", "fp8train.integrations.fp8_checkpoint")
@@ -130,6 +136,12 @@ def _stored_layers(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> 
         one_byte_float = weight.is_floating_point() and weight.element_size() == 1
         if not one_byte_float and key + SCALE_SUFFIX not in tensors:
             continue  # a high-precision tensor (an embedding, a norm, modules_to_not_convert)
+        if weight.dim() == 3:
+            raise BlockFormatError(
+                f"{key} is a 3-D FP8 tensor {tuple(weight.shape)}: fused expert tensors are read per expert "
+                "(DeepSeek-V3's layout: <experts>.<e>.gate_proj.weight and its weight_scale_inv, up_proj, "
+                "down_proj), not fused"
+            )
         if not key.endswith(".weight"):
             raise BlockFormatError(f"{key} is FP8 but is not a linear layer's weight")
         name = key[: -len(".weight")]
@@ -153,11 +165,100 @@ def _stored_layers(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> 
     return layers
 
 
-def _swap_in(model: torch.nn.Module, layers: dict[str, tuple], recipe, compute_dtype) -> None:
-    for name, (weight, scale_inv, bias) in layers.items():
+# a per-expert tensor: "<experts>.<e>.<projection>.<weight | weight_scale_inv | bias>"
+EXPERT_KEY = re.compile(
+    r"^(?P<prefix>.+)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.(?P<suffix>weight(_scale_inv)?|bias)$"
+)
+
+
+def _fused_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's experts held as 3-D tensors (transformers' fused experts, converted or not)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if is_hf_fused_experts(module) or isinstance(module, (FusedExperts, StoredFP8Experts))
+    }
+
+
+def _checkpoint_prefixes(name: str) -> list[str]:
+    """Where per-expert checkpoints keep the experts of the module `name`: its name, and Mixtral's
+    original `block_sparse_moe.experts` for transformers' `mlp.experts`."""
+    renamed = name.replace(".mlp.experts", ".block_sparse_moe.experts")
+    return [name] + ([renamed] if renamed != name else [])
+
+
+def _stored_experts(
+    tensors: dict[str, torch.Tensor], model: torch.nn.Module, recipe
+) -> tuple[dict[str, StoredFP8Experts], set[str]]:
+    """The fused experts of `model` whose per-expert FP8 tensors `tensors` holds, built as
+    `StoredFP8Experts` (nothing of the model changes), and the keys they took. Every tensor under an
+    experts module is checked: each expert's three weights and scales present and of the format,
+    every key one of theirs; else a BlockFormatError naming the tensor."""
+    modules = _fused_experts(model)
+    owner = {prefix: name for name in modules for prefix in _checkpoint_prefixes(name)}
+    found: dict[tuple[str, str], dict[str, re.Match]] = {}
+    for key in tensors:
+        match = EXPERT_KEY.match(key)
+        if match and match["prefix"] in owner:
+            found.setdefault((owner[match["prefix"]], match["prefix"]), {})[key] = match
+    built, taken = {}, set()
+    for (name, prefix), keys in found.items():
+        module = modules[name]
+        if name in built:
+            raise BlockFormatError(
+                f"{next(iter(keys))}: the checkpoint holds {name}'s experts under two names "
+                f"({built[name].checkpoint_prefix or name} and {prefix})"
+            )
+        experts = (
+            module.gate_up_proj if not isinstance(module, StoredFP8Experts) else module.down_proj
+        ).shape[0]
+        projections = {match["proj"] for match in keys.values()}
+        names = next((p for p in PROJECTIONS if projections <= set(p)), None)
+        for key, match in sorted(keys.items()):
+            if names is None or match["suffix"] == "bias" or int(match["expert"]) >= experts:
+                raise BlockFormatError(
+                    f"{key} is not a tensor of {name} ({type(module).__name__}, {experts} experts 0.."
+                    f"{experts - 1}, each a weight and weight_scale_inv of "
+                    f"{' or '.join('/'.join(p) for p in PROJECTIONS)}, no bias)"
+                )
+        per_projection = []
+        for proj in names:
+            tensors_of = []
+            for e in range(experts):
+                key = f"{prefix}.{e}.{proj}.weight"
+                if key not in tensors:
+                    raise BlockFormatError(
+                        f"the checkpoint has no {key}: {name} has {experts} experts, each with "
+                        f"{', '.join(names)} (missing expert {e})"
+                    )
+                tensors_of.append((tensors[key], tensors.get(key + SCALE_SUFFIX)))
+            per_projection.append(tensors_of)
+        stored = StoredFP8Experts.from_expert_tensors(
+            *per_projection, module.act_fn, recipe=recipe, name=name, checkpoint_names=names,
+            checkpoint_prefix=None if prefix == name else prefix,
+        )  # fmt: skip
+        if stored.down_proj.shape != module.down_proj.shape:
+            raise BlockFormatError(
+                f"{prefix}.0.{names[2]}.weight: the checkpoint's experts ({stored.num_experts} x "
+                f"{tuple(stored.down_proj.shape[1:])} down_proj) do not fit the model's {name} "
+                f"{tuple(module.down_proj.shape)}"
+            )
+        built[name] = stored
+        taken.update(keys)
+    return built, taken
+
+
+def _swap_in(model: torch.nn.Module, layers: dict[str, tuple], recipe, compute_dtype, experts=None) -> None:
+    new = {
+        name: StoredFP8Linear(w, s, b, compute_dtype, recipe, f"{name}.weight")
+        for name, (w, s, b) in layers.items()
+    }
+    for name, module in (experts or {}).items():
+        module.compute_dtype = compute_dtype
+        new[name] = module
+    for name, layer in new.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        layer = StoredFP8Linear(weight, scale_inv, bias, compute_dtype, recipe, f"{name}.weight")
         layer.train(getattr(parent, child).training)
         setattr(parent, child, layer)
 
@@ -196,11 +297,14 @@ def load_fp8_checkpoint(
         with open(os.path.join(directory, "config.json")) as f:
             quantization = check_quantization_config(json.load(f).get("quantization_config"), directory)
     tensors = _read_checkpoint(directory)
+    experts, expert_keys = _stored_experts(tensors, model, recipe)
+    tensors = {k: v for k, v in tensors.items() if k not in expert_keys}
     layers = _stored_layers(tensors, model)
     plain = {k: v for k, v in tensors.items() if k.rpartition(".")[0] not in layers}
     if dtype is not None:
         plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in plain.items()}
     expected = set(model.state_dict()) - {f"{n}.weight" for n in layers} - {f"{n}.bias" for n in layers}
+    expected = {k for k in expected if not any(k.startswith(f"{n}.") for n in experts)}
     unexpected = sorted(set(plain) - expected)
     if unexpected:
         raise BlockFormatError(f"{directory} has tensors the model does not: {', '.join(unexpected[:4])}")
@@ -217,8 +321,8 @@ def load_fp8_checkpoint(
         )
     floats = [v.dtype for v in plain.values() if v.is_floating_point()]
     compute_dtype = dtype or (floats[0] if floats else torch.float32)
-    _check_buffers(model, layers)  # the last check: the model changes from here on
-    _swap_in(model, layers, recipe, compute_dtype)
+    _check_buffers(model, {**layers, **experts})  # the last check: the model changes from here on
+    _swap_in(model, layers, recipe, compute_dtype, experts)
     model.load_state_dict(plain, strict=False, assign=True)
     _record_quantization(model, quantization)
     if hasattr(model, "tie_weights"):
@@ -266,11 +370,20 @@ def convert_fp8_model(
 ) -> torch.nn.Module:
     """An already built model whose quantized linears hold FP8 tensors (transformers' FP8Linear:
     float8 `weight` and `weight_scale_inv`) with those layers swapped for `StoredFP8Linear`, sharing
-    the very tensors (nothing copied). `recipe`: the block recipe of the new layers (`StoredFP8Linear`);
+    the very tensors (nothing copied), and its FP8 fused experts (transformers' FP8Experts: float8
+    `gate_up_proj`, `down_proj` and their `*_scale_inv`) swapped for `StoredFP8Experts` likewise (an
+    export writes them per expert, DeepSeek-V3's names). `recipe`: the block recipe of the new layers;
     `compute_dtype`: their high-precision dtype (default: the model's floating dtype). In place;
-    returns `model`. Raises BlockFormatError for a block size other than 128x128."""
-    tensors = {}
+    returns `model`. Raises BlockFormatError for a block size other than 128x128, or FP8 experts of a
+    form StoredFP8Experts does not compute (a bias, no gate, a clamped or soft-capped activation)."""
+    tensors, experts = {}, {}
     for name, module in model.named_modules():
+        if _is_fp8_experts(module, name):
+            experts[name] = StoredFP8Experts(
+                module.gate_up_proj.data, module.gate_up_proj_scale_inv.data, module.down_proj.data,
+                module.down_proj_scale_inv.data, module.act_fn, recipe=recipe, name=name,
+            )  # fmt: skip
+            continue
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
             tensors[f"{name}.weight"] = weight.data
@@ -286,17 +399,49 @@ def convert_fp8_model(
                 tensors[f"{name}.bias"] = module.bias.data
     layers = _stored_layers(tensors, model)
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1]
-    _swap_in(model, layers, recipe, compute_dtype or (dtypes[0] if dtypes else torch.float32))
+    _swap_in(model, layers, recipe, compute_dtype or (dtypes[0] if dtypes else torch.float32), experts)
     return model
+
+
+def _is_fp8_experts(module: torch.nn.Module, name: str) -> bool:
+    """transformers' FP8 fused experts (FP8Experts); a form StoredFP8Experts does not compute is refused."""
+    cls = type(module)
+    if cls.__name__ != "FP8Experts" or not cls.__module__.startswith("transformers."):
+        return False
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != BLOCK:
+        raise BlockFormatError(f"{name} has block_size {block}, not Float8BlockScaling's {list(BLOCK)}")
+    extras = {
+        "has_bias": False, "has_gate": True, "activation_scheme": "dynamic", "swiglu_alpha": None,
+        "swiglu_limit": None, "gate_softcap": None, "up_softcap": None,
+    }  # fmt: skip
+    odd = {k: getattr(module, k, v) for k, v in extras.items() if getattr(module, k, v) != v}
+    if odd:
+        raise BlockFormatError(
+            f"{name} (transformers' FP8Experts) has {odd}: StoredFP8Experts computes gated experts without "
+            "a bias, with dynamic activation scales and a plain activation only"
+        )
+    return True
 
 
 def full_finetuning(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Every `StoredFP8Linear` of `model` replaced by a trainable `BlockFP8Linear` whose master weight
-    is the dequantized stored weight, in `dtype` (train it under Float8BlockScaling). In place."""
+    is the dequantized stored weight, in `dtype` (train it under Float8BlockScaling). In place.
+    Fused experts (`StoredFP8Experts`) stay frozen and stored, with a warning naming them."""
+    frozen = []
     for name, module in list(model.named_modules()):
         if isinstance(module, StoredFP8Linear):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, module.to_linear(dtype))
+        elif isinstance(module, StoredFP8Experts):
+            frozen.append(name)
+    if frozen:
+        warn_user(
+            f"fp8train full_finetuning: {len(frozen)} fused experts modules ({', '.join(frozen[:3])}"
+            f"{', ...' if len(frozen) > 3 else ''}) stay frozen FP8 (StoredFP8Experts): trainable experts "
+            "from a stored FP8 checkpoint are not supported yet; everything else trains, and the export "
+            "writes the experts' stored bytes"
+        )
     return model
 
 
@@ -326,6 +471,10 @@ def iter_fp8_weights(
 
     def walk(module: torch.nn.Module, prefix: str):
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if isinstance(module, StoredFP8Experts):  # frozen: the stored bytes, per expert
+            for key, weight, scale_inv in module.expert_tensors(prefix[:-1]):
+                yield key, weight.detach(), scale_inv.detach()
+            return
         if isinstance(base, StoredFP8Linear) or isinstance(module, BlockFP8Linear):
             adapted = None if base is module else _adapted_weight(module)
             if isinstance(module, BlockFP8Linear):

@@ -81,11 +81,12 @@ class FP8GroupedExperts(FP8Module, _TitanGroupedExperts):
     and sharding hooks) with one FP8 GEMM per expert and weight inside an FP8 region: w1's experts are
     GEMMs 0..E-1, w3's E..2E-1, w2's 2E..3E-1, each with its own roles. Outside a region (or held in
     high precision by a switch) it runs torchtitan's own forward, bit for bit. `config`: torchtitan's
-    GroupedExperts config (the number of experts, dimensions and initialisation)."""
+    GroupedExperts config (the number of experts, dimensions and initialisation), plus
+    `fsdp_fp8_all_gather`: FSDP2 gathers each expert's weights in FP8 with its GEMM's scale."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(_TitanGroupedExperts.Config):
-        pass
+        fsdp_fp8_all_gather: bool = False
 
     def __init__(self, config: Config) -> None:
         _TitanGroupedExperts.__init__(self, config)
@@ -93,6 +94,9 @@ class FP8GroupedExperts(FP8Module, _TitanGroupedExperts):
         self.num_gemms = 3 * experts  # before init_fp8_state: it sizes the role layout
         self.gemm_names = tuple(f"{w}_{e}" for w in ("w1", "w3", "w2") for e in range(experts))
         self.init_fp8_state()
+        if config.fsdp_fp8_all_gather:  # 3-D weights: expert e of each is GEMM first + e (fsdp.py)
+            for first, weight in enumerate((self.w1_EFD, self.w3_EFD, self.w2_EDF)):
+                wrap_for_fsdp(weight, first * experts)
 
     def gemm_weights(self) -> list[torch.Tensor]:
         """The weight of each GEMM, in GEMM order (one per expert): what the module casts to FP8."""
@@ -218,7 +222,8 @@ class FP8TrainConverter(_protocols.ModelConfigConverter):
             ):
                 continue
             new = FP8GroupedExperts.Config(
-                **{f.name: getattr(experts, f.name) for f in fields(experts) if f.init}
+                **{f.name: getattr(experts, f.name) for f in fields(experts) if f.init},
+                fsdp_fp8_all_gather=self.config.fsdp_fp8_all_gather,
             )
             if isinstance(parent, list):
                 parent[attr] = new

@@ -6,6 +6,7 @@ from .grouped_linear import GroupedLinear, pad_groups, unpad_groups
 from .layernorm_linear import LayerNormLinear, LayerNormMLP
 from .linear import Linear
 from .norms import LayerNorm, RMSNorm
+from .stored_experts import StoredFP8Experts
 from .stored_linear import BlockFP8Linear, StoredFP8Linear
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "grouped_linear",
     "pad_groups",
     "unpad_groups",
+    "StoredFP8Experts",
 ]

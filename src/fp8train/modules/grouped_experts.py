@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..fsdp import wrap_for_fsdp
 from .base import FP8Module
 from .grouped_linear import (
     check_group_blocks,
@@ -90,6 +91,7 @@ class ExpertsLinear(FP8Module):
         bias: whether the experts have a bias (one (num_experts, out_features) tensor).
         params_dtype: the parameters' dtype (default: torch's default dtype).
         device: where the parameters are made ("meta" for a deferred build).
+        fsdp_fp8_all_gather: FSDP2 gathers the weight in FP8, each expert with its GEMM's scale.
 
     Raises:
         ValueError: `num_experts` is not an int >= 1."""
@@ -102,6 +104,7 @@ class ExpertsLinear(FP8Module):
         bias: bool = False,
         params_dtype: Optional[torch.dtype] = None,
         device=None,
+        fsdp_fp8_all_gather: bool = False,
     ) -> None:
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"ExpertsLinear: num_experts must be an int >= 1, got {num_experts!r}")
@@ -119,6 +122,8 @@ class ExpertsLinear(FP8Module):
             else None
         )
         self.reset_parameters()
+        if fsdp_fp8_all_gather:
+            wrap_for_fsdp(self.weight, 0)
 
     def reset_parameters(self) -> None:
         """torch.nn.Linear's initialisation of each expert in turn, from the current seed."""

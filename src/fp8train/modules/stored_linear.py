@@ -30,10 +30,35 @@ from .base import FP8Module
 from .fp8_linear import fp8_linear
 from .linear import Linear
 
-__all__ = ["StoredFP8Linear", "BlockFP8Linear", "exclude_stored_from_ddp"]
+__all__ = ["StoredFP8Linear", "BlockFP8Linear", "StoredFP8Parameters", "exclude_stored_from_ddp"]
 
 
-class StoredFP8Linear(FP8Module):
+class StoredFP8Parameters:
+    """Copies of a module holding stored FP8 parameters: pickle cannot rebuild a float8 tensor
+    (torch's limitation), so its 1-byte float parameters travel as their bytes (a uint8 view) and
+    are viewed back on arrival (pickle, deepcopy, torch.save of the module). Mixed in before
+    torch.nn.Module (StoredFP8Linear, StoredFP8Experts)."""
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        parameters, as_bytes = dict(state["_parameters"]), {}
+        for name, p in parameters.items():
+            if p is not None and p.is_floating_point() and p.element_size() == 1:
+                as_bytes[name] = (p.dtype, p.requires_grad)
+                parameters[name] = p.detach().view(torch.uint8)
+        state.update(_parameters=parameters, _fp8_parameters_as_bytes=as_bytes)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        parameters = dict(state["_parameters"])
+        for name, (dtype, requires_grad) in state.pop("_fp8_parameters_as_bytes", {}).items():
+            parameters[name] = torch.nn.Parameter(parameters[name].view(dtype), requires_grad=requires_grad)
+        state["_parameters"] = parameters
+        super().__setstate__(state)
+
+
+class StoredFP8Linear(StoredFP8Parameters, FP8Module):
     """y = x @ W.T + bias with W = weight * weight_scale_inv (128x128 blocks), stored as loaded.
 
     `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (one per block: float32, or E8M0 as
@@ -71,26 +96,6 @@ class StoredFP8Linear(FP8Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.compute_dtype = compute_dtype
         self.recipe = recipe
-
-    # ---- copies: pickle cannot rebuild a float8 tensor (torch's limitation), so the stored FP8
-    # parameters travel as their bytes (a uint8 view) and are viewed back on arrival
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        parameters, as_bytes = dict(state["_parameters"]), {}
-        for name, p in parameters.items():
-            if p is not None and p.is_floating_point() and p.element_size() == 1:
-                as_bytes[name] = (p.dtype, p.requires_grad)
-                parameters[name] = p.detach().view(torch.uint8)
-        state.update(_parameters=parameters, _fp8_parameters_as_bytes=as_bytes)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        parameters = dict(state["_parameters"])
-        for name, (dtype, requires_grad) in state.pop("_fp8_parameters_as_bytes", {}).items():
-            parameters[name] = torch.nn.Parameter(parameters[name].view(dtype), requires_grad=requires_grad)
-        state["_parameters"] = parameters
-        super().__setstate__(state)
 
     @property
     def operand(self) -> Operand:
@@ -140,14 +145,16 @@ class BlockFP8Linear(Linear):
 
 
 def exclude_stored_from_ddp(model: torch.nn.Module) -> torch.nn.Module:
-    """Call on the module you wrap in DistributedDataParallel: its StoredFP8Linear weights and scales
-    are left out of DDP's construction-time broadcast (gloo cannot send FP8 dtypes, and every rank
-    loaded the same checkpoint) and, being frozen, were never reduced. Returns `model`."""
+    """Call on the module you wrap in DistributedDataParallel: its stored FP8 weights and scales
+    (StoredFP8Linear, StoredFP8Experts) are left out of DDP's construction-time broadcast (gloo
+    cannot send FP8 dtypes, and every rank loaded the same checkpoint) and, being frozen, were never
+    reduced. Returns `model`."""
     names = [
         f"{name}.{param}" if name else param
         for name, module in model.named_modules()
-        if isinstance(module, StoredFP8Linear)
-        for param in ("weight", "weight_scale_inv")
+        if isinstance(module, StoredFP8Parameters)
+        for param, p in module.named_parameters(recurse=False)
+        if (p.is_floating_point() and p.element_size() == 1) or param.endswith("scale_inv")
     ]
     ddp_ignore(model, names)
     return model
