@@ -24,8 +24,9 @@ __all__ = ["fp8_linear", "parallel_linear"]
 
 
 class _LinearFn(torch.autograd.Function):
-    """y = x @ weight.T + bias in FP8: x quantized here, the weight's operands given (cast, cached or
-    gathered in FP8), the gradient quantized in backward, all by `call.quantization`."""
+    """y = x @ weight.T + bias in FP8: x's operands made here by its input source, the weight's given
+    (made by its weight source: sources.py), the gradient quantized in backward, all by
+    `call.quantization`. `noted`: the forward used an FSDP2 FP8 gather that its backward settles."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_ops: WeightOperands, call: Call, inputs: InputSource, noted: bool):
