@@ -3,11 +3,11 @@ picks once, which the recipe's quantization turns into operands (docs/design.md,
 
 `fp8_linear` picks a weight source (`weight_source`: the weight cast at this call, the step's first
 microbatch's FP8 weight, the same weight cast again with the scale it was first cast with after a
-load, a stored FP8 weight, or FSDP2's gather of FP8 shards) and an input source (`LOCAL`, or the
-sequence-parallel tokens of `input_source`), and then runs one path for all of them: the call's
-scales with the source's weight amax, the operands each source asks the recipe for, the GEMM. A
-source is a small object that says what it is by its attributes and makes its operands with one
-method; no function branches on which source it has.
+load, a stored FP8 weight, FSDP2's gather of FP8 shards, or the weight of a high-precision call)
+and an input source (`LOCAL`, or the sequence-parallel tokens of `input_source`), and then runs one
+path for all of them: the call's scales with the source's weight amax, the operands each source
+asks the recipe for, the GEMM. A source is a small object that says what it is by its attributes
+and makes its operands with one method; no function branches on which source it has.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..tensor_parallel import TokenCollective, gather_fp8_tokens
 
 __all__ = [
     "WeightSource",
+    "CachedWeight",
     "HighPrecisionWeight",
     "weight_source",
     "InputSource",
@@ -75,7 +76,8 @@ class CompiledCast(WeightSource):
 
 
 class CachedWeight(WeightSource):
-    """The operands the step's first microbatch kept (`is_first_microbatch=False`): not cast again."""
+    """The operands the step's first microbatch kept (`is_first_microbatch=False`): not cast again.
+    The module's weight cache holds these sources (`FP8Module.cache_weight`)."""
 
     weight_amax = None
 
