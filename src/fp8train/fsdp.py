@@ -330,10 +330,8 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
     pending = book.pending()
     if in_backward():
         return pending[-1] if pending else book.latest
-    settings = protocol.current_settings()
-    casts_first = settings is not None and settings.enabled and settings.quantization.casts_before_gather
-    # other recipes cast the whole weight: gathered as is
-    region = protocol.outermost_region() if casts_first else None
+    now = protocol.fp8_gathers()
+    region = now.region
     if any(gather.region is not region for gather in pending):
         raise RuntimeError(
             f"{module.signature} (fsdp_fp8_all_gather) ran forward in another FP8 region or precision "
@@ -341,21 +339,8 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
             "reproduce the FP8 weight that forward used. Run that backward first (schedules with several "
             "microbatches in flight are not supported with the option), or build the module without it"
         )
-    scales = None
-    if region is not None:
-        group = protocol.amax_group_of(settings)
-        amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
-        if len(set(shard_ranks)) > 1 and not set(shard_ranks) <= set(amax_ranks):  # one shard: its own
-            raise ValueError(
-                f"{module.signature} (fsdp_fp8_all_gather): FSDP2 shards its weight over ranks "
-                f"{shard_ranks} but the amax group reduces over {amax_ranks or 'no ranks'}: each shard would "
-                "be cast with its own scale. Use an fp8_group that contains the sharding group (the default, "
-                "all ranks, does) with reduce_amax=True, or build the module without fsdp_fp8_all_gather"
-            )
-        # the scales the forward will cast with (its call's plan takes the same: ScalingMeta.scales_in)
-        scale, scale_inv, offset = module.fp8_meta["scaling_fwd"].scales_in(region, module)
-        column = protocol.roles.forward_column(offset, gemm_index, protocol.roles.WEIGHT)
-        scales = (scale[column], scale_inv[column])
+    # the scales the forward will cast with; refused where the amax group does not contain shard_ranks
+    scales = None if region is None else now.weight_scales(module, gemm_index, shard_ranks)
     book.latest = WeightGather(scales, region)
     return book.latest
 
@@ -363,8 +348,7 @@ def weight_gather(module, gemm_index: int, shard_ranks: list[int]) -> WeightGath
 def _tied_weight_gather(module) -> WeightGather:
     """A weight shared with a module that is not an FP8 module: gathered as is outside FP8 regions,
     refused inside (only its FP8 module may use a weight gathered in FP8)."""
-    settings = protocol.current_settings()
-    if settings is not None and settings.enabled and settings.quantization.casts_before_gather:
+    if protocol.fp8_gathers().region is not None:
         raise RuntimeError(
             f"fsdp_fp8_all_gather: FSDP2 gathers a weight for {type(module).__name__}, which shares it "
             "with an FP8 module (tied weights, e.g. an embedding and the output head). A weight gathered "
@@ -377,7 +361,7 @@ def _tied_weight_gather(module) -> WeightGather:
 def is_current_gather(gather: WeightGather) -> bool:
     """Whether a weight gathered in FP8 for `gather` may serve this call: gathered for this region,
     or a recomputation in backward (whose re-gather reproduced the original forward's)."""
-    return gather.region is protocol.outermost_region() or in_backward() or protocol.replaying()
+    return protocol.fp8_gathers().serves(gather.region)
 
 
 def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ asks of the protocol:
 - modules: `register_module` / `module_of` (handles), `ScalingMeta` (fp8_meta) and its checkpoint
   form, the role layout (`roles`);
 - the step boundary: `end_step`, `end_step_on`, `ending_step`, `parameters_loaded`;
-- FSDP2's FP8 gathers: `current_settings`, `outermost_region`, `amax_group_of`, `replaying`;
+- the innermost region's settings: `current_settings` (grouped GEMMs, torchtitan);
+- FSDP2's FP8 gathers: `fp8_gathers` (the region, the weight scales, whether a gather serves a call);
 - readers: `views` (fp8train.inspection), `HostMirror` (telemetry), `check_stage_group` (pipeline),
   `expert_group_error` (expert_parallel);
 - `settings`: the knobs (async switch, initial wire size, verdict lag); `update_scaling`: the fused
@@ -23,10 +24,10 @@ import torch
 
 from . import roles, views
 from .calls import Call, begin_call, current_call
+from .gathers import fp8_gathers
 from .membership import check_stage_group, expert_group_error
 from .meta import ScalingMeta, decode_extra_state
 from .plans import recomputation_context_fn
-from .reduction import AmaxGroup
 from .regions import enter_region, exit_region
 from .settings import ENV_ASYNC, settings
 from .state import STATE, Region, RegionSettings
@@ -39,7 +40,7 @@ __all__ = [
     "Call", "begin_call", "current_call", "recomputation_context_fn",
     "register_module", "module_of", "ScalingMeta", "decode_extra_state", "roles",
     "end_step", "end_step_on", "ending_step", "parameters_loaded",
-    "current_settings", "outermost_region", "amax_group_of", "replaying",
+    "current_settings", "fp8_gathers",
     "views", "HostMirror", "check_stage_group", "expert_group_error",
     "settings", "ENV_ASYNC", "update_scaling",
 ]  # fmt: skip
@@ -57,18 +58,3 @@ def module_of(handle: torch.Tensor) -> torch.nn.Module:
 def current_settings() -> Optional[RegionSettings]:
     """The innermost active region's settings (None outside every region)."""
     return STATE.regions.settings
-
-
-def outermost_region() -> Optional[Region]:
-    """The outermost region being run (None outside every region)."""
-    return STATE.regions.region
-
-
-def amax_group_of(settings: RegionSettings) -> AmaxGroup:
-    """The amax group the region of `settings` trains (delayed scaling)."""
-    return STATE.groups.of(settings.recipe, settings.group)
-
-
-def replaying() -> bool:
-    """An fp8train.checkpoint call is being recomputed."""
-    return STATE.recompute.replaying is not None

@@ -12,6 +12,7 @@ import torch
 from ..amax import ScalingMeta, decode_extra_state, parameters_loaded, register_module, roles
 from ..fsdp import plain_weight
 from ..quantization.base import WeightOperands
+from .sources import CachedWeight
 
 __all__ = ["FP8Module"]
 
@@ -47,9 +48,10 @@ class FP8Module(torch.nn.Module):
         self.fp8_handle = register_module(self)  # how the protocol's custom ops name it
         self.shards_checked = False  # sequence parallelism: token shards checked equal across TP ranks
         self.fsdp_gathers: dict = {}  # fsdp.py's bookkeeping of FP8 weight gathers, per GEMM
-        # (GEMM index, recipe kind) -> the weight's FP8 operands, kept across microbatches, and the
-        # [scale, scale_inv] they were cast with (delayed scaling): what rebuilds them after a load
-        self._weight_cache: dict[tuple[int, str], WeightOperands] = {}
+        # (GEMM index, recipe kind) -> the weight's FP8 operands kept across microbatches (as the weight
+        # source of the next microbatches' calls), and the [scale, scale_inv] they were cast with
+        # (delayed scaling): what rebuilds them after a load
+        self._weight_cache: dict[tuple[int, str], CachedWeight] = {}
         self._weight_cast_scales: dict[tuple[int, str], torch.Tensor] = {}
 
     @property
@@ -71,9 +73,10 @@ class FP8Module(torch.nn.Module):
             )
 
     # ---- FP8 weights kept across microbatches (is_first_microbatch) -------------------------------------
-    def cached_weight(self, gemm_index: int, kind: str) -> Optional[WeightOperands]:
+    def cached_weight(self, gemm_index: int, kind: str) -> Optional[CachedWeight]:
         """The FP8 operands of GEMM `gemm_index`'s weight kept under a recipe of `kind` ("delayed", ...)
-        by the step's first microbatch (`is_first_microbatch=True`), or None."""
+        by the step's first microbatch (`is_first_microbatch=True`), as the next calls' weight source
+        (sources.py; `.cached`: the operands), or None."""
         return self._weight_cache.get((gemm_index, kind))
 
     def cache_weight(
@@ -91,7 +94,7 @@ class FP8Module(torch.nn.Module):
         if copy and operands.forward.values.dtype.itemsize == 1:
             forward = operands.forward
             operands = WeightOperands.same(replace(forward, values=forward.values.clone()))
-        self._weight_cache[(gemm_index, kind)] = operands
+        self._weight_cache[(gemm_index, kind)] = CachedWeight(operands, None)
         if cast_scales is not None:
             self._weight_cast_scales[(gemm_index, kind)] = cast_scales
 

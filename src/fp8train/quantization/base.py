@@ -112,7 +112,8 @@ class Quantization:
         raise NotImplementedError
 
     def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
-        """A weight quantized for an earlier microbatch (is_first_microbatch=False), for this call."""
+        """A weight already quantized, for this call: for an earlier microbatch (is_first_microbatch=False),
+        or on its shards before FSDP2's gather (delayed scaling: FP8 values with this call's scale)."""
         return cached
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
