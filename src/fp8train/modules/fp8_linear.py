@@ -153,11 +153,13 @@ def fp8_linear(
     is_first_microbatch: Optional[bool] = None,
     sp_group=None,
     stored_weight: Optional[WeightOperands] = None,
-) -> torch.Tensor:
+    grouped=None,
+) -> Optional[torch.Tensor]:
     """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so. With `sp_group`
     (sequence parallelism: the TP group) x is this rank's block of tokens, all-gathered first.
     `stored_weight`: the weight's operands as stored (a frozen FP8 `weight`, StoredFP8Linear), used
-    as they are in FP8 and dequantized outside it."""
+    as they are in FP8 and dequantized outside it. `grouped`: the GroupedGEMMs of a grouped call
+    (grouped_gemm.py); where it takes the call, the GEMM's operands go to it and None is returned."""
     if isinstance(weight, GatheredWeight) and torch.compiler.is_compiling():
         raise RuntimeError(
             "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
@@ -211,6 +213,9 @@ def fp8_linear(
         scales = torch.stack([scales[:, 0], rebuild.to(scales.device)], dim=1)
     tokens = x.numel() // x.shape[-1] * (1 if sp_group is None else dist.get_world_size(sp_group))
     path, dtype = _gemm_path(tokens, weight)
+    native = grouped is not None and not stored and grouped.takes(call, _output_dtype(x))
+    if native:  # one GEMM of a grouped call (grouped_gemm.py): its operands in FP8
+        path, dtype = grouped.operand_path()
     call = call.for_gemm(dtype, scales, token, path, weight_amax is AMAX_IN_CAST)
     if stored:  # used as it is, whatever the recipe (a block operand: matmul dequantizes it)
         w_ops = stored_weight
@@ -224,6 +229,9 @@ def fp8_linear(
     if is_first_microbatch is not None and cached is None and not stored:  # kept across microbatches
         cast_scales = None if scales is None else scales[:, 1]
         module.cache_weight(gemm_index, quantization.kind, w_ops, copy=gathered, cast_scales=cast_scales)
+    if native:
+        grouped.add(weight, bias, w_ops, call)
+        return None
     y = _LinearFn.apply(x, weight, bias, w_ops, call, sp_group)
     if not torch.compiler.is_compiling():  # compiled graphs' outputs: the region counts their calls
         call.note_output(y)
