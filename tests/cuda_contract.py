@@ -370,6 +370,14 @@ class GroupedContractChecker(ContractChecker):
         return torch.full((1,), float("nan"), dtype=torch.bfloat16)
 
 
+def _grouped_shape(a, b, offs) -> tuple[int, ...]:
+    if a.dim() == 2 and b.dim() == 2:
+        return (0 if offs is None else len(offs), a.shape[0], b.shape[1])
+    if a.dim() == 2:
+        return (a.shape[0], b.shape[-1])
+    return (a.shape[0], a.shape[1], b.shape[-1]) if b.dim() == 3 else (a.shape[1], b.shape[1])
+
+
 @contextlib.contextmanager
 def cuda_grouped_contract() -> Iterator[GroupedContractChecker]:
     """Within: torch._scaled_grouped_mm has a CPU kernel, the checker (torch has none). Removed on exit."""
@@ -377,7 +385,11 @@ def cuda_grouped_contract() -> Iterator[GroupedContractChecker]:
 
     def functional(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
                    use_fast_accum=False):  # fmt: skip
+        before = len(checker.violations)
         sizes = checker.check_grouped(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype)
+        if len(checker.violations) > before:  # a call CUDA refuses: no product (NaN, of the meta's shape)
+            meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in (a, b, scale_a, scale_b)]
+            return torch.full(_grouped_shape(meta[0], meta[1], offs), float("nan"), dtype=torch.bfloat16)
         return checker.compute_grouped(a, b, scale_a, scale_b, sizes)
 
     library = torch.library.Library("aten", "IMPL")

@@ -94,9 +94,11 @@ def test_grouped_gemms_equal_one_gemm_per_group_bit_for_bit(name: str, monkeypat
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max())
 
 
-@pytest.mark.parametrize("name", ["delayed_e4m3", "current_hybrid"])
+@pytest.mark.parametrize("name", ["delayed_e4m3", "current_e4m3"])
 def test_groups_off_16_rows_are_padded_inside(name: str) -> None:
-    """The checker holds every group to 16 rows: unpadded groups would be violations."""
+    """The checker holds every group to 16 rows: unpadded groups would be violations. (E4M3: all three
+    GEMMs grouped; with HYBRID the per-group backward GEMMs of groups off 16 are emulated, as a Linear's
+    of that many tokens, and those of padded groups are not.)"""
     inside, calls = _run(OFF_16, RECIPES[name]())
     assert _gemm_calls(calls)
     outside, _ = _run(OFF_16, RECIPES[name](), pad_outside=True)
@@ -120,7 +122,8 @@ def test_grouped_gemms_against_the_cpu_emulation(monkeypatch) -> None:
         scale = torch.maximum(a.abs(), b.abs())
         tol = 2.0**-6 * scale + relative_bound(64) * 100 * scale.max() + 1e-30
         assert ((a - b).abs() <= tol).all(), (i, ((a - b).abs() / tol).max())
-        assert (a != b).any() or i % 10 in (1,), i  # differences exist somewhere: the test can fail
+    # step 1's scales are not powers of 2: the two roundings differ somewhere (the bound is not vacuous)
+    assert any(not torch.equal(a, b) for a, b in zip(native, emulated))
 
 
 @pytest.mark.parametrize("name", ["block", "mxfp8", "nvfp4", "fp32_output", "setting_off"])
@@ -156,7 +159,10 @@ def test_the_choice_and_its_reasons(monkeypatch) -> None:
             grouped_kernel_choice(cpu)
     monkeypatch.delenv("FP8TRAIN_GROUPED_GEMM")
     monkeypatch.delenv("FP8TRAIN_GEMM")
-    assert grouped_kernel_choice(cpu) == (False, "cpu GEMMs are emulated (unless FP8TRAIN_GEMM=scaled_mm on the CPU)")
+    assert grouped_kernel_choice(cpu) == (
+        False,
+        "cpu GEMMs are emulated (unless FP8TRAIN_GEMM=scaled_mm on the CPU)",
+    )
 
 
 def test_experts_with_rows_past_the_last_offset() -> None:
@@ -192,7 +198,8 @@ def test_the_checker_reports_broken_rules() -> None:
         )  # fmt: skip
     rules = " / ".join(checker.violations)
     for rule in (
-        "mat_b must be column-major", "scale_b must be (groups, columns)", "every group a multiple of 16 rows",
-        "operands must both be float8_e4m3fn", "offs must be a 1-D int32 tensor", "the output must be bf16",
+        "mat_b must be column-major", "scale_b must be (groups, columns)",
+        "every group a multiple of 16 rows", "operands must both be float8_e4m3fn",
+        "offs must be a 1-D int32 tensor", "the output must be bf16",
     ):  # fmt: skip
         assert rule in rules, (rule, rules)
