@@ -25,6 +25,7 @@ import torch
 import fp8train
 from cuda_contract import cuda_contract, cuda_grouped_contract, relative_bound
 from fp8train import torch_internals
+from fp8train.layer_coverage import StepCoverage
 from fp8train.modules.grouped_gemm import grouped_kernel_choice
 
 E4M3, HYBRID = fp8train.Format.E4M3, fp8train.Format.HYBRID
@@ -203,3 +204,22 @@ def test_the_checker_reports_broken_rules() -> None:
         "offs must be a 1-D int32 tensor", "the output must be bf16",
     ):  # fmt: skip
         assert rule in rules, (rule, rules)
+
+
+def test_coverage_names_the_grouped_path(monkeypatch) -> None:
+    """coverage and StepCoverage report the experts' GEMMs as "scaled_grouped_mm" where the grouped
+    kernel takes them, and as a Linear's path where it does not (the CPU's default)."""
+    torch.manual_seed(0)
+    module = fp8train.GroupedLinear(3, 64, 32).to(torch.bfloat16)
+    recipe = RECIPES["delayed_e4m3"]()
+    default = fp8train.coverage(module, recipe)
+    assert {layer.path for layer in default.layers} == {"scaled_mm"}  # FP8TRAIN_GEMM=scaled_mm, no kernel
+    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {})  # the failed probe is kept: probe again
+    with cuda_contract(), cuda_grouped_contract():
+        report = fp8train.coverage(module, recipe)
+        assert [layer.path for layer in report.layers] == ["scaled_grouped_mm"] * 3
+        steps = StepCoverage(module)
+        x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+        with fp8train.fp8_autocast(fp8_recipe=recipe):
+            module(x, [16, 0, 32]).sum().backward()
+        assert steps.take()["gemms"] == {"scaled_grouped_mm": 9}  # 3 experts x 3 GEMMs
