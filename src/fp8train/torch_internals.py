@@ -198,7 +198,11 @@ def _probe_operands(kernel: str, device: torch.device):
 
 
 def _probe(kernel: str, device: torch.device) -> None:
-    """Run `kernel` once on `device` and check its value; raises where it does not run or is wrong."""
+    """Run `kernel` once on `device` and check its value; raises where it does not run or is wrong
+    ("grouped": torch._scaled_grouped_mm's two forms, `_grouped_probe`)."""
+    if kernel == "grouped":
+        _grouped_probe(device)
+        return
     if kernel == "tensorwise":  # both dtype pairs fp8train uses, both output kinds
         one = torch.ones((), dtype=torch.float32, device=device)
         a = torch.ones(16, 16, dtype=torch.float8_e4m3fn, device=device)
@@ -311,7 +315,7 @@ def scaled_grouped_mm_problem(device_type: str, index: int) -> str:
     else:
         device = torch.device(device_type) if index < 0 else torch.device(device_type, index)
         try:
-            _grouped_probe(device)
+            _probe("grouped", device)
         except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             problem = f"torch._scaled_grouped_mm failed on {device}: {first}"
