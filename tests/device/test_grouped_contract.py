@@ -223,3 +223,40 @@ def test_coverage_names_the_grouped_path(monkeypatch) -> None:
         with fp8train.fp8_autocast(fp8_recipe=recipe):
             module(x, [16, 0, 32]).sum().backward()
         assert steps.take()["gemms"] == {"scaled_grouped_mm": 9}  # 3 experts x 3 GEMMs
+
+
+def _microbatches(recompute: bool):
+    """Two microbatches with the weight cache (is_first_microbatch True, then False), the second under
+    fp8train.checkpoint when `recompute`, over 2 steps: outputs and gradients, and the grouped calls."""
+    torch.manual_seed(0)
+    module = fp8train.GroupedLinear(3, 64, 32, bias=False).to(torch.bfloat16)  # bias: see the bound test
+    recipe = RECIPES["delayed_e4m3"]()
+    splits = [16, 32, 0]
+    out = []
+    with cuda_contract(), cuda_grouped_contract() as grouped:
+        for step in range(2):
+            for micro, first in enumerate((True, False)):
+                torch.manual_seed(100 * step + micro)
+                x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+                with fp8train.fp8_autocast(fp8_recipe=recipe):
+                    if recompute and not first:
+                        y = fp8train.checkpoint(module, x, splits, first)
+                    else:
+                        y = module(x, splits, is_first_microbatch=first)
+                y.float().square().sum().backward()
+                out += [y.detach(), x.grad]
+            out += [p.grad.clone() for p in module.parameters()]
+            module.zero_grad()
+    assert not grouped.violations
+    return out, _gemm_calls(grouped.calls)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_weight_cache_and_recomputation_through_the_grouped_kernel(recompute: bool, monkeypatch) -> None:
+    native, kinds = _microbatches(recompute)
+    assert kinds.count("grouped 2d-2d") == 4  # a weight gradient per microbatch and step
+    monkeypatch.setenv("FP8TRAIN_GROUPED_GEMM", "off")
+    per_group, kinds = _microbatches(recompute)
+    assert kinds == []
+    for i, (a, b) in enumerate(zip(native, per_group)):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max())
