@@ -260,3 +260,44 @@ def test_weight_cache_and_recomputation_through_the_grouped_kernel(recompute: bo
     assert kinds == []
     for i, (a, b) in enumerate(zip(native, per_group)):
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max())
+
+
+def _qwen3_moe_losses(steps: int = 2):
+    """A tiny bf16 Qwen3-MoE (built from its config) converted by convert_to_fp8, trained `steps` SGD
+    steps under delayed scaling E4M3: its losses and the grouped checker's calls."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts_per_tok=2, intermediate_size=128, moe_intermediate_size=32,
+        head_dim=16, num_experts=4, decoder_sparse_step=1,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.config._experts_implementation = "eager"
+    fp8train.convert_to_fp8(model, log=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids = torch.randint(0, 96, (2, 24))
+    losses = []
+    with cuda_contract(), cuda_grouped_contract() as grouped:
+        for _ in range(steps):
+            with fp8train.fp8_autocast(fp8_recipe=RECIPES["delayed_e4m3"]()):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert not grouped.violations, grouped.violations[:3]
+    return losses, _gemm_calls(grouped.calls)
+
+
+def test_transformers_fused_experts_take_the_grouped_kernel(monkeypatch) -> None:
+    """FusedExperts (Qwen3-MoE's converted experts: any routing, groups off 16 rows padded inside):
+    gate_up and down grouped, each GEMM of each role once per step; losses as one GEMM per expert's
+    (not bit for bit: the per-expert GEMMs of groups off 16 rows are emulated, see above)."""
+    native, kinds = _qwen3_moe_losses()
+    assert kinds.count("grouped 2d-2d") == 2 * 2  # gate_up and down, per step
+    assert kinds.count("grouped 2d-3d") == 2 * 2 * 2  # forward and dgrad of both, per step
+    monkeypatch.setenv("FP8TRAIN_GROUPED_GEMM", "off")
+    per_expert, kinds = _qwen3_moe_losses()
+    assert kinds == []
+    assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(native, per_expert)), (native, per_expert)
