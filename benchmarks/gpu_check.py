@@ -25,6 +25,9 @@ Sections (scripts/gpu_check.sh runs them in this order, each with its own time l
 - kernels: the fused FP8 casts (fp8train.kernels) in GB/s against the device's peak, beside the torch
   path and the compiled cast; fused against torch and compiled against eager, bit for bit, transposed
   copies included (benchmarks/gpu_check_kernels.py).
+- grouped: a mixture-of-experts layer's expert MLP (DeepSeek-V3-like: hidden 7168, intermediate 2048,
+  16 experts, 8192 rows) forward+backward in bf16 grouped_mm against FP8 grouped (torch._scaled_grouped_mm)
+  and one FP8 GEMM per expert (benchmarks/gpu_check_grouped.py).
 - emulation: the device's training against the CPU's exact emulation.
 - overlap: the asynchronous reduction against a collective of 0, 2 and 10 ms simulated on a side stream.
 - idle: the share of a steady step's wall time in which the GPU ran no kernel (torch.profiler).
@@ -51,6 +54,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from gpu_check_grouped import grouped_section
 from gpu_check_kernels import kernels_section
 from gpu_check_probes import (
     DelayedCollective,
@@ -1164,6 +1168,7 @@ SECTIONS: dict[str, Callable[[Context], dict]] = {
     "compile": compiled,
     "recipes": recipes,
     "kernels": lambda ctx: kernels_section(ctx.device, ctx.quick, ctx.progress),
+    "grouped": lambda ctx: grouped_section(ctx.device, ctx.quick, ctx.progress),
     "emulation": emulation,
     "overlap": overlap,
     "idle": idle,

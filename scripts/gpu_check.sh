@@ -34,7 +34,7 @@ done
 
 # section:limit in seconds, most telling first (the limits add up to more than the budget: most
 # sections end well within theirs; train, which compiles a layer per shape, takes what is left)
-all="env:40 contract:45 syncs:75 te_table:90 compile:110 recipes:45 kernels:75 emulation:45 overlap:60 idle:45 train:120"
+all="env:40 contract:45 syncs:75 te_table:90 compile:110 recipes:45 kernels:75 grouped:45 emulation:45 overlap:60 idle:45 train:120"
 for section in $sections; do
   if [[ " $all " != *" $section:"* ]]; then
     echo "gpu_check: no section $section; the sections: $(echo "$all" | sed 's/:[0-9]*//g')" >&2

@@ -257,3 +257,145 @@ def relative_bound(k: int) -> float:
     in any order: gamma_k = k u / (1 - k u), u = 2**-24."""
     u = 2.0**-24
     return k * u / (1 - k * u) if k * u < 1 else math.inf
+
+
+# ---- torch._scaled_grouped_mm ------------------------------------------------------------------------------
+# The rules of its CUDA kernel (aten/src/ATen/native/cuda/GroupedBlas.cpp, `_scaled_grouped_mm_cuda` and
+# `_check_scales_fp8_rowwise`; torch/_meta_registrations.py, `_meta_grouped_mm_common`): a device of
+# compute capability 9.x or 10.x; E4M3 operands (row-wise scales: no E5M2); mat_a row-major, mat_b
+# column-major in their last two dimensions, leading dimensions of 16 bytes; mat_a's last dimension and
+# both of mat_b's multiples of 16; 2-D or 3-D operands with matching contraction; `offs` (1-D int32) given
+# exactly when an operand is 2-D; no bias, no scale_result; bf16 output. Row-wise scales, fp32: a 2-D
+# operand's scale is 1-D, contiguous, one per row of mat_a (per column of mat_b), times the number of
+# groups when both are 2-D (one block per group); a 3-D operand's scale is 2-D (groups, rows or columns),
+# contiguous in its last dimension. Beyond torch's host checks, the kernel reads the groups with TMA
+# along the jagged dimension: fp8train keeps every group a multiple of 16 rows (torchao's alignment of
+# token groups for this kernel), and the checker holds it to that. Rows past offs[-1] and the weight
+# gradient of an empty group are left undefined here (NaN): fp8train must not read them.
+GROUP_ALIGN = 16
+
+
+class GroupedContractChecker(ContractChecker):
+    """Counts torch._scaled_grouped_mm calls and records the rules they break."""
+
+    def check_grouped(self, a, b, sa, sb, offs, bias, scale_result, out_dtype) -> Optional[list[int]]:
+        """The groups' sizes along the jagged dimension (None where offs is unusable)."""
+        call = {
+            "summary": (
+                f"grouped {tuple(a.shape)}{tuple(a.stride())} {a.dtype} x "
+                f"{tuple(b.shape)}{tuple(b.stride())} {b.dtype}, "
+                f"scales {sa.dtype}{tuple(sa.shape)}{tuple(sa.stride())} / "
+                f"{sb.dtype}{tuple(sb.shape)}{tuple(sb.stride())}, offs "
+                f"{None if offs is None else (offs.dtype, offs.tolist())}, out {out_dtype}"
+            )
+        }
+        need = self._need
+        need(a.dim() in (2, 3) and b.dim() in (2, 3), "operands must be 2-D or 3-D", call)
+        need(a.dtype == b.dtype == torch.float8_e4m3fn, "operands must both be float8_e4m3fn", call)
+        need(a.stride(-1) == 1 and a.stride(-2) >= max(1, a.shape[-1]), "mat_a must be row-major", call)
+        need(b.stride(-2) == 1 and b.stride(-1) >= max(1, b.shape[-2]), "mat_b must be column-major", call)
+        need(a.shape[-1] % 16 == 0, "mat_a's last dimension must be a multiple of 16", call)
+        need(
+            b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0,
+            "mat_b's dimensions must be multiples of 16",
+            call,
+        )
+        need((a.stride(-2) * a.element_size()) % 16 == 0, "mat_a's leading dimension: 16 bytes", call)
+        need((b.stride(-1) * b.element_size()) % 16 == 0, "mat_b's leading dimension: 16 bytes", call)
+        for name, t in (("mat_a", a), ("mat_b", b)):
+            need(t.data_ptr() % 16 == 0, f"{name} must be 16-byte aligned", call)
+        two_d = a.dim() == 2 and b.dim() == 2
+        if not two_d:
+            need(a.shape[-1] == b.shape[-2], "contraction dimensions differ", call)
+        need(bias is None, "no bias (torch: not supported yet)", call)
+        need(scale_result is None, "no scale_result", call)
+        need(out_dtype in (None, torch.bfloat16), "the output must be bf16", call)
+        sizes = None
+        need(
+            (offs is not None) == (a.dim() == 2 or b.dim() == 2), "offs exactly when an operand is 2-D", call
+        )
+        if offs is not None:
+            need(offs.dim() == 1 and offs.dtype == torch.int32, "offs must be a 1-D int32 tensor", call)
+            ends = offs.tolist()
+            jagged = a.shape[1] if two_d else a.shape[0]
+            sizes = [e - s for s, e in zip([0] + ends[:-1], ends)]
+            need(all(n >= 0 for n in sizes) and (not ends or ends[-1] <= jagged),
+                 "offs must be non-decreasing and within the jagged dimension", call)  # fmt: skip
+            need(
+                all(n % GROUP_ALIGN == 0 for n in sizes),
+                f"every group a multiple of {GROUP_ALIGN} rows",
+                call,
+            )
+            if a.dim() == 2 and b.dim() == 3:
+                need(len(ends) == b.shape[0], "one offset per expert of mat_b", call)
+        need(sa.dtype == sb.dtype == torch.float32, "row-wise scales must be float32", call)
+        groups = len(offs) if offs is not None else a.shape[0]
+        multiplier = groups if two_d else 1
+        for name, scale, mat, dim in (("scale_a", sa, a, 0), ("scale_b", sb, b, 1)):
+            if mat.dim() == 2:
+                need(scale.dim() == 1 and scale.is_contiguous(), f"{name} must be 1-D and contiguous", call)
+                what = f"{name}: one per {'row' if dim == 0 else 'column'}" + (" per group" if two_d else "")
+                need(scale.numel() == mat.shape[dim] * multiplier, what, call)
+            else:
+                need(scale.dim() == 2 and scale.stride(1) == 1, f"{name} must be 2-D, contiguous rows", call)
+                need(tuple(scale.shape) == (mat.shape[0], mat.shape[1 + dim]),
+                     f"{name} must be (groups, {'rows' if dim == 0 else 'columns'})", call)  # fmt: skip
+        call["kind"] = "grouped 2d-2d" if two_d else f"grouped {a.dim()}d-{b.dim()}d"
+        self.calls.append(call)
+        return sizes
+
+    def compute_grouped(self, a, b, sa, sb, sizes) -> torch.Tensor:
+        """Each group's product of dequantized operands (fp32 values times their fp32 scales, an fp64
+        matmul, rounded once to bf16), as `compute` makes one torch._scaled_mm's."""
+        if a.dim() == 2 and b.dim() == 3:
+            out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=torch.float64)
+            start = 0
+            for g, n in enumerate(sizes or []):
+                av = a[start : start + n].float() * sa[start : start + n].float()[:, None]
+                bv = b[g].float() * sb[g].float()[None, :]
+                out[start : start + n] = av.double() @ bv.double()
+                start += n
+            return out.to(torch.bfloat16)
+        if a.dim() == 2 and b.dim() == 2:
+            m, n_out = a.shape[0], b.shape[1]
+            out = torch.full((len(sizes or []), m, n_out), float("nan"), dtype=torch.float64)
+            start = 0
+            for g, n in enumerate(sizes or []):
+                if n:
+                    av = a[:, start : start + n].float() * sa[g * m : (g + 1) * m].float()[:, None]
+                    bv = b[start : start + n].float() * sb[g * n_out : (g + 1) * n_out].float()[None, :]
+                    out[g] = av.double() @ bv.double()
+                start += n
+            return out.to(torch.bfloat16)
+        return torch.full((1,), float("nan"), dtype=torch.bfloat16)
+
+
+def _grouped_shape(a, b, offs) -> tuple[int, ...]:
+    if a.dim() == 2 and b.dim() == 2:
+        return (0 if offs is None else len(offs), a.shape[0], b.shape[1])
+    if a.dim() == 2:
+        return (a.shape[0], b.shape[-1])
+    return (a.shape[0], a.shape[1], b.shape[-1]) if b.dim() == 3 else (a.shape[1], b.shape[1])
+
+
+@contextlib.contextmanager
+def cuda_grouped_contract() -> Iterator[GroupedContractChecker]:
+    """Within: torch._scaled_grouped_mm has a CPU kernel, the checker (torch has none). Removed on exit."""
+    checker = GroupedContractChecker()
+
+    def functional(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                   use_fast_accum=False):  # fmt: skip
+        before = len(checker.violations)
+        sizes = checker.check_grouped(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype)
+        if len(checker.violations) > before:  # a call CUDA refuses: no product (NaN, of the meta's shape)
+            meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in (a, b, scale_a, scale_b)]
+            return torch.full(_grouped_shape(meta[0], meta[1], offs), float("nan"), dtype=torch.bfloat16)
+        return checker.compute_grouped(a, b, scale_a, scale_b, sizes)
+
+    library = torch.library.Library("aten", "IMPL")
+    with _quiet_override():
+        library.impl("_scaled_grouped_mm", functional, "CPU")
+    try:
+        yield checker
+    finally:
+        library._destroy()

@@ -29,6 +29,7 @@ from .amax import current_call
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
 from .modules.base import FP8Module
+from .modules.grouped_gemm import grouped_kernel_choice
 from .quantization import RECIPES, check_recipe, record_of_kind
 from .quantization.base import Quantization
 from .recipe import DelayedScaling, Recipe
@@ -188,6 +189,20 @@ def gemm_path(kernel: str, device: torch.device, tokens: int, in_features: int, 
     return f"scaled_mm:{kernel}" if fits and gemm.kernel_choice(kernel, device)[0] else BLOCK_PATH
 
 
+GROUPED_PATH = "scaled_grouped_mm"
+
+
+def grouped_gemm_path(
+    module: torch.nn.Module, kernel: str, device: torch.device, k: int, n: int
+) -> Optional[str]:
+    """GROUPED_PATH where the GEMMs of a grouped module (GroupedLinear, experts) of this shape take
+    torch._scaled_grouped_mm on `device` under a recipe whose kernel is `kernel` (per-tensor recipes,
+    features in whole 16s, a layer computing in bf16: modules/grouped_gemm.py), else None."""
+    if not hasattr(module, "gemm_weights") or kernel != "tensorwise" or k % 16 or n % 16 or not k or not n:
+        return None
+    return GROUPED_PATH if grouped_kernel_choice(device)[0] else None
+
+
 def whole_blocks(kind: str) -> int:
     """The block every GEMM dimension must fill under a recipe of `kind` (1: none); the recipe refuses
     other shapes, and convert_to_fp8 given the recipe keeps them in high precision."""
@@ -232,7 +247,10 @@ def model_coverage(model: torch.nn.Module, record: type[Quantization]) -> ModelC
                 reason = "switched" if SWITCHES.high_precision_now(module) else "fp8"
             fp8 = reason == "fp8"
             padded = fp8 and block is not None and bool(k % block or n % block)
-            path = gemm_path(record.kernel, weight.device, 16, k, n) if fp8 else None
+            path = None
+            if fp8:
+                grouped = grouped_gemm_path(module, record.kernel, weight.device, k, n)
+                path = grouped or gemm_path(record.kernel, weight.device, 16, k, n)
             asked = reason in ("filter", "switched") or module in KEPT_BY_FILTER
             layers.append(
                 LayerCoverage(name, type(module).__name__, k, n, fp8, reason, frozen, path, padded, asked)
@@ -353,7 +371,10 @@ class StepCoverage:
             self.flops["fp8" if fp8 else "high_precision"] += 2 * tokens * k * n * gemms
             path = "high_precision"
             if fp8:
-                path = gemm_path(call.quantization.kernel, weight.device, tokens, k, n)
+                kernel = call.quantization.kernel
+                grouped = grouped_gemm_path(module, kernel, weight.device, k, n)
+                path = grouped if grouped and x.dtype == torch.bfloat16 else None
+                path = path or gemm_path(kernel, weight.device, tokens, k, n)
             self.gemms[path] += gemms
             if isinstance(weight, GatheredWeight) and weight.fp8:
                 self.gathered_bytes["fp8"] += weight.numel()

@@ -31,6 +31,9 @@ __all__ = [
     "cuda_capability",
     "device_index",
     "SCALED_MM_KERNELS",
+    "scaled_grouped_mm",
+    "grouped_mm",
+    "scaled_grouped_mm_problem",
     "unsafe_view",
     "tree_leaves",
     "tree_map_only",
@@ -195,7 +198,11 @@ def _probe_operands(kernel: str, device: torch.device):
 
 
 def _probe(kernel: str, device: torch.device) -> None:
-    """Run `kernel` once on `device` and check its value; raises where it does not run or is wrong."""
+    """Run `kernel` once on `device` and check its value; raises where it does not run or is wrong
+    ("grouped": torch._scaled_grouped_mm's two forms, `_grouped_probe`)."""
+    if kernel == "grouped":
+        _grouped_probe(device)
+        return
     if kernel == "tensorwise":  # both dtype pairs fp8train uses, both output kinds
         one = torch.ones((), dtype=torch.float32, device=device)
         a = torch.ones(16, 16, dtype=torch.float8_e4m3fn, device=device)
@@ -262,6 +269,84 @@ def scaled_mm(
     return torch._scaled_mm(
         a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )
+
+
+# ---- grouped GEMMs (mixture-of-experts) -----------------------------------------------------------------
+def _grouped_probe(device: torch.device) -> None:
+    """Both forms fp8train calls, once each, all values and scales 1 (so every product is 16): rows in
+    groups times a stack of column-major expert weights (2d-3d: forward, dgrad), and the weight gradient's
+    form, groups along the reduction (2d-2d)."""
+    e4m3 = dict(dtype=torch.float8_e4m3fn, device=device)
+    one = dict(dtype=torch.float32, device=device)
+    offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+    rows = torch.ones(32, 16, **e4m3)
+    experts = torch.ones(2, 16, 16, **e4m3).transpose(-2, -1)
+    calls = [
+        (rows, experts, torch.ones(32, **one), torch.ones(2, 16, **one)),
+        (
+            rows.t().contiguous(),
+            rows.t().contiguous().t(),
+            torch.ones(2 * 16, **one),
+            torch.ones(2 * 16, **one),
+        ),
+    ]
+    for mat_a, mat_b, scale_a, scale_b in calls:  # the op itself: not counted by code that wraps it
+        y = torch.ops.aten._scaled_grouped_mm(
+            mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16
+        )
+        if not bool((y.float() == 16.0).all()):  # a host read, once per device
+            raise RuntimeError(
+                f"torch._scaled_grouped_mm computed a wrong product ({y.flatten()[0].item()} for 16)"
+            )
+
+
+@constant_for_compile  # traced code reads the answer as a constant
+def scaled_grouped_mm_problem(device_type: str, index: int) -> str:
+    """Why `torch._scaled_grouped_mm` (FP8 grouped GEMM, row-wise fp32 scales, bf16 output) cannot run
+    on this device ("" when it can), found by one small call of each form per device and kept in the
+    registry of device facts (as `scaled_mm_problem`). torch has no CPU kernel of it: on the CPU it runs
+    only where a test registers one (tests/cuda_contract.py)."""
+    key = (device_type, index, "grouped")
+    if key in _DEVICE_FACTS:
+        return _DEVICE_FACTS[key]
+    problem = ""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        problem = f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    else:
+        device = torch.device(device_type) if index < 0 else torch.device(device_type, index)
+        try:
+            _probe("grouped", device)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            problem = f"torch._scaled_grouped_mm failed on {device}: {first}"
+    if problem and device_type != "cpu":
+        warnings.warn(f"fp8train: {problem}; grouped FP8 GEMMs run one GEMM per group there", stacklevel=2)
+    _DEVICE_FACTS[key] = problem
+    return problem
+
+
+def scaled_grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """The FP8 grouped GEMM (`torch._scaled_grouped_mm`, torch >= 2.8; CUTLASS on SM90, SM100): E4M3
+    operands, `mat_a` row-major, `mat_b` column-major in its last two dimensions; `offs` the int32 end
+    offsets of the groups along the jagged dimension (rows of a 2-D `mat_a` against a 3-D `mat_b`, or
+    the reduction of two 2-D operands); fp32 scales per row of `mat_a` and per column of `mat_b` (2-D
+    operands: one block per group); bf16 output, no bias (docs/design.md, section 9.2)."""
+    return torch._scaled_grouped_mm(
+        mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum
+    )
+
+
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The bf16 grouped GEMM (`torch._grouped_mm`, the op of torch.nn.functional.grouped_mm; SM80+,
+    a loop of mm elsewhere): the high-precision reference the GPU check times grouped FP8 against."""
+    return torch._grouped_mm(mat_a, mat_b, offs=offs)
 
 
 def unsafe_view(tensor: torch.Tensor, shape) -> torch.Tensor:

@@ -418,6 +418,24 @@ def test_the_emulated_gemms_ignore_tf32_and_autocast(monkeypatch, name) -> None:
 # ---- fp8train info: which GEMM each recipe uses on the device, and why -----------------------------
 
 
+def test_grouped_gemms_take_their_kernel_on_9x_and_10x_only_probed_once(monkeypatch, fresh_facts) -> None:
+    """torch._scaled_grouped_mm's CUTLASS kernels: compute capability 9.x and 10.x (not Ada's 8.9, not
+    consumer Blackwell's 12.0); one probe per device, kept with the other device facts."""
+    from fp8train.modules.grouped_gemm import grouped_kernel_choice
+
+    monkeypatch.delenv("FP8TRAIN_GEMM", raising=False)
+    for capability, expected in (((8, 9), False), ((9, 0), True), ((10, 0), True), ((12, 0), False)):
+        fresh_facts.clear()
+        log = _fake_cuda(monkeypatch, capability)
+        answers = [grouped_kernel_choice(CUDA0) for _ in range(3)]
+        assert {a[0] for a in answers} == {expected}, (capability, answers)
+        if expected:
+            assert log.count(("probe", "grouped", "cuda:0")) == 1
+        else:
+            assert ("probe", "grouped", "cuda:0") not in log
+            assert f"this GPU has {capability[0]}.{capability[1]}" in answers[0][1]
+
+
 def test_info_says_which_gemm_each_recipe_uses_on_the_device(monkeypatch, fresh_facts, capsys) -> None:
     from fp8train.tools import cli
 
@@ -437,4 +455,8 @@ def test_info_says_which_gemm_each_recipe_uses_on_the_device(monkeypatch, fresh_
         "  MXFP8BlockScaling: the emulation (block-dequantized operands, an fp32 matmul): the mxfp8 kernel "
     )
     assert mxfp8 + "needs compute capability 10.0 or newer (Blackwell); this GPU has 9.0" in out
+    grouped = (
+        "grouped GEMMs (mixture of experts; delayed and current scaling, bf16): torch._scaled_grouped_mm"
+    )
+    assert grouped + ": torch._scaled_grouped_mm runs on cuda (probed)" in out
     assert "fast accumulation for forward GEMMs" in out

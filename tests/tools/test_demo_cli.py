@@ -247,6 +247,11 @@ def test_info_prints_the_gemm_path(monkeypatch, capsys):
         assert f"  computed by the {kernel} GEMM kernel: {why}\n" in out
     assert "NVTE_ASYNC_AMAX_REDUCTION=(unset): asynchronous" in out
     assert f"torch {torch.__version__}" in out
+    if device.type == "cpu":  # the grouped GEMMs' choice, and why
+        assert (
+            "grouped GEMMs (mixture of experts; delayed and current scaling, bf16): one GEMM per expert: "
+            in out
+        )
     monkeypatch.setenv("FP8TRAIN_GEMM", "fp32")
     monkeypatch.setenv("NVTE_ASYNC_AMAX_REDUCTION", "0")
     assert cli.main(["info"]) == 0
@@ -256,6 +261,10 @@ def test_info_prints_the_gemm_path(monkeypatch, capsys):
     monkeypatch.setenv("NVTE_ASYNC_AMAX_REDUCTION", "yes")
     assert cli.main(["info"]) == 2
     assert "invalid" in capsys.readouterr().out
+    monkeypatch.setenv("NVTE_ASYNC_AMAX_REDUCTION", "0")
+    monkeypatch.setenv("FP8TRAIN_GROUPED_GEMM", "always")
+    assert cli.main(["info"]) == 2
+    assert "FP8TRAIN_GROUPED_GEMM='always' is not valid: use auto or off" in capsys.readouterr().out
 
 
 def test_python_dash_m_runs_the_cli():

@@ -28,6 +28,7 @@ SECTIONS = (
     "compile",
     "recipes",
     "kernels",
+    "grouped",
     "emulation",
     "overlap",
     "idle",
@@ -202,6 +203,18 @@ def test_kernels_section_runs_the_fused_kernels_interpreted_and_they_equal_the_t
     section = json.loads((tmp_path / "gpu-check.json").read_text())["sections"]["kernels"]
     assert done.returncode == 0 and section["fused"] is True, done.stdout[-2000:] + done.stderr[-2000:]
     assert all(row["fused_equals_torch"] and "fused_gb_s" in row for row in section["rows"]), section["rows"]
+
+
+def test_grouped_section_times_every_variant_and_says_why_the_kernel_is_off(dry_run) -> None:
+    """On the CPU the grouped kernel is not chosen (torch has no CPU kernel of it) and says why; the
+    four variants run (bf16 grouped_mm, FP8 E4M3 and HYBRID, one GEMM per expert) and compare."""
+    section = dry_run[1]["grouped"]
+    assert section["ok"], section.get("figure")
+    assert section["grouped_kernel_chosen"] is False and "emulated" in section["why"]
+    for name in ("bf16_grouped_mm", "fp8_e4m3_grouped", "fp8_hybrid", "fp8_e4m3_per_expert"):
+        assert section[name]["ms"] > 0 and section[name]["grouped_calls_per_step"] == 0
+    assert 0 < section["fp8_e4m3_grouped"]["rel_err_y_vs_bf16"] < 0.15
+    assert sum(section["shape"]["splits"]) == section["shape"]["rows"] and 0 in section["shape"]["splits"]
 
 
 def test_without_cuda_the_check_stops_at_once(tmp_path) -> None:

@@ -35,12 +35,7 @@ class _LinearFn(torch.autograd.Function):
         shape = x.shape
         if inputs.fp8_group is not None:  # sequence parallel: every rank's tokens, gathered in FP8
             shape = (x_ops.forward.values.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
-        # the output's dtype: x's, or torch.autocast's where it is on for x's device (as
-        # TransformerEngine's modules): the activations after an FP8 GEMM then are what they would
-        # be after an autocast GEMM
-        device = x.device.type
-        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        y = matmul(x_ops.forward, w_ops.forward.t(), out_dtype, bias, path=call.gemm_path)
+        y = matmul(x_ops.forward, w_ops.forward.t(), _output_dtype(x), bias, path=call.gemm_path)
         formats = call.quantization.e2m1_values, call.quantization.e8m0_scales
         (x_saved, x_form), (w_saved, w_form) = (
             saved.pack(x_ops.wgrad, *formats),
@@ -95,6 +90,13 @@ class _LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_bias, None, None, None, None
 
 
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """x's dtype, or torch.autocast's where it is on for x's device (as TransformerEngine's modules):
+    the activations after an FP8 GEMM then are what they would be after an autocast GEMM."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def _warn_if_emulated_for_shape(module, weight: torch.Tensor, call: Call) -> None:
     """One rule for a weight off 16, on every device (shape_rule.py): an FP8 module computes it in FP8
     through the exact emulation. Where the device would otherwise run the recipe's kernel (a GPU, or
@@ -122,11 +124,13 @@ def fp8_linear(
     is_first_microbatch: Optional[bool] = None,
     sp_group=None,
     stored_weight: Optional[WeightOperands] = None,
-) -> torch.Tensor:
+    grouped=None,
+) -> Optional[torch.Tensor]:
     """y = x @ weight.T + bias, in FP8 when the region (or a replayed plan) says so. With `sp_group`
     (sequence parallelism: the TP group) x is this rank's block of tokens, all-gathered first.
     `stored_weight`: the weight's operands as stored (a frozen FP8 `weight`, StoredFP8Linear), used
-    as they are in FP8 and dequantized outside it.
+    as they are in FP8 and dequantized outside it. `grouped`: the GroupedGEMMs of a grouped call
+    (grouped_gemm.py); where it takes the call, the GEMM's operands go to it and None is returned.
 
     The call picks its weight source and input source once (sources.py); one path runs for all."""
     if isinstance(weight, GatheredWeight) and torch.compiler.is_compiling():
@@ -152,12 +156,18 @@ def fp8_linear(
     # dimensions, so they take the same path
     out_features, in_features = weight.shape
     path = choose_path(weight.device, x.numel() // x.shape[-1] * inputs.ranks, in_features, out_features)
-    amax_in_cast = source.weight_amax is AMAX_IN_CAST
-    call = call.for_gemm(operand_dtype(path, weight.device), scales, token, path, amax_in_cast)
+    dtype = operand_dtype(path, weight.device)
+    native = grouped is not None and stored_weight is None and grouped.takes(call, _output_dtype(x))
+    if native:  # one GEMM of a grouped call (grouped_gemm.py): its operands in FP8
+        path, dtype = grouped.operand_path()
+    call = call.for_gemm(dtype, scales, token, path, source.weight_amax is AMAX_IN_CAST)
     w_ops = source.operands(weight, call)
     if source.kept:  # for the step's next microbatches, with the scales it was cast with
         cast_scales = None if scales is None else scales[:, 1]
         module.cache_weight(gemm_index, call.quantization.kind, w_ops, source.gather is not None, cast_scales)
+    if native:
+        grouped.add(weight, bias, w_ops, call)
+        return None
     y = _LinearFn.apply(x, weight, bias, w_ops, call, inputs, source.gather is not None)
     if not torch.compiler.is_compiling():  # compiled graphs' outputs: the region counts their calls
         call.note_output(y)

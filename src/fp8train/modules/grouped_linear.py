@@ -35,6 +35,7 @@ from ..debug_switches import SWITCHES
 from ..tensor_parallel import TensorParallel
 from .base import FP8Module
 from .fp8_linear import fp8_linear
+from .grouped_gemm import GroupedGEMMs
 from .linear import gemm_params, reset_gemm_params
 
 __all__ = [
@@ -126,10 +127,14 @@ def grouped_fp8_linear(
     the weights is rows of no group, whose output is 0. Returns the groups' outputs in row order."""
     groups = len(weights)
     rows = x2d.split(list(splits))
+    batch = GroupedGEMMs(weights, splits)  # takes the groups' GEMMs where the device has grouped ones
     outs = [
-        fp8_linear(module, rows[g], weights[g], biases[g], first_gemm + g, is_first_microbatch)
+        fp8_linear(module, rows[g], weights[g], biases[g], first_gemm + g, is_first_microbatch, grouped=batch)
         for g in range(groups)
     ]
+    if batch.native:  # every group's operands handed over: one grouped GEMM per role
+        tokens = sum(splits[:groups])
+        outs = [batch.multiply(x2d[:tokens])]
     if len(rows) > groups:  # rows after the last group (grouped_mm's offs[-1] < rows): no GEMM
         out_features = weights[0].shape[0] if groups else 0
         outs.append(x2d.new_zeros(sum(len(r) for r in rows[groups:]), out_features, dtype=outs[0].dtype))

@@ -161,6 +161,7 @@ def _info() -> int:
         fast_accumulation,
         recipe_gemm,
     )
+    from fp8train.modules.grouped_gemm import grouped_kernel_choice
     from fp8train.quantization import RECIPES
 
     cuda = torch.cuda.is_available()
@@ -183,6 +184,9 @@ def _info() -> int:
         for recipe, quantization in RECIPES.items():
             gemm, why = recipe_gemm(quantization.kernel, device)
             print(f"  {recipe.__name__}: {gemm}: {why}")
+        native, why = grouped_kernel_choice(device)
+        grouped = "torch._scaled_grouped_mm" if native else "one GEMM per expert"
+        print(f"grouped GEMMs (mixture of experts; delayed and current scaling, bf16): {grouped}: {why}")
         fast = [role for role in ("forward", "dgrad", "wgrad") if fast_accumulation(role)]
         print(
             f"{ENV_FAST_ACCUM}={_env(ENV_FAST_ACCUM)}: fast accumulation for {', '.join(fast) or 'no'} GEMMs"
