@@ -10,7 +10,7 @@ section's checks held, 1 if not, 2 without CUDA (unless --device cpu, the dry ru
 
 Sections (scripts/gpu_check.sh runs them in this order, each with its own time limit):
 - env: torch, CUDA, cuBLASLt, NCCL versions, the GPU and its capability, TF32 settings.
-- contract: fp8train.gemm in the three layouts of a linear layer (fprop, dgrad, wgrad) against fp64,
+- contract: fp8train.numerics.gemm in the three layouts of a linear layer (fprop, dgrad, wgrad) against fp64,
   and raw torch._scaled_mm with fast accumulation off and on; _scaled_mm calls per layer.
 - syncs: steady steps with the amax reduction running (a one-rank group forced to reduce): every site
   that makes the host wait or copies host data (sync-debug "warn" with a stack per site on CUDA, and a
@@ -22,7 +22,7 @@ Sections (scripts/gpu_check.sh runs them in this order, each with its own time l
   independent of their number), the block recipes' emulation warning under fullgraph, and
   mode="reduce-overhead" (CUDA graphs: 2 launches per step, scales follow the data).
 - recipes: one step of each recipe (delayed, current, block, MXFP8, NVFP4) at M = 1024.
-- kernels: the fused FP8 casts (fp8train.kernels) in GB/s against the device's peak, beside the torch
+- kernels: the fused FP8 casts (fp8train.numerics.kernels) in GB/s against the device's peak, beside the torch
   path and the compiled cast; fused against torch and compiled against eager, bit for bit, transposed
   copies included (benchmarks/gpu_check_kernels.py).
 - emulation: the device's training against the CPU's exact emulation.
@@ -62,8 +62,8 @@ from gpu_check_probes import (
 )
 
 import fp8train as ft
-from fp8train import gemm as ft_gemm
-from fp8train.gemm import Operand, choose_path, has_scaled_mm
+from fp8train.numerics import gemm as ft_gemm
+from fp8train.numerics.gemm import Operand, choose_path, has_scaled_mm
 from fp8train.telemetry import Telemetry
 from fp8train.tools.bench import gpu as gpu_bench
 from fp8train.tools.bench.common import GraphCounter, OpCounter
@@ -117,9 +117,9 @@ def check_settings(
         if fast_accum is not None:
             name = getattr(ft_gemm, "ENV_FAST_ACCUM", None)
             if name is None:
-                applied["fast_accum"] = "not available (fp8train.gemm has no ENV_FAST_ACCUM switch)"
+                applied["fast_accum"] = "not available (fp8train.numerics.gemm has no ENV_FAST_ACCUM switch)"
             else:
-                value = "all" if fast_accum else "none"  # fp8train.gemm.FAST_ACCUM's choices
+                value = "all" if fast_accum else "none"  # fp8train.numerics.gemm.FAST_ACCUM's choices
                 stack.enter_context(_env(name, value))
                 applied["fast_accum"] = f"{name}={value}"
         if reduce_on_one_rank is not None:
@@ -406,7 +406,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _fast_accum_switch() -> Optional[str]:
-    """The keyword of fp8train.gemm.matmul that chooses fast accumulation, where it has one."""
+    """The keyword of fp8train.numerics.gemm.matmul that chooses fast accumulation, where it has one."""
     parameters = inspect.signature(ft_gemm.matmul).parameters
     return next((name for name in ("use_fast_accum", "fast_accum") if name in parameters), None)
 
@@ -420,7 +420,7 @@ def _contract_errors(
     variants = {"fp8train": {}}
     if fast_switch is None:
         row["fp8train_fast_accum_switch"] = (
-            "not available (fp8train.gemm.matmul takes no fast-accumulation switch)"
+            "not available (fp8train.numerics.gemm.matmul takes no fast-accumulation switch)"
         )
     else:
         variants.update({f"fp8train_fast_accum_{s}": {fast_switch: s == "on"} for s in ("off", "on")})

@@ -14,8 +14,9 @@ import torch
 
 import fp8train
 from cuda_contract import cuda_contract, relative_bound
-from fp8train import block_gemm, gemm, torch_internals
-from fp8train.microscaling import e8m0_to_float, swizzle_scales, unswizzle_scales
+from fp8train import torch_internals
+from fp8train.numerics import block_gemm, gemm
+from fp8train.numerics.microscaling import e8m0_to_float, swizzle_scales, unswizzle_scales
 from fp8train.quantization import quantization_of
 
 CUDA0 = torch.device("cuda", 0)

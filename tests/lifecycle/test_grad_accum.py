@@ -30,8 +30,8 @@ import torch
 import fp8train
 from fp8train.amax import decode_extra_state
 from fp8train.amax.storage import update_scaling
-from fp8train.cast import amax, cast_operand
-from fp8train.gemm import gemm
+from fp8train.numerics.cast import amax, cast_operand
+from fp8train.numerics.gemm import gemm
 from fp8train.quantization.per_tensor import TensorQuantization
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=16)

@@ -459,7 +459,7 @@ def test_quotients_by_the_format_maxima_round_as_eager_under_gpu_lowering() -> N
     come out one ulp off, and an E8M0 scale whose quotient lies by a power of two moves a whole step.
     Every float32 in [1, 2) (for normal numbers the rounding depends on the mantissa only), divided
     under that lowering, equals the correctly rounded eager quotient."""
-    from fp8train import microscaling
+    from fp8train.numerics import microscaling
 
     a = (torch.arange(2**23, dtype=torch.int32) | (127 << 23)).view(torch.float32)
     for b in (6.0, 448.0, 57344.0):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import cast
-from fp8train.cast import amax, cast_operand, quantize
-from fp8train.gemm import bf16_kernel, choose_path, cpu_bf16_instructions, gemm, has_scaled_mm
+from fp8train.numerics import cast
+from fp8train.numerics.cast import amax, cast_operand, quantize
+from fp8train.numerics.gemm import bf16_kernel, choose_path, cpu_bf16_instructions, gemm, has_scaled_mm
 from fp8train.tools.bench.common import PassCounter
 from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
 
@@ -295,7 +295,7 @@ def test_the_cpu_probe_can_be_forced_either_way(monkeypatch, forced, kernel) -> 
 
 _EITHER_KERNEL = """
 import os, sys, torch
-from fp8train.gemm import bf16_kernel, gemm
+from fp8train.numerics.gemm import bf16_kernel, gemm
 from test_cast_gemm import _operands
 a, a_sinv, b, b_sinv = _operands(64, 256, 96, path="bf16")
 out = {"kernel": bf16_kernel(torch.device("cpu"))}

@@ -73,7 +73,7 @@ def test_scale_rule_matches_the_reference(amax: float, power_2: bool) -> None:
 
 @pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
 def test_per_tensor_current_scaling_quantizes_like_the_reference(encoding: str) -> None:
-    from fp8train.cast import cast_operand
+    from fp8train.numerics.cast import cast_operand
 
     x = _with_outliers(64, 96)
     scale, scale_inv = current_scales(x, encoding)

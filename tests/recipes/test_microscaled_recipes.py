@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.microscaling import (
+from fp8train.numerics.microscaling import (
     RHT_SIGNS,
     e8m0_to_float,
     mx_dequantize,

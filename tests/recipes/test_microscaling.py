@@ -15,7 +15,7 @@ from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
 from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize as ao_nvfp4_quantize
 from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
-from fp8train import microscaling as ms
+from fp8train.numerics import microscaling as ms
 from reference import (
     E2M1_GRID,
     E4M3_GRID,

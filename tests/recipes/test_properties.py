@@ -19,7 +19,7 @@ from fp8train import DelayedScaling, Format
 from fp8train.amax.reduction import Direction
 from fp8train.amax.stats import ReductionStats
 from fp8train.amax.storage import update_scaling
-from fp8train.cast import quantize
+from fp8train.numerics.cast import quantize
 from fp8train.recipe import fp8_dtype
 from reference import RefScaling
 

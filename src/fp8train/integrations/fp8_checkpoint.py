@@ -16,7 +16,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..block_format import (
+from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
+from ..numerics.block_format import (
     BLOCK,
     DEFAULT_RECIPE,
     BlockFormatError,
@@ -26,7 +27,6 @@ from ..block_format import (
     scales_to_float32,
     scales_to_format,
 )
-from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
 from ..recipe import Float8BlockScaling
 from . import require
 

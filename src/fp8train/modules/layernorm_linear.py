@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .. import second_order
 from ..amax import begin_call
-from ..formats import fp8_max
+from ..numerics.formats import fp8_max
 from ..quantization.block import TILE
 from ..quantization.current import scale_from_amax
 from ..saved import decode_fp8

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..block_format import (
+from ..numerics.block_format import (
     DEFAULT_RECIPE,
     check_scale_values,
     check_stored_weight,
@@ -22,7 +22,7 @@ from ..block_format import (
     scales_to_float32,
     stored_operand,
 )
-from ..gemm import Operand
+from ..numerics.gemm import Operand
 from ..quantization.base import WeightOperands
 from ..recipe import Float8BlockScaling
 from ..torch_internals import ddp_ignore

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..amax import Call
-from ..gemm import Operand
-from ..microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
+from ..numerics import kernels
+from ..numerics.gemm import Operand
+from ..numerics.microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
 from .base import (
     GradOperands,
     InputOperands,

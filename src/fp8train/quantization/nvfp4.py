@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..amax import Call
-from ..gemm import Operand
-from ..microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
+from ..numerics import kernels
+from ..numerics.gemm import Operand
+from ..numerics.microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
 from .base import (
     GradOperands,
     InputOperands,

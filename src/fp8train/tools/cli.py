@@ -153,7 +153,7 @@ def _info() -> int:
 
     from fp8train import __version__
     from fp8train.amax import ENV_ASYNC, settings
-    from fp8train.gemm import (
+    from fp8train.numerics.gemm import (
         ENV_FAST_ACCUM,
         ENV_PATH,
         bf16_kernel,

@@ -25,9 +25,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..torch_internals import scaled_mm
 from .microscaling import MX_BLOCK, NVFP4_BLOCK, pack_e2m1, swizzle_scales
 from .operand import Operand
-from .torch_internals import scaled_mm
 
 __all__ = [
     "BLOCK_FORMATS",

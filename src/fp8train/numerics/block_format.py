@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..quantization.block import TILE, quantize_tiles
+from ..recipe import Float8BlockScaling
 from .gemm import Operand
-from .quantization.block import TILE, quantize_tiles
-from .recipe import Float8BlockScaling
 
 __all__ = [
     "BLOCK",

@@ -36,12 +36,12 @@ from typing import Optional
 
 import torch
 
+from ..torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
 from . import block_gemm
 from .cast import FUSED_MIN_ELEMENTS
 from .gemm_output import fused_output_applies, scaled_output
 from .microscaling import float32_matmul
 from .operand import Operand
-from .torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
 
 __all__ = [
     "gemm",
