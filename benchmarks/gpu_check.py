@@ -102,10 +102,9 @@ def check_settings(
       update) runs [sets fp8train.amax.settings.reduce_single_rank].
     - all_reduce: what torch.distributed.all_reduce becomes (a simulated collective).
     - standin_events: the reduction's CUDA timing branch, forced on the CPU with stand-in events
-      [patches fp8train.amax.stats.Mark.now].
+      [sets fp8train.amax.settings.timing_events].
     - cuda_emulation_warning: the block recipes' "emulated on CUDA" warning, forced on the CPU (the
-      warning function is called with an input that says it is on CUDA) [patches
-      warn_emulated_on_cuda wherever fp8train bound it]."""
+      device type it is given on) [sets fp8train.quantization.base.EMULATION_NOTED_ON]."""
     applied: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         if async_reduction is not None:
@@ -166,49 +165,18 @@ def _one_rank_group(device: torch.device) -> None:
 
 
 def _force_cuda_timing(stack: contextlib.ExitStack, events: StandInEvents) -> str:
-    stats = sys.modules["fp8train.amax.stats"]
-    mark = getattr(stats, "Mark", None)
-    if mark is None or not hasattr(mark, "now"):
-        return "not available (fp8train.amax.stats.Mark.now is gone: its CUDA branch cannot be forced)"
-    stack.enter_context(
-        _attr(
-            mark,
-            "now",
-            staticmethod(lambda *args, **kwargs: mark(time.perf_counter(), events.recorded_event())),
-        )
-    )
-    return "fp8train.amax.stats.Mark.now"
-
-
-class _SaysCuda:
-    """An input that answers `is_cuda` with True and passes everything else to the real tensor."""
-
-    is_cuda = True
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def __getattr__(self, name: str):
-        return getattr(self._tensor, name)
+    stack.enter_context(ft.amax.settings.override(timing_events=events.recorded_event))
+    return "fp8train.amax.settings.timing_events"
 
 
 def _force_cuda_warning(stack: contextlib.ExitStack) -> str:
-    base = sys.modules["fp8train.quantization.base"]
-    original = getattr(base, "warn_emulated_on_cuda", None)
-    if original is None:
-        return "not available (fp8train.quantization.base.warn_emulated_on_cuda is gone)"
+    """The warning's test of the device type, pointed at the CPU (the tests' seam, quantization/base.py)."""
+    from fp8train.quantization import base
 
-    def forced(x, *args, **kwargs):
-        return original(_SaysCuda(x), *args, **kwargs)
-
-    owners = [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith("fp8train") and getattr(m, "warn_emulated_on_cuda", None) is original
-    ]
-    for module in owners:
-        stack.enter_context(_attr(module, "warn_emulated_on_cuda", forced))
-    return f"warn_emulated_on_cuda in {len(owners)} modules"
+    if not hasattr(base, "EMULATION_NOTED_ON"):
+        return "not available (fp8train.quantization.base.EMULATION_NOTED_ON is gone)"
+    stack.enter_context(_attr(base, "EMULATION_NOTED_ON", "cpu"))
+    return "warn_emulated_on_cuda in every module: fp8train.quantization.base.EMULATION_NOTED_ON = 'cpu'"
 
 
 # ---- models and steps -------------------------------------------------------------------------------------

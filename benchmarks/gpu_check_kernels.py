@@ -26,7 +26,7 @@ import torch
 
 from fp8train.numerics import kernels as ft_kernels
 from fp8train.numerics.cast import amax, cast_operand
-from fp8train.quantization.block import quantize_tiles
+from fp8train.quantization.block_scaling import quantize_tiles
 from fp8train.quantization.current import current_scales
 
 __all__ = ["kernels_section", "PUBLISHED_PEAK_BYTES_S"]

@@ -62,9 +62,8 @@ from typing import NamedTuple, Optional
 # The core's layers, lowest first (docs/design.md, "File layout", top to bottom): a module may import
 # its own layer and the layers before it. An entry is a file directly in src/fp8train/ (its stem), a
 # subpackage (every module in it), or a dotted module of a subpackage, which the longest matching entry
-# places (numerics/formats.py, FP8's vocabulary, lies below the rest of numerics/; numerics/block_format.py,
-# published checkpoints' block-FP8 weights, builds on quantization/block.py's tiles). tests/test_layers.py
-# enforces this table on the code.
+# places (numerics/formats.py, FP8's vocabulary, lies below the rest of numerics/: recipe.py imports it).
+# tests/test_layers.py enforces this table on the code.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "vocabulary",
@@ -80,7 +79,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("numerics", ("numerics", "saved", "second_order", "tensor_parallel")),
     ("amax", ("amax",)),
-    ("quantization", ("quantization", "numerics.block_format")),
+    ("quantization", ("quantization",)),
     ("modules and parallel wrappers", ("fsdp", "modules", "comm", "optim", "distributed")),
     (
         "doors and readers",
@@ -117,20 +116,18 @@ FORMER_HOMES = {
     "streams": "amax.streams",
     "modules.scaling_meta": "amax.meta",
 }
-# Before the move into numerics/: each old top-level module (and package) -> its new home.
+# Before the move into numerics/ (and the renames of the block files): each old top-level module (or
+# package) -> its new home.
 NUMERICS_HOMES = {
-    name: f"numerics.{name}"
-    for name in (
-        "formats",
-        "cast",
-        "microscaling",
-        "operand",
-        "gemm",
-        "gemm_output",
-        "block_gemm",
-        "block_format",
-        "kernels",
-    )
+    "formats": "numerics.formats",
+    "cast": "numerics.cast",
+    "microscaling": "numerics.microscaling",
+    "operand": "numerics.operand",
+    "gemm": "numerics.gemm",
+    "gemm_output": "numerics.gemm_output",
+    "block_gemm": "numerics.block_scaled_mm",
+    "block_format": "quantization.stored_block_weights",
+    "kernels": "numerics.kernels",
 }
 
 PACKAGE = "fp8train"

@@ -395,7 +395,7 @@ def test_stored_layer_takes_e8m0_scales_and_refuses_bad_ones_at_construction() -
             assert torch.equal(layer(x), expected)
         with torch.no_grad():
             assert torch.equal(layer(x), x @ dequantize_ref(q, s).t())
-    from fp8train.numerics.block_format import BlockFormatError
+    from fp8train.quantization.stored_block_weights import BlockFormatError
 
     with pytest.raises(BlockFormatError, match="weight_scale_inv is torch.bfloat16"):
         fp8train.StoredFP8Linear(q, s.bfloat16())
@@ -489,7 +489,7 @@ def test_lora_trains_base_bytes_unchanged_export_read_by_transformers(aligned, t
         load_fp8_checkpoint,
     )
     from fp8train.integrations.peft_fp8 import FP8LoraLinear, load_adapter, lora_config
-    from fp8train.numerics.block_format import quantize_block_weight
+    from fp8train.quantization.stored_block_weights import quantize_block_weight
 
     directory, _ = aligned
     model = peft.get_peft_model(load_fp8_checkpoint(directory), lora_config(**LORA))
@@ -566,7 +566,7 @@ def test_untouched_model_round_trips_bit_for_bit(tmp_path, ue8m0: bool) -> None:
 # ---- full fine-tuning -----------------------------------------------------------------------------
 def _first_weight_operand(model, ids, recipe):
     """The weight operand of model.layers[0].mlp.up_proj in a training forward under `recipe`."""
-    from fp8train.quantization.block import BlockQuantization
+    from fp8train.quantization.block_scaling import BlockQuantization
 
     seen = []
     original = BlockQuantization.quantize_weight

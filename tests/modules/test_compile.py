@@ -209,7 +209,7 @@ def test_emulation_warning_is_given_once_outside_the_graph(monkeypatch, recipe) 
     graph, and the model still compiles into one graph (the CUDA branch taken on the CPU)."""
     from fp8train.quantization import base
 
-    monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")
+    monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")  # the warning's seam: its device type
     base._warn_emulated.cache_clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -409,6 +409,7 @@ def test_fp8_calls_refuse_cuda_graph_capture(monkeypatch) -> None:
     than be skipped at every replay. The capture is simulated on the CPU."""
     from fp8train.amax import calls as ops
 
+    # torch's own capture query answered yes (no CUDA graph can be captured on the CPU): a fact, no setting
     monkeypatch.setattr(ops, "capturing_cuda_graph", lambda device: True)
     fp8train.inspection.reset()
     model = fp8train.Linear(32, 32)

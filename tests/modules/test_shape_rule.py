@@ -39,7 +39,8 @@ def _gemm_path(monkeypatch, path: str):
     if path != "scaled_mm":
         yield None
         return
-    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {})  # probed again, through the checker
+    # a cold cache of torch_internals' own (no setting fills it): probed again, through the checker
+    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {})
     with cuda_contract() as checker:
         yield checker
 

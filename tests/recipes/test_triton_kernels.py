@@ -3,7 +3,7 @@ interpreter on CPU tensors (TRITON_INTERPRET=1 while the kernels are imported; i
 dependency). Without triton installed, the whole file is skipped, and only then.
 
 References: cast.cast_operand / cast.amax (per-tensor), quantization/current.py's current_scales,
-quantization/block.py's quantize_tiles and the operands BlockQuantization builds; the rounding
+quantization/block_scaling.py's quantize_tiles and the operands BlockQuantization builds; the rounding
 helper itself against torch's own FP8 conversion (round-to-nearest-even on the CPU).
 """
 
@@ -62,7 +62,7 @@ with _interpreter():
 
 from fp8train.numerics import kernels  # noqa: E402
 from fp8train.numerics.cast import amax, cast_operand  # noqa: E402
-from fp8train.quantization.block import TILE, _tiles, quantize_tiles  # noqa: E402
+from fp8train.quantization.block_scaling import TILE, _tiles, quantize_tiles  # noqa: E402
 from fp8train.quantization.current import current_scales  # noqa: E402
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

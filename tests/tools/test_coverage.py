@@ -66,6 +66,7 @@ def test_block_recipes_mark_padded_and_off_block_layers() -> None:
 def test_the_path_is_the_kernel_gemm_chooses(monkeypatch) -> None:
     """A device whose MXFP8 kernel runs (gemm.kernel_choice says so) shows it as the path."""
     model = fp8train.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 64)), log=False)
+    # a device with an MXFP8 kernel, simulated on the CPU: the device decides it, no setting may
     monkeypatch.setattr(
         fp8train.numerics.gemm, "kernel_choice", lambda kernel, device: (kernel == "mxfp8", "stand-in")
     )

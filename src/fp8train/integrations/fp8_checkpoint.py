@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
-from ..numerics.block_format import (
+from ..quantization.stored_block_weights import (
     BLOCK,
     DEFAULT_RECIPE,
     BlockFormatError,
