@@ -207,6 +207,7 @@ def test_a_pipeline_stage_warns_for_an_environment_rule_its_layers_do_not_match(
     import fp8train.pipeline
 
     monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1,blocks.7.*")
+    # the stage's group check needs a pipeline's ranks (tests/parallel/test_pipeline.py); here the warning
     monkeypatch.setattr(fp8train.pipeline, "check_stage", lambda stage, group=None: None)
     stage = SimpleNamespace(submod=_switch_model(), stage_index=0)
     with pytest.warns(UserWarning, match=r"FP8TRAIN_HIGH_PRECISION.*\['blocks.7.\*'\].*pipeline stage"):
