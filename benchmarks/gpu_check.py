@@ -10,7 +10,7 @@ section's checks held, 1 if not, 2 without CUDA (unless --device cpu, the dry ru
 
 Sections (scripts/gpu_check.sh runs them in this order, each with its own time limit):
 - env: torch, CUDA, cuBLASLt, NCCL versions, the GPU and its capability, TF32 settings.
-- contract: fp8train.gemm in the three layouts of a linear layer (fprop, dgrad, wgrad) against fp64,
+- contract: fp8train.numerics.gemm in the three layouts of a linear layer (fprop, dgrad, wgrad) against fp64,
   and raw torch._scaled_mm with fast accumulation off and on; _scaled_mm calls per layer.
 - syncs: steady steps with the amax reduction running (a one-rank group forced to reduce): every site
   that makes the host wait or copies host data (sync-debug "warn" with a stack per site on CUDA, and a
@@ -22,7 +22,7 @@ Sections (scripts/gpu_check.sh runs them in this order, each with its own time l
   independent of their number), the block recipes' emulation warning under fullgraph, and
   mode="reduce-overhead" (CUDA graphs: 2 launches per step, scales follow the data).
 - recipes: one step of each recipe (delayed, current, block, MXFP8, NVFP4) at M = 1024.
-- kernels: the fused FP8 casts (fp8train.kernels) in GB/s against the device's peak, beside the torch
+- kernels: the fused FP8 casts (fp8train.numerics.kernels) in GB/s against the device's peak, beside the torch
   path and the compiled cast; fused against torch and compiled against eager, bit for bit, transposed
   copies included (benchmarks/gpu_check_kernels.py).
 - grouped: a mixture-of-experts layer's expert MLP (DeepSeek-V3-like: hidden 7168, intermediate 2048,
@@ -66,8 +66,8 @@ from gpu_check_probes import (
 )
 
 import fp8train as ft
-from fp8train import gemm as ft_gemm
-from fp8train.gemm import Operand, choose_path, has_scaled_mm
+from fp8train.numerics import gemm as ft_gemm
+from fp8train.numerics.gemm import Operand, choose_path, has_scaled_mm
 from fp8train.telemetry import Telemetry
 from fp8train.tools.bench import gpu as gpu_bench
 from fp8train.tools.bench.common import GraphCounter, OpCounter
@@ -106,10 +106,9 @@ def check_settings(
       update) runs [sets fp8train.amax.settings.reduce_single_rank].
     - all_reduce: what torch.distributed.all_reduce becomes (a simulated collective).
     - standin_events: the reduction's CUDA timing branch, forced on the CPU with stand-in events
-      [patches fp8train.amax.stats.Mark.now].
+      [sets fp8train.amax.settings.timing_events].
     - cuda_emulation_warning: the block recipes' "emulated on CUDA" warning, forced on the CPU (the
-      warning function is called with an input that says it is on CUDA) [patches
-      warn_emulated_on_cuda wherever fp8train bound it]."""
+      device type it is given on) [sets fp8train.quantization.base.EMULATION_NOTED_ON]."""
     applied: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         if async_reduction is not None:
@@ -121,9 +120,9 @@ def check_settings(
         if fast_accum is not None:
             name = getattr(ft_gemm, "ENV_FAST_ACCUM", None)
             if name is None:
-                applied["fast_accum"] = "not available (fp8train.gemm has no ENV_FAST_ACCUM switch)"
+                applied["fast_accum"] = "not available (fp8train.numerics.gemm has no ENV_FAST_ACCUM switch)"
             else:
-                value = "all" if fast_accum else "none"  # fp8train.gemm.FAST_ACCUM's choices
+                value = "all" if fast_accum else "none"  # fp8train.numerics.gemm.FAST_ACCUM's choices
                 stack.enter_context(_env(name, value))
                 applied["fast_accum"] = f"{name}={value}"
         if reduce_on_one_rank is not None:
@@ -170,49 +169,18 @@ def _one_rank_group(device: torch.device) -> None:
 
 
 def _force_cuda_timing(stack: contextlib.ExitStack, events: StandInEvents) -> str:
-    stats = sys.modules["fp8train.amax.stats"]
-    mark = getattr(stats, "Mark", None)
-    if mark is None or not hasattr(mark, "now"):
-        return "not available (fp8train.amax.stats.Mark.now is gone: its CUDA branch cannot be forced)"
-    stack.enter_context(
-        _attr(
-            mark,
-            "now",
-            staticmethod(lambda *args, **kwargs: mark(time.perf_counter(), events.recorded_event())),
-        )
-    )
-    return "fp8train.amax.stats.Mark.now"
-
-
-class _SaysCuda:
-    """An input that answers `is_cuda` with True and passes everything else to the real tensor."""
-
-    is_cuda = True
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def __getattr__(self, name: str):
-        return getattr(self._tensor, name)
+    stack.enter_context(ft.amax.settings.override(timing_events=events.recorded_event))
+    return "fp8train.amax.settings.timing_events"
 
 
 def _force_cuda_warning(stack: contextlib.ExitStack) -> str:
-    base = sys.modules["fp8train.quantization.base"]
-    original = getattr(base, "warn_emulated_on_cuda", None)
-    if original is None:
-        return "not available (fp8train.quantization.base.warn_emulated_on_cuda is gone)"
+    """The warning's test of the device type, pointed at the CPU (the tests' seam, quantization/base.py)."""
+    from fp8train.quantization import base
 
-    def forced(x, *args, **kwargs):
-        return original(_SaysCuda(x), *args, **kwargs)
-
-    owners = [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith("fp8train") and getattr(m, "warn_emulated_on_cuda", None) is original
-    ]
-    for module in owners:
-        stack.enter_context(_attr(module, "warn_emulated_on_cuda", forced))
-    return f"warn_emulated_on_cuda in {len(owners)} modules"
+    if not hasattr(base, "EMULATION_NOTED_ON"):
+        return "not available (fp8train.quantization.base.EMULATION_NOTED_ON is gone)"
+    stack.enter_context(_attr(base, "EMULATION_NOTED_ON", "cpu"))
+    return "warn_emulated_on_cuda in every module: fp8train.quantization.base.EMULATION_NOTED_ON = 'cpu'"
 
 
 # ---- models and steps -------------------------------------------------------------------------------------
@@ -410,7 +378,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _fast_accum_switch() -> Optional[str]:
-    """The keyword of fp8train.gemm.matmul that chooses fast accumulation, where it has one."""
+    """The keyword of fp8train.numerics.gemm.matmul that chooses fast accumulation, where it has one."""
     parameters = inspect.signature(ft_gemm.matmul).parameters
     return next((name for name in ("use_fast_accum", "fast_accum") if name in parameters), None)
 
@@ -424,7 +392,7 @@ def _contract_errors(
     variants = {"fp8train": {}}
     if fast_switch is None:
         row["fp8train_fast_accum_switch"] = (
-            "not available (fp8train.gemm.matmul takes no fast-accumulation switch)"
+            "not available (fp8train.numerics.gemm.matmul takes no fast-accumulation switch)"
         )
     else:
         variants.update({f"fp8train_fast_accum_{s}": {fast_switch: s == "on"} for s in ("off", "on")})

@@ -1,5 +1,6 @@
-"""The GPU check's `kernels` section (benchmarks/gpu_check.py): the fused FP8 casts (fp8train.kernels)
-timed against the device's memory bandwidth, beside the torch path and inductor's compiled cast, and
+"""The GPU check's `kernels` section (benchmarks/gpu_check.py): the fused FP8 casts
+(fp8train.numerics.kernels) timed against the device's memory bandwidth, beside the torch path and
+inductor's compiled cast, and
 checked bit for bit: fused against the torch path on the device, compiled against eager (values and
 transposed copies: triton issue 11111, where compiled FP8 code wrote garbage bytes into transposed
 FP8 stores on recent builds).
@@ -23,9 +24,9 @@ from typing import Callable, Optional
 
 import torch
 
-from fp8train import kernels as ft_kernels
-from fp8train.cast import amax, cast_operand
-from fp8train.quantization.block import quantize_tiles
+from fp8train.numerics import kernels as ft_kernels
+from fp8train.numerics.cast import amax, cast_operand
+from fp8train.quantization.block_scaling import quantize_tiles
 from fp8train.quantization.current import current_scales
 
 __all__ = ["kernels_section", "PUBLISHED_PEAK_BYTES_S"]

@@ -19,7 +19,7 @@ What is measured:
     has the layer of LAYERS (below; design.md's file layout, top to bottom); an arrow runs from a lower layer
     to a higher one when its target's layer comes later in LAYERS than its source's. A tree without
     src/fp8train/amax/ is from before the move: its modules take the layer of their new home
-    (FORMER_HOMES).
+    (FORMER_HOMES); so do the numerics of a tree without src/fp8train/numerics/ (NUMERICS_HOMES).
 (c) cycles: the strongly connected components of (b)'s graph with more than one module, each with
     one shortest cycle through its first module.
 (d) the walk: two gloo ranks (127.0.0.1) each train one `fp8train.Linear(32, 16)` with SGD under
@@ -66,30 +66,26 @@ from collections import deque
 from typing import NamedTuple, Optional
 
 # The core's layers, lowest first (docs/design.md, "File layout", top to bottom): a module may import
-# its own layer and the layers before it. An entry is a file directly in src/fp8train/ (its stem) or a
-# subpackage (every module in it). tests/test_layers.py enforces this table on the code.
+# its own layer and the layers before it. An entry is a file directly in src/fp8train/ (its stem), a
+# subpackage (every module in it), or a dotted module of a subpackage, which the longest matching entry
+# places (numerics/formats.py, FP8's vocabulary, lies below the rest of numerics/: recipe.py imports it).
+# tests/test_layers.py enforces this table on the code.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "vocabulary",
-        ("formats", "recipe", "errors", "torch_internals", "debug_switches", "shape_rule", "user_warnings"),
-    ),
-    (
-        "numerics",
         (
-            "cast",
-            "microscaling",
-            "operand",
-            "kernels",
-            "block_gemm",
-            "gemm",
-            "gemm_output",
-            "saved",
-            "second_order",
-            "tensor_parallel",
+            "numerics.formats",
+            "recipe",
+            "errors",
+            "torch_internals",
+            "debug_switches",
+            "shape_rule",
+            "user_warnings",
         ),
     ),
+    ("numerics", ("numerics", "saved", "second_order", "tensor_parallel")),
     ("amax", ("amax",)),
-    ("quantization", ("quantization", "block_format")),
+    ("quantization", ("quantization",)),
     ("modules and parallel wrappers", ("fsdp", "modules", "comm", "optim", "distributed")),
     (
         "doors and readers",
@@ -127,6 +123,19 @@ FORMER_HOMES = {
     "streams": "amax.streams",
     "modules.scaling_meta": "amax.meta",
 }
+# Before the move into numerics/ (and the renames of the block files): each old top-level module (or
+# package) -> its new home.
+NUMERICS_HOMES = {
+    "formats": "numerics.formats",
+    "cast": "numerics.cast",
+    "microscaling": "numerics.microscaling",
+    "operand": "numerics.operand",
+    "gemm": "numerics.gemm",
+    "gemm_output": "numerics.gemm_output",
+    "block_gemm": "numerics.block_scaled_mm",
+    "block_format": "quantization.stored_block_weights",
+    "kernels": "numerics.kernels",
+}
 
 PACKAGE = "fp8train"
 OUTSIDE_CORE = ("tools", "integrations")
@@ -154,6 +163,7 @@ class Tree:
         if not (self.package / "__init__.py").is_file():
             raise SystemExit(f"{self.package}/__init__.py not found: pass a checkout of fp8train as ROOT")
         self.moved = not (self.package / "amax").is_dir()  # a tree from before the move
+        self.numerics_moved = not (self.package / "numerics").is_dir()  # before the move into numerics/
         self._bound: dict[str, set[str]] = {}
 
     # ---- modules -------------------------------------------------------------------------------
@@ -240,15 +250,26 @@ class Tree:
     def home(self, module: str) -> str:
         """The module's name relative to fp8train ("__init__" for the package), at its new home."""
         rel = "__init__" if module == PACKAGE else module.removeprefix(PACKAGE + ".")
-        return FORMER_HOMES.get(rel, rel) if self.moved else rel
+        if self.moved:
+            rel = FORMER_HOMES.get(rel, rel)
+        if self.numerics_moved:
+            first, dot, inner = rel.partition(".")
+            rel = NUMERICS_HOMES.get(first, first) + dot + inner
+        return rel
 
     def layer_of(self, module: str) -> int:
         """The index in LAYERS of the module's layer; ValueError when no layer lists it."""
-        entry = self.home(module).split(".")[0]
-        for index, (_, entries) in enumerate(LAYERS):
-            if entry in entries:
-                return index
-        raise ValueError(f"{module}: in no layer of LAYERS (add its file or folder, {entry!r}, to one)")
+        home = self.home(module)
+        matches = [
+            (len(entry), index)
+            for index, (_, entries) in enumerate(LAYERS)
+            for entry in entries
+            if home == entry or home.startswith(entry + ".")
+        ]
+        if not matches:
+            entry = home.split(".")[0]
+            raise ValueError(f"{module}: in no layer of LAYERS (add its file or folder, {entry!r}, to one)")
+        return max(matches)[1]
 
     def upward_imports(self) -> list[Import]:
         """Imports from a lower layer to a higher one."""

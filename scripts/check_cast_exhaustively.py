@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from fp8train.cast import cast_operand
-from fp8train.formats import fp8_dtype, fp8_max
+from fp8train.numerics.cast import cast_operand
+from fp8train.numerics.formats import fp8_dtype, fp8_max
 
 
 def mismatches(encoding: str, negative: bool, chunk: int = 1 << 24) -> tuple[int, int]:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import amax as protocol
 from . import tensor_parallel
-from .cast import amax, quantize
+from .numerics.cast import amax, quantize
 from .torch_internals import (
     dtensor_local,
     in_backward,

@@ -24,12 +24,12 @@ from typing import Optional
 
 import torch
 
-from . import gemm
 from .amax import current_call
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
 from .modules.base import FP8Module
 from .modules.grouped_gemm import grouped_kernel_choice
+from .numerics import gemm
 from .quantization import RECIPES, check_recipe, record_of_kind
 from .quantization.base import Quantization
 from .recipe import DelayedScaling, Recipe

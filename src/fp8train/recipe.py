@@ -20,7 +20,7 @@ from typing import Callable, Optional, Union, get_args
 
 import torch
 
-from .formats import Format, fp8_dtype, fp8_max
+from .numerics.formats import Format, fp8_dtype, fp8_max
 
 __all__ = [
     "Format",

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from .gemm import Operand
-from .microscaling import e8m0_to_float
+from .numerics.gemm import Operand
+from .numerics.microscaling import e8m0_to_float
 
 __all__ = ["ENV_SAVE_FP8", "saves_fp8_bytes", "pack", "unpack", "decode_fp8"]
 

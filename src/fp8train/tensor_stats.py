@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 
 from .amax import Call, current_call
-from .gemm import Operand
 from .layer_coverage import gemm_weights
 from .modules.base import FP8Module
+from .numerics.gemm import Operand
 from .quantization import quantization_of
 from .recipe import Recipe
 

@@ -413,7 +413,7 @@ def triton_max_combine():
     `tl.reduce`: Triton's interpreter maps this one to a vectorised numpy reduction and reduces element
     by element with any other, and `tl.max` itself is decorated (compiled or interpreted) once, when
     triton is first imported, so an interpreted kernel could not call it in a process that imported
-    triton before TRITON_INTERPRET was set (fp8train/kernels/)."""
+    triton before TRITON_INTERPRET was set (fp8train/numerics/kernels/)."""
     import triton.language as tl
 
     return tl.standard._elementwise_max

@@ -142,6 +142,7 @@ def test_the_reference_tells_a_step_that_keeps_its_first_microbatch_from_the_max
             storage.recording.zero_()
             self.recorded_columns.clear()
 
+    # a planted bug (a mutation test): no seam may make the library accumulate wrongly
     monkeypatch.setattr(Direction, "accumulate", first_only)
     log = _train(0, fp8_mlp(0, WIDTHS), STEP)
     assert all(log["scales_within_step_constant"]) and not any(log["matches_reference"]), log

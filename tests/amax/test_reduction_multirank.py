@@ -293,7 +293,7 @@ def _agreement(
     """Train `steps` steps and log every step's state; `groups=None` uses the default group (the world)."""
     trainer = Trainer(rank, subgroup(groups, rank))
     with AllReduceSpy(defer=defer) as spy:
-        if buggy:
+        if buggy:  # a planted bug (read before the wait): no seam may make the library read early
             Direction._wait = _read_before_wait
         try:
             for t in range(steps):

@@ -33,7 +33,8 @@ WIDTH = {"block": 512}
 @pytest.fixture(autouse=True)
 def _scaled_mm_forced(monkeypatch):
     monkeypatch.setenv("FP8TRAIN_GEMM", "scaled_mm")
-    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {})  # probed again, through the checker
+    # a cold cache of torch_internals' own (no setting fills it): probed again, through the checker
+    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {})
     fp8train.inspection.reset()
 
 

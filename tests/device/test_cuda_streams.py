@@ -59,6 +59,7 @@ def _install(streams: StandInStreams, inside: list, patch=setattr) -> list[tuple
     """Streams on the CPU: fp8train's stream choices then run as on CUDA (a forced branch; before
     streams.py existed, nothing in fp8train asked for a stream). Returns (inside FSDP2's all-gather,
     the current stream) of every fused update fp8train runs from then on."""
+    # torch's stream queries are facts of a CUDA device, which no setting may answer: stand-ins here
     module = sys.modules.get("fp8train.amax.streams")
     if module is not None:
         patch(module, "current_stream", streams.current_stream)

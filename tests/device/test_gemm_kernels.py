@@ -14,9 +14,11 @@ import torch
 
 import fp8train
 from cuda_contract import cuda_contract, relative_bound
-from fp8train import block_gemm, gemm, torch_internals
-from fp8train.microscaling import e8m0_to_float, swizzle_scales, unswizzle_scales
+from fp8train import torch_internals
+from fp8train.numerics import block_scaled_mm, gemm
+from fp8train.numerics.microscaling import e8m0_to_float, swizzle_scales
 from fp8train.quantization import quantization_of
+from inverses import unswizzle_scales
 
 CUDA0 = torch.device("cuda", 0)
 RECIPES = {
@@ -34,6 +36,7 @@ KINDS = {"block": "1x128", "mxfp8": "mx", "mxfp8_hybrid_2d": "mx", "nvfp4": "nvf
 def fresh_facts(monkeypatch):
     """An empty registry of device facts for the test (probes and capabilities found again)."""
     facts: dict = {}
+    # the facts of a device simulated on the CPU: torch_internals' own cache, which no setting may fill
     monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", facts)
     return facts
 
@@ -53,7 +56,7 @@ def _fake_cuda(monkeypatch, capability, probe=None) -> list:
             probe(kernel, device)
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", get_capability)
-    monkeypatch.setattr(torch_internals, "_probe", run_probe)
+    monkeypatch.setattr(torch_internals, "_probe", run_probe)  # a kernel launch on a simulated device
     return log
 
 
@@ -180,7 +183,7 @@ def test_swizzle_matches_the_blocked_layout_and_inverts(rows, cols) -> None:
 
 def test_e8m0_bytes_invert_the_decoded_scales() -> None:
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    assert torch.equal(block_gemm.e8m0_bytes(e8m0_to_float(every)), every)
+    assert torch.equal(block_scaled_mm.e8m0_bytes(e8m0_to_float(every)), every)
 
 
 def _gemm_operands(name: str, tokens: int, k: int, n: int):
@@ -202,19 +205,20 @@ def _gemm_operands(name: str, tokens: int, k: int, n: int):
 
 def _kernel_arguments(monkeypatch, fmt, a, b) -> tuple:
     captured = []
-    monkeypatch.setattr(block_gemm, "scaled_mm", lambda *args: captured.append(args) or torch.zeros(1))
-    block_gemm.block_scaled_mm(fmt, a, b, torch.bfloat16, None, False)
+    # the call into torch, captured (no CPU kernel takes these layouts): a spy, not a setting
+    monkeypatch.setattr(block_scaled_mm, "scaled_mm", lambda *args: captured.append(args) or torch.zeros(1))
+    block_scaled_mm.block_scaled_mm(fmt, a, b, torch.bfloat16, None, False)
     return captured[0]
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_torchs_meta_kernels_accept_the_block_scaled_calls(monkeypatch, name) -> None:
     """torch's own shape checks of the CUDA kernel (its meta function on fake CUDA tensors) take what
-    block_gemm builds for forward, dgrad and wgrad."""
+    block_scaled_mm builds for forward, dgrad and wgrad."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for role, (a, b) in _gemm_operands(name, 256, 512, 512).items():
-        fmt = block_gemm.block_format(a, b)
+        fmt = block_scaled_mm.block_format(a, b)
         assert fmt == name.split("_")[0], role
         mat1, mat2, scale_a, scale_b, out_dtype, *_ = _kernel_arguments(monkeypatch, fmt, a, b)
         with FakeTensorMode():

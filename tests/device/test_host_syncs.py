@@ -191,7 +191,7 @@ def test_the_counter_sees_tensors_made_from_host_data() -> None:
         "torch.arange(4).to(d)": "to of a host tensor",
         "table.to(d.device)": "to of a host tensor",  # a module-level constant of the package
     }
-    from fp8train.microscaling import _E2M1_TABLE
+    from fp8train.numerics.microscaling import _E2M1_TABLE
 
     for source, what in seen.items():
         sites = _run_as_package_code(source, d=device.clone(), table=_E2M1_TABLE)

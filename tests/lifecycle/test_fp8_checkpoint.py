@@ -398,7 +398,7 @@ def test_stored_layer_takes_e8m0_scales_and_refuses_bad_ones_at_construction() -
             assert torch.equal(layer(x), expected)
         with torch.no_grad():
             assert torch.equal(layer(x), x @ dequantize_ref(q, s).t())
-    from fp8train.block_format import BlockFormatError
+    from fp8train.quantization.stored_block_weights import BlockFormatError
 
     with pytest.raises(BlockFormatError, match="weight_scale_inv is torch.bfloat16"):
         fp8train.StoredFP8Linear(q, s.bfloat16())
@@ -486,13 +486,13 @@ def test_lora_trains_base_bytes_unchanged_export_read_by_transformers(aligned, t
     import peft
     from transformers import AutoModelForCausalLM
 
-    from fp8train.block_format import quantize_block_weight
     from fp8train.integrations.fp8_checkpoint import (
         export_fp8_checkpoint,
         iter_fp8_weights,
         load_fp8_checkpoint,
     )
     from fp8train.integrations.peft_fp8 import FP8LoraLinear, load_adapter, lora_config
+    from fp8train.quantization.stored_block_weights import quantize_block_weight
 
     directory, _ = aligned
     model = peft.get_peft_model(load_fp8_checkpoint(directory), lora_config(**LORA))
@@ -569,7 +569,7 @@ def test_untouched_model_round_trips_bit_for_bit(tmp_path, ue8m0: bool) -> None:
 # ---- full fine-tuning -----------------------------------------------------------------------------
 def _first_weight_operand(model, ids, recipe):
     """The weight operand of model.layers[0].mlp.up_proj in a training forward under `recipe`."""
-    from fp8train.quantization.block import BlockQuantization
+    from fp8train.quantization.block_scaling import BlockQuantization
 
     seen = []
     original = BlockQuantization.quantize_weight
@@ -1000,7 +1000,7 @@ def test_bad_fused_experts_checkpoint_is_a_clear_error_and_nothing_is_loaded(
 def test_stored_experts_refuse_an_intermediate_size_off_the_block() -> None:
     """gate and up share one tensor of 128x128 blocks: an intermediate size off 128 would put gate and up
     rows in one block, so it is refused, naming the first gate tensor."""
-    from fp8train.block_format import BlockFormatError
+    from fp8train.quantization.stored_block_weights import BlockFormatError
 
     per = [[deepseek_quantize(torch.randn(*shape))] for shape in ((64, 128), (64, 128), (128, 64))]
     with pytest.raises(

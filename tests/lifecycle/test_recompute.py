@@ -61,7 +61,7 @@ def cast_log(monkeypatch) -> list:
             log.append((in_backward(), float(scale)))
         return real(x, scale, scale_inv, encoding, dtype, amax_out)
 
-    monkeypatch.setattr(TensorQuantization, "cast", staticmethod(spy))
+    monkeypatch.setattr(TensorQuantization, "cast", staticmethod(spy))  # a spy: logs the scales, passes on
     return log
 
 

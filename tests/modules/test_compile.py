@@ -209,7 +209,7 @@ def test_emulation_warning_is_given_once_outside_the_graph(monkeypatch, recipe) 
     graph, and the model still compiles into one graph (the CUDA branch taken on the CPU)."""
     from fp8train.quantization import base
 
-    monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")
+    monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")  # the warning's seam: its device type
     base._warn_emulated.cache_clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -409,6 +409,7 @@ def test_fp8_calls_refuse_cuda_graph_capture(monkeypatch) -> None:
     than be skipped at every replay. The capture is simulated on the CPU."""
     from fp8train.amax import calls as ops
 
+    # torch's own capture query answered yes (no CUDA graph can be captured on the CPU): a fact, no setting
     monkeypatch.setattr(ops, "capturing_cuda_graph", lambda device: True)
     fp8train.inspection.reset()
     model = fp8train.Linear(32, 32)
@@ -459,7 +460,7 @@ def test_quotients_by_the_format_maxima_round_as_eager_under_gpu_lowering() -> N
     come out one ulp off, and an E8M0 scale whose quotient lies by a power of two moves a whole step.
     Every float32 in [1, 2) (for normal numbers the rounding depends on the mantissa only), divided
     under that lowering, equals the correctly rounded eager quotient."""
-    from fp8train import microscaling
+    from fp8train.numerics import microscaling
 
     a = (torch.arange(2**23, dtype=torch.int32) | (127 << 23)).view(torch.float32)
     for b in (6.0, 448.0, 57344.0):

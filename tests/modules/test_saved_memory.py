@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import fp8train
-from fp8train.gemm import Operand, operand_dtype
-from fp8train.microscaling import e8m0_to_float
 from fp8train.modules.layernorm_linear import _ActivationSavedFP8
-from fp8train.quantization.block import TILE, quantize_tiles
+from fp8train.numerics.gemm import Operand, operand_dtype
+from fp8train.numerics.microscaling import e8m0_to_float
+from fp8train.quantization.block_scaling import TILE, quantize_tiles
 from fp8train.saved import ENV_SAVE_FP8, decode_fp8, pack, saves_fp8_bytes, unpack
 from fp8train.tools.bench.memory import saved_bytes
 

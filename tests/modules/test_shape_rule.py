@@ -39,7 +39,8 @@ def _gemm_path(monkeypatch, path: str):
     if path != "scaled_mm":
         yield None
         return
-    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {})  # probed again, through the checker
+    # a cold cache of torch_internals' own (no setting fills it): probed again, through the checker
+    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {})
     with cuda_contract() as checker:
         yield checker
 
@@ -156,7 +157,7 @@ def test_convert_warns_once_naming_unasked_high_precision_layers() -> None:
 def test_prepare_prints_its_summary_on_rank_0_only(capsys, monkeypatch) -> None:
     fp8train.prepare(_model(), module_filter_fn=lambda m, fqn: fqn == "0")
     err = capsys.readouterr().err.strip().splitlines()
-    path = fp8train.gemm.choose_path(torch.device("cpu"), 16, 32, 64)
+    path = fp8train.numerics.gemm.choose_path(torch.device("cpu"), 16, 32, 64)
     assert err == [
         "fp8train: 1/3 linear GEMMs in FP8 (51.6% of linear FLOPs; recipe delayed); high precision: 2 shape; "
         f"paths: 1 {path}"

@@ -30,9 +30,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fp8train
 from fp8train.comm import FP8CommState, FP8ReduceScatter, fp8_allreduce_hook, wire
 from fp8train.comm.ordered import OrderedLauncher
-from fp8train.microscaling import mx_dequantize, mx_quantize
+from fp8train.numerics.microscaling import mx_quantize
 from fp8train.tools.bench import grad_comm
 from helpers import digest
+from inverses import mx_dequantize
 from multirank import run_ranks, run_scenarios, scenario_outcome
 
 FP8 = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}

@@ -183,7 +183,9 @@ class _LateMirror(channel.HostMirror):
 
 def late_flag(rank: int, world: int, lag: int) -> dict:
     if rank == 1:
-        channel.HostMirror = _LateMirror  # StickyFlag and Channel make their mirrors through the name
+        # a copy that arrives late (a slow device, simulated): StickyFlag and Channel make their mirrors
+        # through the name; only this rank's process is changed
+        channel.HostMirror = _LateMirror
     settings.verdict_lag["cpu"] = lag  # this rank process only
     torch.manual_seed(0)
     model = _model()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import cast
-from fp8train.cast import amax, cast_operand, quantize
-from fp8train.gemm import bf16_kernel, choose_path, cpu_bf16_instructions, gemm, has_scaled_mm
+from fp8train.numerics import cast
+from fp8train.numerics.cast import amax, cast_operand, quantize
+from fp8train.numerics.gemm import bf16_kernel, choose_path, cpu_bf16_instructions, gemm, has_scaled_mm
 from fp8train.tools.bench.common import PassCounter
 from reference import E4M3_MAX, E5M2_MAX, quant_error_bound
 
@@ -115,6 +115,7 @@ def test_cuda_rounding_by_conversion_equals_the_arithmetic(monkeypatch, dtype) -
     CPU, it gives the arithmetic's values bit for bit."""
     x = _hard_values("e4m3")
     want = cast_operand(x, torch.tensor(3.0), "e4m3", dtype)
+    # the device decides how it rounds (no setting may): the CUDA answer, forced on the CPU
     monkeypatch.setattr(cast, "_rounds_by_conversion", lambda device: True)
     with PassCounter() as counter:
         got = cast_operand(x, torch.tensor(3.0), "e4m3", dtype)
@@ -137,6 +138,7 @@ def test_cast_makes_few_passes_and_no_full_size_temporaries(monkeypatch, dtype, 
     with PassCounter() as whole:
         want = cast_operand(x, scale, "e4m3", dtype)
     assert whole.kernels == CAST_PASSES[dtype] and whole.elements == CAST_PASSES[dtype] * x.numel()
+    # a constant of the hot path, not a setting (issue 37: no lookup per cast); small pieces for a test
     monkeypatch.setattr(cast, "PIECE_ELEMENTS", 1024)
     piece = 1024 * torch.get_num_threads()
     with PassCounter() as pieces:
@@ -159,7 +161,7 @@ def test_cast_in_pieces_cuts_scales_that_vary_along_the_first_dimension(monkeypa
         (torch.randn(70_000, generator=g), torch.tensor(7.0)),
     ]
     wants = [cast_operand(x, s, "e4m3", torch.bfloat16) for x, s in cases]
-    monkeypatch.setattr(cast, "PIECE_ELEMENTS", 700)
+    monkeypatch.setattr(cast, "PIECE_ELEMENTS", 700)  # the hot path's constant (above), made small
     for (x, s), want in zip(cases, wants):
         assert len(cast._pieces(x, s, want)) > 1
         assert torch.equal(cast_operand(x, s, "e4m3", torch.bfloat16), want)
@@ -295,7 +297,7 @@ def test_the_cpu_probe_can_be_forced_either_way(monkeypatch, forced, kernel) -> 
 
 _EITHER_KERNEL = """
 import os, sys, torch
-from fp8train.gemm import bf16_kernel, gemm
+from fp8train.numerics.gemm import bf16_kernel, gemm
 from test_cast_gemm import _operands
 a, a_sinv, b, b_sinv = _operands(64, 256, 96, path="bf16")
 out = {"kernel": bf16_kernel(torch.device("cpu"))}

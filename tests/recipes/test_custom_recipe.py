@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.formats import Format, fp8_max
+from fp8train.numerics.formats import Format, fp8_max
 from fp8train.quantization import RECIPES, quantization_of
 from fp8train.quantization.base import GradOperands, InputOperands, Quantization, WeightOperands
 from fp8train.quantization.current import current_scales
@@ -131,7 +131,7 @@ def test_prepare_convert_and_coverage_take_it_and_prepare_checks_it_once() -> No
     report = fp8train.coverage(prepared)  # a prepared model's recipe
     assert report.recipe_kind == "headroom" and report.counts()["fp8"] == 2
     assert {layer.path for layer in report.layers} == {
-        fp8train.gemm.choose_path(torch.device("cpu"), 16, 64, 64)
+        fp8train.numerics.gemm.choose_path(torch.device("cpu"), 16, 64, 64)
     }
     assert not any(layer.padded for layer in report.layers)  # block None: scales cover whole tensors
 
@@ -161,7 +161,7 @@ def test_fp8train_info_lists_it(monkeypatch, capsys) -> None:
     monkeypatch.delenv("NVTE_ASYNC_AMAX_REDUCTION", raising=False)
     assert cli.main(["info"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  HeadroomScaling: ")]
-    current = fp8train.gemm.recipe_gemm("tensorwise", torch.device("cpu"))
+    current = fp8train.numerics.gemm.recipe_gemm("tensorwise", torch.device("cpu"))
     assert lines == [f"  HeadroomScaling: {current[0]}: {current[1]}"] or torch.cuda.is_available()
 
 

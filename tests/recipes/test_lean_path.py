@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_cast_gemm import DTYPES, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
 
-from fp8train import cast, gemm
+from fp8train.numerics import cast, gemm
 from fp8train.tools.bench import lean_path
 from fp8train.tools.bench.common import StepCensus
 

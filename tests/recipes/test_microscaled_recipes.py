@@ -15,16 +15,15 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.microscaling import (
+from fp8train.numerics.microscaling import (
     RHT_SIGNS,
     e8m0_to_float,
-    mx_dequantize,
     mx_quantize,
-    nvfp4_dequantize,
     nvfp4_quantize,
     random_hadamard_transform,
 )
 from fp8train.quantization import quantization_of
+from inverses import mx_dequantize, nvfp4_dequantize
 
 MX = fp8train.MXFP8BlockScaling()
 MX_HYBRID_2D = fp8train.MXFP8BlockScaling(fp8_format=fp8train.Format.HYBRID, enable_2d_quantization=True)
@@ -320,10 +319,10 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     import warnings
 
     from fp8train.amax import Call
-    from fp8train.quantization import base, block, mxfp8, nvfp4
+    from fp8train.quantization import base, block_scaling, mxfp8, nvfp4
 
     seen = []
-    for module in (block, mxfp8, nvfp4):
+    for module in (block_scaling, mxfp8, nvfp4):  # spies: which recipes ask (the warning: below, by its seam)
         monkeypatch.setattr(module, "warn_emulated_on_cuda", lambda x, name, kernel: seen.append(name))
     x = torch.randn(32, 64)
     for recipe in (
@@ -341,7 +340,8 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         base.warn_emulated_on_cuda(x, "NVFP4BlockScaling", "nvfp4")  # a CPU tensor: nothing to say
-        monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")  # the CUDA branch, on the CPU
+        # the warning's seam (its device type): the CUDA branch, on the CPU
+        monkeypatch.setattr(base, "EMULATION_NOTED_ON", "cpu")
         for _ in range(3):
             base.warn_emulated_on_cuda(x, "NVFP4BlockScaling", "nvfp4")
     assert len(caught) == 1 and "fp8train.NVFP4BlockScaling on this GPU runs an emulated GEMM" in str(

@@ -15,7 +15,8 @@ from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
 from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize as ao_nvfp4_quantize
 from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
-from fp8train import microscaling as ms
+import inverses
+from fp8train.numerics import microscaling as ms
 from reference import (
     E2M1_GRID,
     E4M3_GRID,
@@ -278,7 +279,7 @@ def test_mx_edge_cases_and_exact_dequantization() -> None:
     x[2, 4], x[2, 5] = INF, -INF
     x[3] = torch.linspace(-1, 1, 32) * 448 * 2.0**-127
     q, s = ms.mx_quantize(x, -1)
-    d = ms.mx_dequantize(q, s, -1)
+    d = inverses.mx_dequantize(q, s, -1)
     assert s[:4, 0].tolist() == [0, 255, 254, 0]
     assert (q[0].float() == 0).all() and q[1].float().isnan().all() and d[1].isnan().all()
     assert q[2, 4].item() == 448 and q[2, 5].item() == -448 and (q[2, 6:].float() == 0).all()
@@ -289,7 +290,7 @@ def test_mx_edge_cases_and_exact_dequantization() -> None:
             q, s = ms.mx_quantize(t, dim, two_d=two_d)
             exact = q.double() * _per_element(torch.exp2(s.double() - 127), t.shape, dim, 32, two_d)
             exact = torch.where(_per_element(s == 255, t.shape, dim, 32, two_d), NAN, exact)
-            _assert_same(ms.mx_dequantize(q, s, dim, two_d=two_d), exact.float(), name)
+            _assert_same(inverses.mx_dequantize(q, s, dim, two_d=two_d), exact.float(), name)
 
 
 # ---- E2M1 ----------------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def test_pack_unpack_e2m1() -> None:
     packed = ms.pack_e2m1(values)
     assert packed.dtype == torch.uint8 and packed.shape == (8,)
     assert packed.tolist() == [c | (c + 1) << 4 for c in range(0, 16, 2)]  # code = index, sign bit 3
-    _assert_same(ms.unpack_e2m1(packed), values, "round trip")
+    _assert_same(inverses.unpack_e2m1(packed), values, "round trip")
     with pytest.raises(ValueError, match="pairs"):
         ms.pack_e2m1(torch.zeros(3))
     with pytest.raises(ValueError, match="grid"):
@@ -550,21 +551,21 @@ def test_nvfp4_edge_cases() -> None:
     x[0, :16] = 0.0
     x[1, :16] *= 1e-9
     v, s, s_enc = ms.nvfp4_quantize(x, -1)
-    d = ms.nvfp4_dequantize(v, s, s_enc, -1)
+    d = inverses.nvfp4_dequantize(v, s, s_enc, -1)
     assert s[0, 0].item() == 0 and (v[0, :16] == 0).all()
     assert s[1, 0].item() == 0 and (d[1, :16] == 0).all()
     y = x.clone()
     y[2, 20] = NAN
     v, s, s_enc = ms.nvfp4_quantize(y, -1, global_amax=float(x.abs().max()))
-    d = ms.nvfp4_dequantize(v, s, s_enc, -1)
+    d = inverses.nvfp4_dequantize(v, s, s_enc, -1)
     assert s.float()[2, 1].isnan() and (v[2, 16:] == 0).all() and d[2, 16:].isnan().all()
     assert not d[2, :16].isnan().any() and not d[3].isnan().any()
     v, s, s_enc = ms.nvfp4_quantize(y, -1)
-    assert s_enc.isnan() and ms.nvfp4_dequantize(v, s, s_enc, -1).isnan().all()
+    assert s_enc.isnan() and inverses.nvfp4_dequantize(v, s, s_enc, -1).isnan().all()
     z = x.clone()
     z[3, 5], z[3, 6] = INF, -INF
     v, s, s_enc = ms.nvfp4_quantize(z, -1)
-    d = ms.nvfp4_dequantize(v, s, s_enc, -1)
+    d = inverses.nvfp4_dequantize(v, s, s_enc, -1)
     assert s_enc.item() == 1.0 and s[3, 0].item() == 448 and v[3, 5].item() == 6 and v[3, 6].item() == -6
     assert d[3, 5].item() == 2688 and d[3, 6].item() == -2688
     v, s, s_enc = ms.nvfp4_quantize(x[2:] * 100, -1, global_amax=1.0)
@@ -579,7 +580,7 @@ def test_nvfp4_dequantize_is_the_correctly_rounded_quotient() -> None:
             v, s, s_enc = ms.nvfp4_quantize(x, dim, two_d=two_d)
             per = _per_element(s.double(), x.shape, dim, 16, two_d)
             want = (v.double() * per / s_enc.double()).float()
-            _assert_same(ms.nvfp4_dequantize(v, s, s_enc, dim, two_d), want, name)
+            _assert_same(inverses.nvfp4_dequantize(v, s, s_enc, dim, two_d), want, name)
 
 
 # ---- stochastic rounding -----------------------------------------------------------------------------
@@ -725,10 +726,10 @@ def test_hadamard_inverse_restores_the_input_and_spreads_outliers() -> None:
     for dim in (-1, 0):
         x = ints if dim == -1 else ints.t().contiguous()
         y = ms.random_hadamard_transform(x, dim=dim)
-        assert torch.equal(ms.inverse_random_hadamard_transform(y, dim=dim), x)
+        assert torch.equal(inverses.inverse_random_hadamard_transform(y, dim=dim), x)
         assert not torch.equal(y, x)
     x = torch.randn(12, 64, generator=g) * torch.exp(3 * torch.randn(12, 64, generator=g))
-    back = ms.inverse_random_hadamard_transform(ms.random_hadamard_transform(x))
+    back = inverses.inverse_random_hadamard_transform(ms.random_hadamard_transform(x))
     per_block = x.abs().double().view(12, 4, 16).sum(-1, keepdim=True).expand(12, 4, 16).reshape(12, 64)
     assert bool(((back.double() - x.double()).abs() <= 2 * _gamma(15) * 1.001 * per_block).all())
     spike = torch.zeros(1, 16)
@@ -759,7 +760,7 @@ def test_microscaled_mm_is_exact_where_all_arithmetic_is_exact() -> None:
     sb = mantissas[torch.randint(8, (40, 4), generator=g)].to(torch.float8_e4m3fn)
     ta, tb = torch.tensor(8.0), torch.tensor(0.25)
     y = ms.microscaled_mm(qa, sa, qb, sb, 16, ta, tb)
-    da, db = ms.nvfp4_dequantize(qa, sa, ta, -1), ms.nvfp4_dequantize(qb, sb, tb, -1)
+    da, db = inverses.nvfp4_dequantize(qa, sa, ta, -1), inverses.nvfp4_dequantize(qb, sb, tb, -1)
     exact = (da.double() @ db.double().t()).float()
     assert torch.equal(y, da @ db.t()) and torch.equal(y, exact)
 
@@ -770,7 +771,7 @@ def test_microscaled_mm_is_exact_where_all_arithmetic_is_exact() -> None:
     sb = torch.randint(127, 129, (40, 3), generator=g).to(torch.uint8)
     qa8, qb8 = qa.to(torch.float8_e4m3fn), qb.to(torch.float8_e4m3fn)
     y = ms.microscaled_mm(qa8, sa, qb8, sb, 32)
-    da, db = ms.mx_dequantize(qa8, sa, -1), ms.mx_dequantize(qb8, sb, -1)
+    da, db = inverses.mx_dequantize(qa8, sa, -1), inverses.mx_dequantize(qb8, sb, -1)
     assert torch.equal(y, da @ db.t()) and torch.equal(y, (da.double() @ db.double().t()).float())
 
 
@@ -784,14 +785,14 @@ def _quantized_operands(kind: str, k: int):
     if kind.startswith("mx"):
         qa, sa = ms.mx_quantize(a, -1)
         qb, sb = ms.mx_quantize(b, -1, two_d=two_d)
-        deq = ms.mx_dequantize(qa, sa, -1), ms.mx_dequantize(qb, sb, -1, two_d=two_d)
+        deq = inverses.mx_dequantize(qa, sa, -1), inverses.mx_dequantize(qb, sb, -1, two_d=two_d)
         exact_a = qa.double() * _per_element(torch.exp2(sa.double() - 127), a.shape, -1, 32, False)
         exact_b = qb.double() * _per_element(torch.exp2(sb.double() - 127), b.shape, -1, 32, two_d)
         sb_rows = ms.rowwise_scales(sb, 40, 32) if two_d else sb
         return qa, sa, qb, sb_rows, 32, (None, None), deq, (exact_a, exact_b)
     qa, sa, ta = ms.nvfp4_quantize(a, -1)
     qb, sb, tb = ms.nvfp4_quantize(b, -1, two_d=two_d)
-    deq = ms.nvfp4_dequantize(qa, sa, ta, -1), ms.nvfp4_dequantize(qb, sb, tb, -1, two_d=two_d)
+    deq = inverses.nvfp4_dequantize(qa, sa, ta, -1), inverses.nvfp4_dequantize(qb, sb, tb, -1, two_d=two_d)
     exact_a = qa.double() * _per_element(sa.double(), a.shape, -1, 16, False) / ta.double()
     exact_b = qb.double() * _per_element(sb.double(), b.shape, -1, 16, two_d) / tb.double()
     sb_rows = ms.rowwise_scales(sb, 40, 16) if two_d else sb

@@ -15,11 +15,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fp8train
 from fp8train import DelayedScaling, Format
 from fp8train.amax.reduction import Direction
-from fp8train.amax.stats import ReductionStats
+from fp8train.amax.stats import Mark, ReductionStats
 from fp8train.amax.storage import update_scaling
-from fp8train.cast import quantize
+from fp8train.numerics.cast import quantize
 from fp8train.recipe import fp8_dtype
 from reference import RefScaling
 
@@ -136,3 +137,33 @@ def test_group_record_launch_finish_equals_the_reference(case) -> None:
     )
     nonfinite = sum(1 for last in steps for v in last if math.isnan(v) or math.isinf(v))
     assert group.stats.as_dict()["nonfinite_amax_events"] == nonfinite
+
+
+class _StandInEvent:
+    """A completed event at a given time on a simulated device clock (milliseconds)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _StandInEvent) -> float:
+        return end.ms - self.ms
+
+
+def test_stand_in_timing_events_take_the_cuda_branch_of_the_stats() -> None:
+    """`fp8train.amax.settings.timing_events` (the GPU check's seam, on the CPU): each mark holds a
+    stand-in event, and the stats time an interval by the events' clock, not the host's; outside the
+    override a CPU mark holds none again."""
+    clock = iter([1.0, 251.0])
+    stats = ReductionStats()
+    with fp8train.amax.settings.override(timing_events=lambda: _StandInEvent(next(clock))):
+        start, end = Mark.now(torch.device("cpu")), Mark.now(torch.device("cpu"))
+    assert isinstance(start.event, _StandInEvent) and end.event.ms == 251.0
+    stats.add_interval("exposed_wait_s", start, end)
+    assert stats.as_dict()["exposed_wait_s"] == 0.25
+    assert Mark.now(torch.device("cpu")).event is None

@@ -1,9 +1,9 @@
-"""The fused Triton casts (fp8train.kernels) equal the torch path bit for bit, run in Triton's
+"""The fused Triton casts (fp8train.numerics.kernels) equal the torch path bit for bit, run in Triton's
 interpreter on CPU tensors (TRITON_INTERPRET=1 while the kernels are imported; it needs numpy, a test
 dependency). Without triton installed, the whole file is skipped, and only then.
 
 References: cast.cast_operand / cast.amax (per-tensor), quantization/current.py's current_scales,
-quantization/block.py's quantize_tiles and the operands BlockQuantization builds; the rounding
+quantization/block_scaling.py's quantize_tiles and the operands BlockQuantization builds; the rounding
 helper itself against torch's own FP8 conversion (round-to-nearest-even on the CPU).
 """
 
@@ -45,7 +45,7 @@ def _interpreter():
 with _interpreter():
     import triton.language as tl
 
-    from fp8train.kernels import rounding, triton_cast
+    from fp8train.numerics.kernels import rounding, triton_cast
 
     if not triton_cast.INTERPRETED:  # imported compiled earlier in this process
         triton_cast = importlib.reload(triton_cast)
@@ -60,9 +60,9 @@ with _interpreter():
         tl.store(byte_ptr + offsets, rounding.fp8_byte(rounded, MANTISSA_BITS, MIN_EXPONENT), mask=mask)
 
 
-from fp8train import kernels  # noqa: E402
-from fp8train.cast import amax, cast_operand  # noqa: E402
-from fp8train.quantization.block import TILE, _tiles, quantize_tiles  # noqa: E402
+from fp8train.numerics import kernels  # noqa: E402
+from fp8train.numerics.cast import amax, cast_operand  # noqa: E402
+from fp8train.quantization.block_scaling import TILE, _tiles, quantize_tiles  # noqa: E402
 from fp8train.quantization.current import current_scales  # noqa: E402
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -361,12 +361,12 @@ def test_fp8train_imports_and_runs_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, fp8train\n"
-        "from fp8train import kernels\n"
+        "from fp8train.numerics import kernels\n"
         "assert not kernels.fused_cast_available('cuda')\n"
         "assert not kernels.fused_cast_available('cpu', allow_interpreter=True)\n"
-        "from fp8train.cast import quantize\n"
+        "from fp8train.numerics.cast import quantize\n"
         "assert quantize(torch.ones(3), torch.tensor(2.0), 'e4m3').float().tolist() == [2.0] * 3\n"
-        "assert 'fp8train.kernels.triton_cast' not in sys.modules\n"
+        "assert 'fp8train.numerics.kernels.triton_cast' not in sys.modules\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
@@ -380,7 +380,7 @@ import re, sys, json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fp8train.kernels import triton_cast as tc
+from fp8train.numerics.kernels import triton_cast as tc
 
 assert not tc.INTERPRETED
 common = dict(MANTISSA_BITS=3, MIN_EXPONENT=-6, FP8_MAX=448.0, OUT_KIND=2, TRANSPOSED=True, INT64=False)

@@ -1,5 +1,6 @@
-"""The fused Triton microscaling kernels (fp8train/kernels/triton_microscaling.py; docs/design.md, section
-13, "Fused kernels") run in Triton's interpreter on CPU tensors and equal the torch path of
+"""The fused Triton microscaling kernels (fp8train/numerics/kernels/triton_microscaling.py;
+docs/design.md, section 13, "Fused kernels") run in Triton's interpreter on CPU tensors and equal the
+torch path of
 microscaling.py (itself checked against torchao and naive references in test_microscaling.py) bit for
 bit: values, block scales, the per-tensor scale and amax, every layout; and their rounding helpers equal
 the FP8 / E2M1 grids on every representable value, every tie and the float32 neighbours of both.
@@ -28,7 +29,7 @@ except ImportError as error:  # CPU builds without triton: the torch path is all
     pytest.skip(f"triton cannot be imported ({error}); pip install triton numpy", allow_module_level=True)
 
 import fp8train
-from fp8train import microscaling as ms
+from fp8train.numerics import microscaling as ms
 from reference import E2M1_GRID, E4M3_GRID, E5M2_GRID
 
 INF, NAN = float("inf"), float("nan")
@@ -40,8 +41,8 @@ FP8 = {
 
 def _load_copy(filename: str):
     """kernels/`filename` loaded as a new module (its decorators follow the interpreter setting now)."""
-    path = Path(fp8train.__file__).parent / "kernels" / filename
-    spec = importlib.util.spec_from_file_location(f"fp8train.kernels._{path.stem}_interpreted", path)
+    path = Path(fp8train.__file__).parent / "numerics" / "kernels" / filename
+    spec = importlib.util.spec_from_file_location(f"fp8train.numerics.kernels._{path.stem}_interpreted", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,7 +52,7 @@ def _load_interpreted():
     """triton_microscaling.py loaded as a new module with the interpreter on for its decorators, its
     rounding helpers (`from .rounding import ...`) from an interpreted copy of rounding.py put in
     sys.modules while it imports: the process's own rounding module may have been decorated compiled."""
-    name = "fp8train.kernels.rounding"
+    name = "fp8train.numerics.kernels.rounding"
     before = sys.modules.get(name)
     sys.modules[name] = _load_copy("rounding.py")
     try:

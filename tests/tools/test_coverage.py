@@ -48,7 +48,7 @@ def test_coverage_names_each_layer_and_why() -> None:
     assert report.counts() == {"fp8": 2, "shape": 2, "filter": 1, "frozen": 1}
     flops = {"0": 32 * 64, "1": 64 * 20, "2": 20 * 32, "3": 32 * 48, "4": 48 * 32}
     assert report.fp8_share == (flops["0"] + flops["4"]) / sum(flops.values())
-    assert by_name["0"].path == fp8train.gemm.choose_path(torch.device("cpu"), 16, 32, 64)
+    assert by_name["0"].path == fp8train.numerics.gemm.choose_path(torch.device("cpu"), 16, 32, 64)
 
 
 def test_block_recipes_mark_padded_and_off_block_layers() -> None:
@@ -66,8 +66,9 @@ def test_block_recipes_mark_padded_and_off_block_layers() -> None:
 def test_the_path_is_the_kernel_gemm_chooses(monkeypatch) -> None:
     """A device whose MXFP8 kernel runs (gemm.kernel_choice says so) shows it as the path."""
     model = fp8train.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 64)), log=False)
+    # a device with an MXFP8 kernel, simulated on the CPU: the device decides it, no setting may
     monkeypatch.setattr(
-        fp8train.gemm, "kernel_choice", lambda kernel, device: (kernel == "mxfp8", "stand-in")
+        fp8train.numerics.gemm, "kernel_choice", lambda kernel, device: (kernel == "mxfp8", "stand-in")
     )
     assert [x.path for x in fp8train.coverage(model, fp8train.MXFP8BlockScaling()).layers] == [
         "scaled_mm:mxfp8"
@@ -99,7 +100,7 @@ def test_step_counts_flops_gemms_and_the_high_precision_layers() -> None:
         "fp8": sum(2 * 8 * k * n * g for k, n, g in fp8),
         "high_precision": sum(2 * 8 * k * n * g for k, n, g in hp),
     }
-    path = fp8train.gemm.choose_path(torch.device("cpu"), 8, 32, 64)
+    path = fp8train.numerics.gemm.choose_path(torch.device("cpu"), 8, 32, 64)
     assert step["gemms"] == {path: 4, "high_precision": 9}
     assert step["high_precision_layers"] == [] and step["gathered_bytes"] == {"fp8": 0, "high_precision": 0}
     with torch.no_grad():  # an FP8 module called outside its region runs in high precision
@@ -206,6 +207,7 @@ def test_a_pipeline_stage_warns_for_an_environment_rule_its_layers_do_not_match(
     import fp8train.pipeline
 
     monkeypatch.setenv("FP8TRAIN_HIGH_PRECISION", "1,blocks.7.*")
+    # the stage's group check needs a pipeline's ranks (tests/parallel/test_pipeline.py); here the warning
     monkeypatch.setattr(fp8train.pipeline, "check_stage", lambda stage, group=None: None)
     stage = SimpleNamespace(submod=_switch_model(), stage_index=0)
     with pytest.warns(UserWarning, match=r"FP8TRAIN_HIGH_PRECISION.*\['blocks.7.\*'\].*pipeline stage"):

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from fp8train.gemm import bf16_kernel, choose_path
+from fp8train.numerics.gemm import bf16_kernel, choose_path
 from fp8train.telemetry import read_metrics
 from fp8train.tools import cli
 from fp8train.tools.report import load_run

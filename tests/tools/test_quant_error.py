@@ -161,7 +161,7 @@ def test_delayed_scaling_is_measured_with_the_scales_its_step_used(tmp_path) -> 
     name = tap.names[1]
     c, s = captured[name], read[3][name]
     err = quantization_errors(recipe, c, s)
-    from fp8train.cast import cast_operand
+    from fp8train.numerics.cast import cast_operand
 
     cast = cast_operand(c.input, s.scale[0], "e4m3", torch.float32) * s.scale_inv[0]
     assert err["input"] == pytest.approx(float((cast - c.input).norm() / c.input.norm()), rel=1e-6)

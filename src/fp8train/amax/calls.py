@@ -30,14 +30,16 @@ from ..torch_internals import (
 from .plans import note_training_output, plan_forward
 from .regions import current_backward_pass
 from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
-from .state import STATE, Plan
+from .state import STATE, ForwardPlan
 
 __all__ = ["Call", "begin_call", "current_call"]
 
 
 @dataclass(frozen=True)
 class Call:
-    """One FP8 GEMM call of a module: how it runs, and what its quantization needs besides the tensors.
+    """One GEMM call of an FP8 module (not the module's forward call: state.ForwardPlan; not a
+    checkpoint call: plans.CheckpointRecord): how it runs, and what its quantization needs besides
+    the tensors.
 
     Built field by field where it changes (`for_gemm`, `without_tensors`, `with_saved`):
     dataclasses.replace is not traceable by dynamo in every torch.
@@ -51,7 +53,7 @@ class Call:
     operand_dtype: Optional[torch.dtype] = None  # per-tensor operands: FP8 (hardware GEMM), bf16 or fp32
     scales: Optional[torch.Tensor] = None  # delayed scaling: [[x, w], [x_inv, w_inv]] of this GEMM
     token: Optional[torch.Tensor] = None  # delayed scaling: names the call's region to its backward
-    plan: Optional[Plan] = None  # eager: its module call's plan (compiled graphs make it at run time)
+    plan: Optional[ForwardPlan] = None  # eager: its module call's plan (compiled graphs make it at run time)
     gemm_path: Optional[str] = None  # gemm.PATHS: how its GEMMs multiply (the emulation's output rounding)
     weight_amax_in_cast: bool = False  # eager: the weight's cast (`quantize_weight`) takes its amax
 
@@ -170,7 +172,7 @@ def current_call(module, gemm_index: int = 0) -> Optional[Call]:
     return None if plan is None else _planned_call(plan, module.fp8_handle, gemm_index)
 
 
-def _planned_call(plan: Optional[Plan], handle: torch.Tensor, gemm_index: int) -> Call:
+def _planned_call(plan: Optional[ForwardPlan], handle: torch.Tensor, gemm_index: int) -> Call:
     if plan is None:  # high precision, recording nothing
         return Call(False, False, None, handle, gemm_index)
     return Call(plan.fp8, plan.records_into is not None, plan.quantization, handle, gemm_index, plan=plan)
@@ -195,13 +197,13 @@ def refuse_cuda_graph_capture(like: torch.Tensor) -> None:
         )
 
 
-def _gemm_scales(plan: Plan, gemm_index: int) -> torch.Tensor:
+def _gemm_scales(plan: ForwardPlan, gemm_index: int) -> torch.Tensor:
     base = forward_column(plan.offset, gemm_index, INPUT)
     return torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]])
 
 
 def _forward_scales(
-    plan: Plan,
+    plan: ForwardPlan,
     gemm_index: int,
     x_amax: Optional[torch.Tensor],
     w_amax: Optional[torch.Tensor],

@@ -21,13 +21,13 @@ from ..torch_internals import (
 )
 from .membership import check_amax_group, check_stage_group
 from .regions import current_backward_pass
-from .state import STATE, Plan, Region, RegionSettings
+from .state import STATE, ForwardPlan, Region, RegionSettings
 from .steps import check_step_open
 
-__all__ = ["plan_forward", "note_training_output", "CallRecord", "recomputation_context_fn"]
+__all__ = ["plan_forward", "note_training_output", "CheckpointRecord", "recomputation_context_fn"]
 
 
-def plan_forward(module, training: bool, compiled: bool = False) -> Optional[Plan]:
+def plan_forward(module, training: bool, compiled: bool = False) -> Optional[ForwardPlan]:
     """How `module` (an FP8Module) runs this forward call; None: in high precision, recording nothing.
 
     `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad);
@@ -50,7 +50,7 @@ def plan_forward(module, training: bool, compiled: bool = False) -> Optional[Pla
     if quantization.reduces_amax:
         plan = _delayed_plan(module, settings, region, training)
     elif settings.enabled:
-        plan = Plan(True, quantization)
+        plan = ForwardPlan(True, quantization)
     else:
         return None  # calibrating records amaxes for delayed scaling only
     if settings.enabled and training:
@@ -63,7 +63,7 @@ def plan_forward(module, training: bool, compiled: bool = False) -> Optional[Pla
     return plan
 
 
-def _delayed_plan(module, settings: RegionSettings, region: Region, training: bool) -> Plan:
+def _delayed_plan(module, settings: RegionSettings, region: Region, training: bool) -> ForwardPlan:
     """Delayed scaling: the module joins its amax group when it first records; the region's frozen
     scales; amaxes recorded when training or calibrating."""
     group = STATE.groups.of(settings.recipe, settings.group)
@@ -91,7 +91,7 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
         if group.recipe.per_step and training:
             check_step_open(module)
     scale, scale_inv, offset = fwd_meta.scales_in(region, module)
-    return Plan(
+    return ForwardPlan(
         fp8=settings.enabled,
         quantization=settings.quantization,
         scale=scale,
@@ -101,7 +101,7 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
     )
 
 
-def _recompute_plan(module) -> Optional[Plan]:
+def _recompute_plan(module) -> Optional[ForwardPlan]:
     """The plan of the original forward call, replayed: same scales, no amax, no registration."""
     record = STATE.recompute.replaying
     if record is not None:  # fp8train.checkpoint noted this call's plans and restored its settings
@@ -172,7 +172,7 @@ def _refuse_ddp_join() -> None:
         )
 
 
-def note_training_output(plan: Optional[Plan], output: torch.Tensor) -> None:
+def note_training_output(plan: Optional[ForwardPlan], output: torch.Tensor) -> None:
     """An FP8 training call's output: its region owes a backward while this graph lives. Recipes that
     record nothing in backward get a hook on the node that marks their region's backward as run (for
     plain torch.utils.checkpoint's recomputations to find the regions still pending)."""
@@ -185,8 +185,11 @@ def note_training_output(plan: Optional[Plan], output: torch.Tensor) -> None:
 
 
 # ---- fp8train.checkpoint ---------------------------------------------------------------------------------
-class CallRecord:
-    """One fp8train.checkpoint call: the regions active at the call and each FP8 module's plans in order.
+class CheckpointRecord:
+    """The record of one fp8train.checkpoint call, for its recomputation (not a module's forward call:
+    state.ForwardPlan; not a GEMM call: calls.Call).
+
+    The regions active at the call and each FP8 module's plans in order.
 
     The plans are noted during the original forward; every recomputation replays them from the
     start, so a recomputation (or a second one, with retain_graph) uses exactly the original scales.
@@ -194,13 +197,13 @@ class CallRecord:
 
     def __init__(self, stack: tuple[RegionSettings, ...]) -> None:
         self.stack = stack
-        self.plans: dict[int, list[Plan]] = {}
+        self.plans: dict[int, list[ForwardPlan]] = {}
         self.cursor: dict[int, int] = {}
 
-    def add(self, module_id: int, plan: Plan) -> None:
+    def add(self, module_id: int, plan: ForwardPlan) -> None:
         self.plans.setdefault(module_id, []).append(plan)
 
-    def next(self, module_id: int) -> Optional[Plan]:
+    def next(self, module_id: int) -> Optional[ForwardPlan]:
         """The plan of this module's next call in the original forward, or None if it ran no more."""
         index = self.cursor.get(module_id, 0)
         plans = self.plans.get(module_id, [])
@@ -214,7 +217,7 @@ class _Replaying:
     """Context of every recomputation of one checkpoint call (torch enters it again for each one, e.g.
     with retain_graph): replay under the regions that were active at the original call."""
 
-    def __init__(self, record: CallRecord) -> None:
+    def __init__(self, record: CheckpointRecord) -> None:
         self.record = record
         self.active: list = []
 
@@ -231,7 +234,7 @@ class _Replaying:
 def recomputation_context_fn() -> Callable:
     """`torch.utils.checkpoint`'s context_fn for one fp8train.checkpoint call made now: its forward
     notes the plans of its FP8 calls, each recomputation replays them under the original regions."""
-    record = CallRecord(tuple(STATE.regions.stack))
+    record = CheckpointRecord(tuple(STATE.regions.stack))
 
     def context_fn():
         return STATE.recompute.noting_into(record), _Replaying(record)

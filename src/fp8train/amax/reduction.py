@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import AmaxReductionError
-from ..formats import fp8_max
+from ..numerics.formats import fp8_max
 from ..torch_internals import graph_task_id
 from . import streams
 from .header import HEADER_LEN, Header

@@ -1,13 +1,14 @@
 """The protocol's knobs, in one object (`fp8train.amax.settings`): what the environment sets (the
 async switch) and what tests, benchmarks and the GPU check change (the initial wire size, the
-verdict lag, reducing on one rank) through `override`, never by patching module globals."""
+verdict lag, reducing on one rank, stand-in timing events) through `override`, never by patching
+module globals."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["ENV_ASYNC", "Settings", "settings"]
 
@@ -29,6 +30,10 @@ class Settings:
     reduce_single_rank: bool = False
     # None: NVTE_ASYNC_AMAX_REDUCTION decides; True/False: asynchronous/blocking whatever it says.
     async_reduction: Optional[bool] = None
+    # What times the reduction's waits (stats.Mark): None, an event on the device's current stream on
+    # CUDA and the host clock elsewhere; a maker of recorded stand-in events (called with no argument)
+    # runs the CUDA branch on any device (the GPU check's timing section, on the CPU).
+    timing_events: Optional[Callable[[], Any]] = None
 
     def asynchronous(self) -> bool:
         """Whether reductions launched now are asynchronous: the override, else the environment

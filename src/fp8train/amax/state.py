@@ -28,7 +28,7 @@ from .membership import reduces_across_ranks, world_if_default
 from .reduction import AmaxGroup, Direction
 from .stats import ReductionStats
 
-__all__ = ["STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "Plan"]
+__all__ = ["STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "ForwardPlan"]
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
 
@@ -51,8 +51,11 @@ class RegionSettings:
 
 
 @dataclass
-class Plan:
-    """How one forward call of an FP8 module runs (made at its first GEMM, calls.py), and what its
+class ForwardPlan:
+    """The plan of one module's forward call (not a GEMM call: calls.Call; not a checkpoint call:
+    plans.CheckpointRecord).
+
+    How one forward call of an FP8 module runs (made at its first GEMM, calls.py), and what its
     backward owes the protocol; a training call's plan is noted in its region for recomputation."""
 
     fp8: bool
@@ -65,9 +68,11 @@ class Plan:
     offset: int = 0  # the module's first column in its group's forward storage
     records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
 
-    def replay(self) -> Plan:
+    def replay(self) -> ForwardPlan:
         """The plan as a recomputation replays it: same scales, no amax recorded, no region held."""
-        return Plan(self.fp8, self.quantization, None, self.serial, self.scale, self.scale_inv, self.offset)
+        return ForwardPlan(
+            self.fp8, self.quantization, None, self.serial, self.scale, self.scale_inv, self.offset
+        )
 
 
 class Region:
@@ -79,7 +84,8 @@ class Region:
         self.grad_at_entry = torch.is_grad_enabled()
         self.trained: dict[AmaxGroup, int] = {}  # groups in the order they first trained -> index
         self.snapshots: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
-        self.calls: dict[int, collections.deque[Plan]] = {}  # module id -> replays of its training calls
+        # module id -> replays of its training calls
+        self.calls: dict[int, collections.deque[ForwardPlan]] = {}
         self.outputs: list[weakref.ref] = []  # autograd nodes of its FP8 training calls' outputs
         self.compiled_calls = False  # training calls from a compiled graph, whose outputs are not seen
         self.backward_done = False
@@ -95,7 +101,7 @@ class Region:
         """`group` recorded amaxes here for training (once a module is a member: it can launch)."""
         self.trained.setdefault(group, -1)
 
-    def note_training_call(self, module_id: int, replay: Plan, compiled: bool = False) -> None:
+    def note_training_call(self, module_id: int, replay: ForwardPlan, compiled: bool = False) -> None:
         """A training call ran (again, when a backward ran inside the region): its backward is owed,
         and a recomputation may replay it."""
         self.backward_done = False
@@ -263,17 +269,20 @@ class ModuleHandles:
         return self._modules[int(handle)]
 
 
-class CurrentCalls:
-    """Each module's current forward call: its plan, made at its first GEMM, for its later GEMMs, the
-    custom ops of a compiled graph and readers (coverage, tensor statistics)."""
+class CurrentPlans:
+    """Each module's current forward call's `ForwardPlan` (not its GEMM calls, which are made from it):
+    made at its first GEMM, for its later GEMMs, the custom ops of a compiled graph and readers
+    (coverage, tensor statistics)."""
 
     def __init__(self) -> None:
-        self._plans: weakref.WeakKeyDictionary[torch.nn.Module, Optional[Plan]] = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[torch.nn.Module, Optional[ForwardPlan]] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def of(self, module: torch.nn.Module) -> Optional[Plan]:
+    def of(self, module: torch.nn.Module) -> Optional[ForwardPlan]:
         return self._plans.get(module)
 
-    def begin(self, module: torch.nn.Module, plan: Optional[Plan]) -> None:
+    def begin(self, module: torch.nn.Module, plan: Optional[ForwardPlan]) -> None:
         self._plans[module] = plan
 
 
@@ -325,7 +334,7 @@ class Recomputation:
     the one being recomputed (its plans are replayed)."""
 
     def __init__(self) -> None:
-        self.replaying: Any = None  # the call being recomputed (plans.CallRecord)
+        self.replaying: Any = None  # the call being recomputed (plans.CheckpointRecord)
         self.noting: list = []  # calls whose forward is running
 
     @contextlib.contextmanager
@@ -356,7 +365,7 @@ class State:
         """Forget every region, amax group, channel, call plan, counter and boundary; keep the handles."""
         self.regions = RegionStack()
         self.groups = AmaxGroups()
-        self.calls = CurrentCalls()
+        self.calls = CurrentPlans()
         self.step = StepBoundary()
         self.backward = BackwardPasses(self.step)
         self.recompute = Recomputation()

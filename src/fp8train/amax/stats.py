@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from . import streams
+from .settings import settings
 
 __all__ = ["Mark", "ReductionStats", "HostMirror"]
 
@@ -19,7 +20,8 @@ __all__ = ["Mark", "ReductionStats", "HostMirror"]
 class Mark:
     """A point in time where the work that waits runs: the host clock on the CPU, an event on the
     device's current stream on CUDA (where `work.wait()` makes the stream wait and returns at once):
-    the device of the FP8 state, which need not be the current device."""
+    the device of the FP8 state, which need not be the current device (or `settings.timing_events`'
+    stand-ins, anywhere)."""
 
     host: float
     event: Optional[torch.cuda.Event] = None
@@ -27,7 +29,9 @@ class Mark:
     @staticmethod
     def now(device: torch.device) -> Mark:
         event = None
-        if device.type == "cuda":
+        if settings.timing_events is not None:
+            event = settings.timing_events()
+        elif device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record(streams.current_stream(device))
         return Mark(time.perf_counter(), event)

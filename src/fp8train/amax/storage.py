@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..formats import FLOAT32_MAX
+from ..numerics.formats import FLOAT32_MAX
 
 if TYPE_CHECKING:
     from ..recipe import DelayedScaling

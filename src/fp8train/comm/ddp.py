@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..formats import Format
+from ..numerics.formats import Format
 from . import wire
 from .ordered import OrderedLauncher
 

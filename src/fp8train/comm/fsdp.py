@@ -19,7 +19,7 @@ from typing import Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..formats import Format
+from ..numerics.formats import Format
 from . import wire
 from .ddp import fp8_encoding
 

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from ..formats import fp8_dtype, fp8_max
-from ..microscaling import e8m0_scale, e8m0_to_float
+from ..numerics.formats import fp8_dtype, fp8_max
+from ..numerics.microscaling import e8m0_scale, e8m0_to_float
 
 __all__ = [
     "ENCODINGS", "chunks_per_row", "checked_chunk_size", "encode", "decode", "stochastic_fp8_round",

@@ -19,7 +19,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..block_format import (
+from ..modules.grouped_experts import FusedExperts, is_hf_fused_experts
+from ..modules.stored_experts import PROJECTIONS, StoredFP8Experts
+from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
+from ..quantization.stored_block_weights import (
     BLOCK,
     DEFAULT_RECIPE,
     BlockFormatError,
@@ -29,9 +32,6 @@ from ..block_format import (
     scales_to_float32,
     scales_to_format,
 )
-from ..modules.grouped_experts import FusedExperts, is_hf_fused_experts
-from ..modules.stored_experts import PROJECTIONS, StoredFP8Experts
-from ..modules.stored_linear import BlockFP8Linear, StoredFP8Linear, exclude_stored_from_ddp
 from ..recipe import Float8BlockScaling
 from ..user_warnings import warn_user
 from . import require

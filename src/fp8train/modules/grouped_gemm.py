@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..fsdp import GatheredWeight
-from ..gemm import Operand, fast_accumulation, kernel_choice, matmul, operand_dtype
+from ..numerics.gemm import Operand, fast_accumulation, kernel_choice, matmul, operand_dtype
 from ..second_order import refuse_create_graph
 from ..torch_internals import cuda_capability, device_index, scaled_grouped_mm, scaled_grouped_mm_problem
 

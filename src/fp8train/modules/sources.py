@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..amax import Call
-from ..cast import amax
 from ..fsdp import GatheredWeight, WeightGather, is_current_gather
-from ..operand import Operand
+from ..numerics.cast import amax
+from ..numerics.operand import Operand
 from ..quantization.base import AMAX_IN_CAST, InputOperands, Quantization, WeightOperands
 from ..tensor_parallel import TokenCollective, gather_fp8_tokens
 

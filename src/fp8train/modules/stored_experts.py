@@ -20,7 +20,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..block_format import (
+from ..quantization.base import WeightOperands
+from ..quantization.stored_block_weights import (
     BLOCK,
     DEFAULT_RECIPE,
     BlockFormatError,
@@ -31,7 +32,6 @@ from ..block_format import (
     scales_to_float32,
     stored_operand,
 )
-from ..quantization.base import WeightOperands
 from ..recipe import Float8BlockScaling
 from .base import FP8Module
 from .fp8_linear import fp8_linear

@@ -1,7 +1,7 @@
 """fp8train.StoredFP8Linear: a linear layer whose weight is a stored block-FP8 operand (a published
 FP8 checkpoint's `weight` and `weight_scale_inv`), frozen, with no high-precision copy.
 
-Inside an FP8 region its forward multiplies the stored operand as it is (block_format.py: nothing is
+Inside an FP8 region its forward multiplies the stored operand as it is (stored_block_weights.py: nothing is
 requantized) with the input quantized by the region's recipe; backward gives the input gradient
 through the same FP8 operand and no weight gradient. Outside a region it multiplies the dequantized
 weight in the input's dtype (a temporary of one layer). docs/design.md, section 9.
@@ -13,7 +13,9 @@ from typing import Optional
 
 import torch
 
-from ..block_format import (
+from ..numerics.gemm import Operand
+from ..quantization.base import WeightOperands
+from ..quantization.stored_block_weights import (
     DEFAULT_RECIPE,
     check_scale_values,
     check_stored_weight,
@@ -22,8 +24,6 @@ from ..block_format import (
     scales_to_float32,
     stored_operand,
 )
-from ..gemm import Operand
-from ..quantization.base import WeightOperands
 from ..recipe import Float8BlockScaling
 from ..torch_internals import ddp_ignore
 from .base import FP8Module

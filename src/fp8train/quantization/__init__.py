@@ -18,7 +18,7 @@ from ..recipe import (
 )
 from ..torch_internals import SCALED_MM_KERNELS
 from .base import Quantization
-from .block import BlockQuantization
+from .block_scaling import BlockQuantization
 from .current import CurrentQuantization
 from .delayed import DelayedQuantization
 from .mxfp8 import MXFP8Quantization

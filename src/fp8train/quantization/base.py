@@ -24,7 +24,7 @@ from typing import ClassVar, NamedTuple, Optional
 import torch
 
 from ..amax import Call
-from ..gemm import Operand, kernel_choice
+from ..numerics.gemm import Operand, kernel_choice
 from ..torch_internals import constant_for_compile
 
 __all__ = [

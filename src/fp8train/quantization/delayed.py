@@ -14,7 +14,7 @@ import torch
 
 from ..amax import Call
 from ..amax.roles import INPUT, WEIGHT
-from ..cast import amax
+from ..numerics.cast import amax
 from .base import AMAX_IN_CAST, GradOperands, InputOperands, WeightOperands
 from .per_tensor import TensorQuantization
 

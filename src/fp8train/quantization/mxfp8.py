@@ -7,7 +7,7 @@ Every use of a tensor is quantized from the high-precision tensor along its own 
 dimension: a row-wise (1x32) copy for one GEMM and a column-wise (32x1) copy for the other, or one
 32x32-block copy of a weight for both with `enable_2d_quantization`. Tokens, in_features and
 out_features must be multiples of 32 (`check_whole_blocks`). The GEMM is torch's MX `_scaled_mm` on
-SM100+ (block_gemm.py), else emulated: operands dequantized block by block (exact: powers of two)
+SM100+ (block_scaled_mm.py), else emulated: operands dequantized block by block (exact: powers of two)
 and multiplied in fp32.
 
 Where `kernels.use_fused_kernels` says so (CUDA with Triton) the fused kernels quantize, bit for bit as
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..amax import Call
-from ..gemm import Operand
-from ..microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
+from ..numerics import kernels
+from ..numerics.gemm import Operand
+from ..numerics.microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
 from .base import (
     GradOperands,
     InputOperands,

@@ -8,7 +8,7 @@ spreads outliers over a block; the product is unchanged because the transform is
 stochastic rounding of gradients only. Each quantized tensor takes its per-tensor scale from its own
 amax, where it is whole: sequence-parallel inputs and FSDP2 weights are gathered in high precision
 first, so no amax needs reducing. Tokens, in_features and out_features must be multiples of 16
-(`check_whole_blocks`). The GEMM is torch's NVFP4 `_scaled_mm` on SM100+ (block_gemm.py: values
+(`check_whole_blocks`). The GEMM is torch's NVFP4 `_scaled_mm` on SM100+ (block_scaled_mm.py: values
 packed two per byte, the product divided by both S_enc), else emulated: (E2M1 x E4M3) / S_enc per
 element, exact products, then an fp32 matmul; values are kept as float8_e4m3fn (every E2M1 value is
 one).
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..amax import Call
-from ..gemm import Operand
-from ..microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
+from ..numerics import kernels
+from ..numerics.gemm import Operand
+from ..numerics.microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
 from .base import (
     GradOperands,
     InputOperands,

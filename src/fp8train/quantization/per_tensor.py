@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
 from ..amax import Call
-from ..cast import cast_with_amax
-from ..formats import fp8_dtype
-from ..gemm import Operand
+from ..numerics import kernels
+from ..numerics.cast import cast_with_amax
+from ..numerics.formats import fp8_dtype
+from ..numerics.gemm import Operand
 from .base import GradOperands, Quantization, WeightOperands
 
 __all__ = ["TensorQuantization"]

@@ -153,7 +153,8 @@ def _info() -> int:
 
     from fp8train import __version__
     from fp8train.amax import ENV_ASYNC, settings
-    from fp8train.gemm import (
+    from fp8train.modules.grouped_gemm import grouped_kernel_choice
+    from fp8train.numerics.gemm import (
         ENV_FAST_ACCUM,
         ENV_PATH,
         bf16_kernel,
@@ -161,7 +162,6 @@ def _info() -> int:
         fast_accumulation,
         recipe_gemm,
     )
-    from fp8train.modules.grouped_gemm import grouped_kernel_choice
     from fp8train.quantization import RECIPES
 
     cuda = torch.cuda.is_available()

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import fp8train
 from fp8train.amax import ENV_ASYNC, settings
 from fp8train.debug_switches import apply_environment
-from fp8train.gemm import cpu_bf16_instructions
 from fp8train.modules import FP8Module
+from fp8train.numerics.gemm import cpu_bf16_instructions
 from fp8train.quantization import recipe_kind
 from fp8train.recipe import Recipe
 from fp8train.telemetry import Telemetry

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 
 from fp8train.amax import Call
-from fp8train.gemm import Operand
 from fp8train.modules import LayerNormLinear, Linear
+from fp8train.numerics.gemm import Operand
 from fp8train.quantization import quantization_of
 from fp8train.quantization.delayed import DelayedQuantization
 from fp8train.recipe import Recipe

@@ -1,5 +1,5 @@
-"""Eager FP8 casts: kernels, passes, temporaries and ms per cast of `fp8train.cast` beside the unfused
-cast it replaced (kept below as it was, for these figures only), and the FP8 MLP step (delayed
+"""Eager FP8 casts: kernels, passes, temporaries and ms per cast of `fp8train.numerics.cast` beside the
+unfused cast it replaced (kept below as it was, for these figures only), and the FP8 MLP step (delayed
 scaling) with either cast against bf16 torch.nn. All side by side in one process, round-robin."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 import fp8train as ft
 
-from ... import cast
-from ...formats import fp8_dtype, fp8_max
+from ...numerics import cast
+from ...numerics.formats import fp8_dtype, fp8_max
 from ...quantization import per_tensor
 from ..timing import interleaved_times, medians
 from . import lean_path

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 import fp8train as ft
-from fp8train.gemm import choose_path, has_scaled_mm
+from fp8train.numerics.gemm import choose_path, has_scaled_mm
 
 from .common import interleaved_medians, train_step
 

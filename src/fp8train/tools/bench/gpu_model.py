@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train as ft
 
-from ... import cast
+from ...numerics import cast
 from .common import GEMM_OPS, _tensors
 
 H200 = {"bandwidth_TBps": 4.8, "bf16_TFLOPS": 989.0, "fp8_TFLOPS": 1979.0}  # dense, published

@@ -14,8 +14,8 @@ import torch
 
 import fp8train as ft
 
-from ... import cast
-from ...gemm import bf16_kernel
+from ...numerics import cast
+from ...numerics.gemm import bf16_kernel
 from .common import interleaved_medians, train_step
 
 

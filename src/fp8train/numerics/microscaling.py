@@ -10,6 +10,8 @@ stochastic rounding for gradients.
 
 Pure functions on tensors (any device, no state), all arithmetic in float32 with each rounding named:
 the emulated GEMM `microscaled_mm` and the tests rely on knowing exactly where rounding happens.
+The inverses (dequantizers, unpacking, the inverse transform, unswizzling) are test oracles only and
+live in tests/inverses.py.
 A last block along a dimension that is not a multiple of the block size is partial: its scale comes
 from its own elements, exactly as if the tensor were padded with zeros (TransformerEngine refuses such
 shapes for MXFP8; its NVFP4 reference pads with zeros).
@@ -24,11 +26,11 @@ import torch.nn.functional as F
 
 __all__ = [
     "MX_BLOCK", "NVFP4_BLOCK", "E2M1_MAX", "E2M1_VALUES", "RHT_SIGNS", "RHT_SEED",
-    "e8m0_scale", "e8m0_to_float", "mx_quantize", "mx_dequantize",
-    "e2m1_round", "pack_e2m1", "unpack_e2m1",
-    "nvfp4_tensor_scale", "nvfp4_quantize", "nvfp4_dequantize",
-    "hadamard_matrix", "random_hadamard_transform", "inverse_random_hadamard_transform",
-    "rowwise_scales", "microscaled_mm", "swizzle_scales", "unswizzle_scales", "float32_matmul",
+    "e8m0_scale", "e8m0_to_float", "mx_quantize",
+    "e2m1_round", "pack_e2m1",
+    "nvfp4_tensor_scale", "nvfp4_quantize",
+    "hadamard_matrix", "random_hadamard_transform",
+    "rowwise_scales", "microscaled_mm", "swizzle_scales", "float32_matmul", "SWIZZLE_TILE",
 ]  # fmt: skip
 
 MX_BLOCK = 32
@@ -118,14 +120,6 @@ def _per_block(t: torch.Tensor, two_d: bool) -> torch.Tensor:
     return t[:, None, :, None] if two_d else t.unsqueeze(-1)
 
 
-def _expand(per_block: torch.Tensor, shape: torch.Size, dim: int, block: int, two_d: bool) -> torch.Tensor:
-    """A per-block tensor repeated to every element of a tensor of `shape` (partial blocks cut)."""
-    if two_d:
-        return per_block.repeat_interleave(block, 0)[: shape[0]].repeat_interleave(block, 1)[:, : shape[1]]
-    moved = per_block.movedim(dim, -1).repeat_interleave(block, -1)[..., : shape[dim]]
-    return moved.movedim(-1, dim)
-
-
 def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
     """float32 a / b (b = 6, 448 or 57344) correctly rounded, eager and compiled alike. Inductor on
     GPUs turns a division by any constant (a Python number, a constant-filled tensor) into a
@@ -209,15 +203,6 @@ def mx_quantize(
     return _unblock_1d(values, dim, x.shape[dim]), scales.movedim(-1, dim)
 
 
-def mx_dequantize(
-    values: torch.Tensor, scales: torch.Tensor, dim: int, block: int = MX_BLOCK, two_d: bool = False
-) -> torch.Tensor:
-    """values * 2**(scale - 127) in float32: exact (an FP8 value times a power of two within float32's
-    range, subnormals included), except that it overflows to +-inf beyond float32's range (the
-    saturated infinities of a scale-254 block); NaN where the scale is 255."""
-    return values.float() * _expand(e8m0_to_float(scales), values.shape, dim, block, two_d)
-
-
 # ---- E2M1 ----------------------------------------------------------------------------------------
 
 
@@ -269,12 +254,6 @@ def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """The float32 E2M1 values of `pack_e2m1`'s bytes (the last dimension doubles)."""
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
-    return _E2M1_TABLE.to(packed.device)[codes.long()]
-
-
 # ---- NVFP4 ---------------------------------------------------------------------------------------
 
 
@@ -298,7 +277,7 @@ def nvfp4_quantize(
     """NVFP4 quantization of `x` in blocks of 16 along `dim` (or 16x16 squares of a 2-D `x` with
     `two_d`). Returns (values: float32 E2M1 values, x's shape; block scales: float8_e4m3fn, x's shape
     with dim's size ceil(n / 16), or [ceil(R/16), ceil(C/16)]; S_enc: the float32 per-tensor scale).
-    Dequantized: values * block_scale / S_enc (`nvfp4_dequantize`).
+    Dequantized: values * block_scale / S_enc (tests/inverses.py's `nvfp4_dequantize`).
 
     S_enc = nvfp4_tensor_scale(global_amax), global_amax = max|x| unless given (a NaN anywhere makes
     it NaN). Per block, in float32, each step one rounding:
@@ -326,20 +305,6 @@ def nvfp4_quantize(
     return _unblock_1d(values, dim, x.shape[dim]), s_dec.movedim(-1, dim), s_enc
 
 
-def nvfp4_dequantize(
-    values: torch.Tensor,
-    block_scales: torch.Tensor,
-    tensor_scale: torch.Tensor,
-    dim: int,
-    two_d: bool = False,
-) -> torch.Tensor:
-    """(values * block_scale) / S_enc in float32. The product of an E2M1 and an E4M3 value is exact
-    (at most 2 + 4 significant bits, within float32's normal range), so the result is the correctly
-    rounded value of the exact quotient; NaN where the block scale is NaN."""
-    per_element = _expand(block_scales.float(), values.shape, dim, NVFP4_BLOCK, two_d)
-    return (values.float() * per_element) / tensor_scale.float()
-
-
 # ---- random Hadamard transform ---------------------------------------------------------------------
 
 
@@ -362,7 +327,7 @@ def hadamard_matrix(
 
 
 # The RHT matrix of each (device, signs), made once: a steady NVFP4 step builds none. Float32 only
-# (`_block_transform` works in float32). Under torch.compile the matrix is traced instead (device ops
+# (the transform works in float32). Under torch.compile the matrix is traced instead (device ops
 # on constants), so that a graph holds no reference to this cache.
 _HADAMARD_BY_DEVICE: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
@@ -375,17 +340,6 @@ def _hadamard_on(device: torch.device, signs: tuple[int, ...]) -> torch.Tensor:
     if matrix is None:
         matrix = _HADAMARD_BY_DEVICE[key] = hadamard_matrix(key[1], device)
     return matrix
-
-
-def _block_transform(x: torch.Tensor, matrix: torch.Tensor, dim: int) -> torch.Tensor:
-    n = matrix.shape[0]
-    moved = x.float().movedim(dim, -1)
-    if moved.shape[-1] % n:
-        raise ValueError(
-            f"the Hadamard transform works in blocks of {n}; dimension {dim} has {moved.shape[-1]}"
-        )
-    out = float32_matmul(moved.unflatten(-1, (moved.shape[-1] // n, n)), matrix)
-    return out.flatten(-2).movedim(-1, dim)
 
 
 def random_hadamard_transform(
@@ -421,13 +375,6 @@ def _butterfly_transform(x: torch.Tensor, signs: tuple[int, ...], dim: int) -> t
     return (z + 0.0).flatten(-2).movedim(-1, dim)
 
 
-def inverse_random_hadamard_transform(
-    x: torch.Tensor, signs: tuple[int, ...] = RHT_SIGNS, dim: int = -1
-) -> torch.Tensor:
-    """The inverse of `random_hadamard_transform`: y = x @ M.T per block (M orthogonal)."""
-    return _block_transform(x, _hadamard_on(x.device, signs).t(), dim)
-
-
 # ---- scale layouts of the hardware GEMMs -------------------------------------------------------------
 
 # cuBLAS's "blocked" layout of MX/NVFP4 block scales: the [rows, scale columns] matrix padded with zeros
@@ -447,14 +394,6 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     # [row tile, r // 32, r % 32, column tile, c] -> [row tile, column tile, r % 32, r // 32, c]
     tiles = padded.view(padded.shape[0] // tr, 4, 32, padded.shape[1] // tc, tc)
     return tiles.permute(0, 3, 2, 1, 4).contiguous().flatten()
-
-
-def unswizzle_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The inverse of `swizzle_scales`: per-row block scales [rows, cols] from their blocked layout."""
-    tr, tc = SWIZZLE_TILE
-    row_tiles, col_tiles = -(-rows // tr), -(-cols // tc)
-    tiles = blocked.reshape(row_tiles, col_tiles, 32, 4, tc).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(row_tiles * tr, col_tiles * tc)[:rows, :cols]
 
 
 # ---- the emulated blockwise GEMM -------------------------------------------------------------------

@@ -3,7 +3,7 @@
 the GEMMs of that operand need: the FP8 values, their transposed copy, the scales and (delayed
 scaling) the amax of the tensor (docs/design.md, section 6, "Fused quantization kernels").
 
-The values equal cast.py's `cast_operand` and quantization/block.py's `quantize_tiles` bit for bit:
+The values equal cast.py's `cast_operand` and quantization/block_scaling.py's `quantize_tiles` bit for bit:
 the float32 product x * scale (x read in its own dtype, upcast exactly), clamped to +-fp8_max (inf
 saturates, NaN stays), rounded to FP8 with ties to even by kernels/rounding.py's arithmetic, and
 written as FP8 bytes, or as the bf16/fp32 bits of the same values. Scales computed in a kernel
@@ -27,7 +27,7 @@ from .rounding import abs_bits, bf16_bits, fp8_byte, max_along, round_to_fp8, sa
 
 __all__ = ["INTERPRETED", "TILE", "cast_tensor", "tensor_amax", "cast_tiles", "CurrentCast"]
 
-TILE = 128  # block scaling's tile along the reduction dimension (quantization/block.py's TILE)
+TILE = 128  # block scaling's tile along the reduction dimension (quantization/block_scaling.py's TILE)
 
 # mantissa bits, exponent of the smallest normal, largest finite value
 _ENCODINGS = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0)}

@@ -1,4 +1,7 @@
-"""Block-scaled GEMMs on the hardware: the operands of block scaling, MXFP8 and NVFP4 in the layouts
+"""The block-scaled `torch._scaled_mm` call (not block scaling's quantization: quantization/block_scaling.py;
+not checkpoints' block-FP8 weights: quantization/stored_block_weights.py).
+
+Block-scaled GEMMs on the hardware: the operands of block scaling, MXFP8 and NVFP4 in the layouts
 `torch._scaled_mm`'s block-scaled kernels take (docs/design.md, sections 9 and 13).
 
 A block-scaled `gemm.Operand` holds FP8 (or E2M1-valued) values with one scale per block of its
@@ -25,9 +28,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..torch_internals import scaled_mm
 from .microscaling import MX_BLOCK, NVFP4_BLOCK, pack_e2m1, swizzle_scales
 from .operand import Operand
-from .torch_internals import scaled_mm
 
 __all__ = [
     "BLOCK_FORMATS",

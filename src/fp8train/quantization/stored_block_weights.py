@@ -1,4 +1,7 @@
-"""Block-FP8 weights as published checkpoints store them (DeepSeek-V3, Qwen3-FP8: Hugging Face's
+"""Checkpoints' block-FP8 weights: checks, scale formats, export (not block scaling's quantization of
+operands: block_scaling.py; not the block-scaled GEMM: numerics/block_scaled_mm.py).
+
+Block-FP8 weights as published checkpoints store them (DeepSeek-V3, Qwen3-FP8: Hugging Face's
 `quant_method: "fp8"`): `weight` float8_e4m3fn [out, in] and `weight_scale_inv` [ceil(out/128),
 ceil(in/128)], the weight being `weight[i, j] * weight_scale_inv[i // 128, j // 128]`; the last row
 and column of blocks may be partial. That is `Float8BlockScaling`'s weight operand (128x128 blocks,
@@ -13,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .gemm import Operand
-from .quantization.block import TILE, quantize_tiles
-from .recipe import Float8BlockScaling
+from ..numerics.gemm import Operand
+from ..recipe import Float8BlockScaling
+from .block_scaling import TILE, quantize_tiles
 
 __all__ = [
     "BLOCK",

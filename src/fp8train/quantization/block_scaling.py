@@ -1,9 +1,12 @@
-"""Block scaling (`Float8BlockScaling`, DeepSeek-V3's layout): one scale per 1x128 tile of inputs
+"""Float8BlockScaling's quantization of a linear layer's operands (not the block-scaled GEMM:
+numerics/block_scaled_mm.py; not checkpoints' block-FP8 weights: stored_block_weights.py).
+
+Block scaling (`Float8BlockScaling`, DeepSeek-V3's layout): one scale per 1x128 tile of inputs
 and gradients along each GEMM's reduction dimension, one per 128x128 block of weights, each from its
 own amax (docs/design.md, section 9).
 
 The GEMM (`gemm.matmul`) is torch's 1x128/128x128 block-scaled `_scaled_mm` on Hopper (SM90,
-cuBLASLt >= 12.9) for whole tiles (block_gemm.py), else emulated: operands dequantized tile by tile
+cuBLASLt >= 12.9) for whole tiles (block_scaled_mm.py), else emulated: operands dequantized tile by tile
 (exact with power-of-2 scales) and multiplied in fp32.
 
 The operands are cast by the fused Triton kernels where `kernels.use_fused_kernels` says so (CUDA with
@@ -16,15 +19,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
 from ..amax import Call
-from ..cast import cast_operand
-from ..formats import fp8_max
-from ..gemm import Operand
+from ..numerics import kernels
+from ..numerics.cast import cast_operand
+from ..numerics.formats import fp8_max
+from ..numerics.gemm import Operand
 from .base import GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
 from .current import scale_from_amax
 
-__all__ = ["BlockQuantization", "TILE", "quantize_tiles", "dequantize_tiles"]
+__all__ = ["BlockQuantization", "TILE", "quantize_tiles"]
 
 TILE = 128
 
@@ -53,10 +56,6 @@ def _tile_amax(tiles: torch.Tensor) -> torch.Tensor:
     if tiles.shape[1] == 1:
         return torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg())
     return tiles.abs().amax(dim=(1, 3))
-
-
-def dequantize_tiles(q: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
-    return Operand(q, scale_inv, (rows, TILE)).dequantize()
 
 
 def _tiles(x: torch.Tensor, power_2: bool, transposed: bool = False, fp8: bool = False) -> Operand:

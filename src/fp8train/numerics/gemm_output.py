@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
+from ..torch_internals import dispatch_mode_active
 from . import cast
-from .torch_internals import dispatch_mode_active
 
 __all__ = ["fused_output_applies", "scaled_output"]
 

@@ -1,4 +1,4 @@
-"""A quantized GEMM operand: what every recipe makes and every GEMM path (gemm.py, block_gemm.py)
+"""A quantized GEMM operand: what every recipe makes and every GEMM path (gemm.py, block_scaled_mm.py)
 multiplies."""
 
 from __future__ import annotations

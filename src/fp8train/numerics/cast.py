@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
+from ..torch_internals import dispatch_mode_active
 from .formats import fp8_dtype, fp8_max
-from .torch_internals import dispatch_mode_active
 
 __all__ = ["amax", "quantize", "cast_operand", "cast_with_amax", "PIECE_ELEMENTS", "FUSED_MIN_ELEMENTS"]
 

@@ -19,7 +19,7 @@ GPU).
 
 Block-scaled operands (block scaling, MXFP8, NVFP4) take torch._scaled_mm's block-scaled kernel of
 their format where the device has it (`kernel_choice`: SM90 for 1x128/128x128 blocks, SM100+ for MX
-and NVFP4; block_gemm.py builds the layouts), else the exact emulation: dequantized block by block
+and NVFP4; block_scaled_mm.py builds the layouts), else the exact emulation: dequantized block by block
 and multiplied in fp32. `FP8TRAIN_GEMM=scaled_mm` also tries the kernels on the CPU, bf16/fp32 turn
 them off. Each kernel is probed once per device before it is trusted (torch_internals.py).
 
@@ -36,12 +36,12 @@ from typing import Optional
 
 import torch
 
-from . import block_gemm
+from ..torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
+from . import block_scaled_mm
 from .cast import FUSED_MIN_ELEMENTS
 from .gemm_output import fused_output_applies, scaled_output
 from .microscaling import float32_matmul
 from .operand import Operand
-from .torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
 
 __all__ = [
     "gemm",
@@ -232,7 +232,7 @@ def gemm(
                 f"torch._scaled_mm ({'every dimension must be a multiple of 16' if ok else why}); "
                 "set FP8TRAIN_GEMM=bf16"
             )
-        fused = block_gemm.kernel_adds_bias(out_dtype, bias)
+        fused = block_scaled_mm.kernel_adds_bias(out_dtype, bias)
         y = scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),
@@ -275,7 +275,7 @@ def matmul(
     have one scale each (the hardware FP8 GEMM where it applies; `path`, the call's GEMM path, says
     whether float32 operands take the bf16 path's rounding); block-scaled operands through
     torch._scaled_mm's kernel of their format where the device has it (`kernel_choice`) and the
-    shape fits (`block_gemm.fits`), else both dequantized block by block and multiplied in fp32."""
+    shape fits (`block_scaled_mm.fits`), else both dequantized block by block and multiplied in fp32."""
     if a.block is None and b.block is None:
         a_values = a.values.t() if a.transposed else a.values
         b_values = b.values.t() if b.transposed else b.values
@@ -283,9 +283,13 @@ def matmul(
         return gemm(a_values, a.scale_inv, b_values, b.scale_inv, out_dtype, bias, fast_accum, path == "bf16")
     fast_accum = fast_accumulation(role)
     (m, k), n = a.oriented().shape, b.oriented().shape[1]
-    fmt = block_gemm.block_format(a, b)
-    if fmt is not None and block_gemm.fits(fmt, a, b, m, k, n) and kernel_choice(fmt, a.values.device)[0]:
-        return block_gemm.block_scaled_mm(fmt, a, b, out_dtype, bias, fast_accum)
+    fmt = block_scaled_mm.block_format(a, b)
+    if (
+        fmt is not None
+        and block_scaled_mm.fits(fmt, a, b, m, k, n)
+        and kernel_choice(fmt, a.values.device)[0]
+    ):
+        return block_scaled_mm.block_scaled_mm(fmt, a, b, out_dtype, bias, fast_accum)
     y = float32_matmul(a.dequantize(), b.dequantize())
     if bias is not None:
         y = y + bias.float()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..torch_internals import triton_max_combine
+from ...torch_internals import triton_max_combine
 
 MAX_COMBINE = triton_max_combine()  # tl.max's own combine function (torch_internals says why)
 

@@ -1,7 +1,7 @@
 """Fused FP8 quantization kernels (Triton): one read of the high-precision tensor per operand, writing
 the FP8 values, their transposed copy, the scales and the amax in the same pass (docs/design.md,
 section 6, "Fused quantization kernels"). Equal bit for bit to the torch path (cast.py,
-quantization/block.py), which runs wherever these do not: CPUs, GPUs without Triton, and code under
+quantization/block_scaling.py), which runs wherever these do not: CPUs, GPUs without Triton, and code under
 torch.compile, where inductor fuses the torch path's cast with its neighbours (design.md says why).
 
 Triton is optional: this module imports it only when a kernel is asked for
@@ -11,7 +11,7 @@ the tests' way) and the caller allows it explicitly.
 
 - `cast_with_amax`: delayed scaling's cast with the scale in force, recording max|x| (one read);
 - `amax_then_cast`: current scaling's amax, then the cast with its scale (two reads);
-- `cast_tiles_1x128`, `cast_blocks_128x128`: block scaling's operands, as quantization/block.py
+- `cast_tiles_1x128`, `cast_blocks_128x128`: block scaling's operands, as quantization/block_scaling.py
   makes them;
 - `microscaling()`: the module of the MXFP8 and NVFP4 kernels (triton_microscaling.py).
 
@@ -174,7 +174,7 @@ def cast_tiles_1x128(
     encoding: str = "e4m3",
     block_m: Optional[int] = None,
 ) -> tuple[Operand, Optional[Operand]]:
-    """x2d in 1x128 tiles along its last dimension, as quantization/block.py's `_tiles(x2d, power_2)`
+    """x2d in 1x128 tiles along its last dimension, as quantization/block_scaling.py's `_tiles(x2d, power_2)`
     (values as `dtype`), and with `transposed_dtype` also `_tiles(x2d, power_2, transposed=True)`
     (x2d.t() in 1x128 tiles along the tokens, values as that dtype): both in one read of x2d."""
     values, scale_inv, values_t, scale_inv_t = _kernels().cast_tiles(
