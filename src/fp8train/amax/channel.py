@@ -30,7 +30,8 @@ class StickyFlag:
 
 
 class Channel:
-    """The amax all-reduces on one process group: their common size, and whether one went wrong.
+    """The amax all-reduces on one process group: their common size, and whether one went wrong. The
+    process group itself is kept by the amax groups that share the channel (`AmaxGroup.process_group`).
 
     A failed check anywhere on the channel stops every later update on it (the flag is checked on the
     device by every reduction): after a mismatch, collectives may be paired with the wrong partners.
@@ -42,8 +43,7 @@ class Channel:
     once on the CPU; on CUDA the copy has long arrived by then, so the read does not stall the host).
     """
 
-    def __init__(self, process_group) -> None:
-        self.process_group = process_group
+    def __init__(self) -> None:
         self.agreed = settings.initial_wire  # values after the header, agreed by every rank (in a handshake)
         self.directions: list[Member] = []
         self.flag: Optional[StickyFlag] = None

@@ -190,7 +190,7 @@ class Direction:
         self.stats.launched += 1
         self.stats.bytes_reduced += buffer.numel() * buffer.element_size()
         start = Mark.now(buffer.device)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.channel.process_group, async_op=True)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group.process_group, async_op=True)
         if async_op:
             return work
         self._wait_work(work)

@@ -42,12 +42,19 @@ class RegionSettings:
     calibrating: bool
     recipe: Any  # one of recipe.py's recipes
     quantization: Any  # the recipe's Quantization (quantization/): the protocol reads `reduces_amax`, `kind`
-    group: Any  # the amax group's torch.distributed ProcessGroup, or None for the world
+    # delayed scaling in an active region: its amax group, looked up once at entry (regions.py); None else
+    amax_group: Optional[AmaxGroup] = None
 
     @property
     def active(self) -> bool:
         """FP8 casts or amax recording happen in this region."""
         return self.enabled or self.calibrating
+
+    @property
+    def group(self):
+        """The amax group's process group (asked of the amax group, its one owner); None where there is
+        no amax group (no delayed scaling, or an inactive region)."""
+        return None if self.amax_group is None else self.amax_group.process_group
 
 
 @dataclass
@@ -228,7 +235,7 @@ class AmaxGroups:
         if group is None:
             channel = None
             if reduces_across_ranks(recipe, process_group):
-                channel = self.channels.setdefault(process_group, Channel(process_group))
+                channel = self.channels.setdefault(process_group, Channel())
             group = self.groups[key] = AmaxGroup(recipe, process_group, channel, self.stats)
         return group
 
