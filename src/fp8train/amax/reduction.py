@@ -157,6 +157,8 @@ class Direction:
             snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
             self.pending.append(PendingReduction(snapshot, [], n, Mark.now(snapshot.device), stream=stream))
             return
+        for owner in channel.unfinished_before_launch():  # what this launch's verdict folds: checked first
+            owner.finish()
         index = channel.begin_launch(self)  # raises on every rank alike; no further collective then
         self.finish()  # the state digest must cover every earlier update (normally already applied)
         agreed = channel.agreed

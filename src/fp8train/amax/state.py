@@ -18,7 +18,7 @@ import collections
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 import torch
 
@@ -28,20 +28,37 @@ from .membership import reduces_across_ranks, world_if_default
 from .reduction import AmaxGroup, Direction
 from .stats import ReductionStats
 
-__all__ = ["STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "Plan"]
+if TYPE_CHECKING:
+    from ..recipe import Recipe
+
+__all__ = [
+    "STATE", "State", "KEPT_REGIONS", "RecipeQuantization", "RegionSettings", "Region", "BackwardPass",
+    "Plan",
+]  # fmt: skip
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
 
 
 # ---- what the owners hold -------------------------------------------------------------------------------
+class RecipeQuantization(Protocol):
+    """What the protocol, and the readers of a region's settings, read of a recipe's `Quantization`
+    (quantization/base.py, a layer above: the protocol names the facts here instead of importing it)."""
+
+    recipe: Recipe
+    kind: str  # a module trains under one kind
+    reduces_amax: bool  # delayed scaling: amax groups, plans with frozen scales
+    casts_before_gather: bool  # FSDP2 weights gathered as FP8 bytes
+    whole_blocks: int  # GEMM dimensions are multiples of it
+
+
 @dataclass(frozen=True)
 class RegionSettings:
     """One fp8_autocast entry's arguments, with its recipe's quantization."""
 
     enabled: bool
     calibrating: bool
-    recipe: Any  # one of recipe.py's recipes
-    quantization: Any  # the recipe's Quantization (quantization/): the protocol reads `reduces_amax`, `kind`
+    recipe: Recipe
+    quantization: RecipeQuantization  # the recipe's Quantization (quantization/)
     # delayed scaling in an active region: its amax group, looked up once at entry (regions.py); None else
     amax_group: Optional[AmaxGroup] = None
 
@@ -63,7 +80,7 @@ class Plan:
     backward owes the protocol; a training call's plan is noted in its region for recomputation."""
 
     fp8: bool
-    quantization: Any  # the recipe's Quantization
+    quantization: RecipeQuantization  # the recipe's Quantization
     region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
     serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
     # delayed scaling only (quantization.reduces_amax):
