@@ -49,8 +49,8 @@ def fp8_autocast(
             the ranks disagreeing, or failed (docs/design.md, section 4); every rank raises alike.
     """
     quantization = quantization_of(DelayedScaling() if fp8_recipe is None else fp8_recipe, "fp8_recipe")
-    settings = RegionSettings(bool(enabled), bool(calibrating), quantization.recipe, quantization, fp8_group)
-    region = enter_region(settings)
+    settings = RegionSettings(bool(enabled), bool(calibrating), quantization.recipe, quantization)
+    region = enter_region(settings, fp8_group)
     failed = False
     try:
         yield

@@ -102,7 +102,7 @@ def _forward_in_region(forward: FP8Forward, args: tuple, kwargs: dict) -> Any:
 
 
 def _enter(quantization: Quantization, group: Any) -> Optional[Region]:
-    return enter_region(RegionSettings(True, False, quantization.recipe, quantization, group))
+    return enter_region(RegionSettings(True, False, quantization.recipe, quantization), group)
 
 
 def _exit(region: Optional[Region], failed: bool) -> None:

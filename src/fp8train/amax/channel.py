@@ -30,7 +30,8 @@ class StickyFlag:
 
 
 class Channel:
-    """The amax all-reduces on one process group: their common size, and whether one went wrong.
+    """The amax all-reduces on one process group: their common size, and whether one went wrong. The
+    process group itself is kept by the amax groups that share the channel (`AmaxGroup.process_group`).
 
     A failed check anywhere on the channel stops every later update on it (the flag is checked on the
     device by every reduction): after a mismatch, collectives may be paired with the wrong partners.
@@ -42,8 +43,7 @@ class Channel:
     once on the CPU; on CUDA the copy has long arrived by then, so the read does not stall the host).
     """
 
-    def __init__(self, process_group) -> None:
-        self.process_group = process_group
+    def __init__(self) -> None:
         self.agreed = settings.initial_wire  # values after the header, agreed by every rank (in a handshake)
         self.directions: list[Member] = []
         self.flag: Optional[StickyFlag] = None
@@ -102,16 +102,22 @@ class Channel:
         """Every rank agreed (in a blocking handshake) that collectives carry `wire` values from now on."""
         self.agreed = wire
 
+    def unfinished_before_launch(self) -> list[Member]:
+        """The directions whose launches the next launch folds into the verdict but whose reductions
+        have not been checked yet (no FP8 call used them): the caller finishes them first
+        (`Direction.launch`). Raises the mismatch this channel raised before."""
+        self.check()
+        due = self.launches + 1 - 2
+        return [owner for done, owner in self.unfolded if done <= due and done not in self.disagreed]
+
     def begin_launch(self, direction: Member) -> int:
         """Decide whether this launch raises (the same decision on every rank: see the class docstring),
-        and return its index."""
+        and return its index. The launches it folds were finished (`unfinished_before_launch`)."""
         self.check()
         self.launches += 1
         index = self.launches
         while self.unfolded and self.unfolded[0][0] <= index - 2:
-            done, owner = self.unfolded.popleft()
-            if done not in self.disagreed:
-                owner.finish()  # not finished yet (no FP8 call used it): wait for it now
+            done, _ = self.unfolded.popleft()
             if done in self.disagreed:  # (absent only when a failure already stopped the updates)
                 self.verdict |= self.disagreed.pop(done)
         mirror = self._spare or HostMirror(self.verdict)

@@ -21,14 +21,12 @@ __all__ = ["HEADER_FIELDS", "HEADER_LEN", "Header", "Member", "state_digest", "m
 
 class Member(Protocol):
     """What the wire needs of a direction reduced on a channel (reduction.Direction): its names for
-    messages, and its one wait."""
+    messages. The channel never calls it: reduction.py finishes what the channel names."""
 
     name: str
     recipe_key: str
 
     def describe(self) -> str: ...
-
-    def finish(self) -> None: ...
 
 
 HEADER_FIELDS = (

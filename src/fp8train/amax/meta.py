@@ -47,7 +47,7 @@ def _global_rank() -> Optional[int]:
 def _group_ranks(direction: Optional[Direction]) -> Optional[list[int]]:
     """The global ranks of `direction`'s amax group; None for a group of one rank (no channel)."""
     channel = None if direction is None else direction.channel
-    return None if channel is None else list(dist.get_process_group_ranks(channel.process_group))
+    return None if channel is None else list(dist.get_process_group_ranks(direction.group.process_group))
 
 
 def _refused(ranks, saved_by, group, where_loaded: str) -> ValueError:
@@ -174,7 +174,7 @@ class ScalingMeta:
             state["step_amax"] = step_amax.cpu()
             channel = self.direction.channel if self.direction is not None else None
             if channel is not None:  # this rank's amaxes only: the others' are reduced at the boundary
-                state["step_amax_ranks"] = dist.get_world_size(channel.process_group)
+                state["step_amax_ranks"] = dist.get_world_size(self.direction.group.process_group)
                 state["step_amax_saved_by"] = dist.get_rank()  # global ranks: what a restart keeps
                 state["step_amax_group"] = _group_ranks(self.direction)
                 if bool(step_amax.any()):

@@ -157,6 +157,8 @@ class Direction:
             snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
             self.pending.append(PendingReduction(snapshot, [], n, Mark.now(snapshot.device), stream=stream))
             return
+        for owner in channel.unfinished_before_launch():  # what this launch's verdict folds: checked first
+            owner.finish()
         index = channel.begin_launch(self)  # raises on every rank alike; no further collective then
         self.finish()  # the state digest must cover every earlier update (normally already applied)
         agreed = channel.agreed
@@ -190,7 +192,7 @@ class Direction:
         self.stats.launched += 1
         self.stats.bytes_reduced += buffer.numel() * buffer.element_size()
         start = Mark.now(buffer.device)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.channel.process_group, async_op=True)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group.process_group, async_op=True)
         if async_op:
             return work
         self._wait_work(work)

@@ -29,8 +29,11 @@ def current_backward_pass() -> BackwardPass:
     return STATE.backward.current()
 
 
-def enter_region(settings: RegionSettings) -> Optional[Region]:
-    """Push `settings`; return the new Region when this entry is outermost (None otherwise)."""
+def enter_region(settings: RegionSettings, fp8_group=None) -> Optional[Region]:
+    """Push `settings`; return the new Region when this entry is outermost (None otherwise).
+
+    `fp8_group`: the amax group's process group (None: the world). Under delayed scaling in an active
+    region, its amax group is looked up here, once, and kept in the settings pushed (`amax_group`)."""
     regions = STATE.regions
     replaying = STATE.recompute.replaying is not None or in_backward()
     if settings.active and not regions.stack and in_pipeline_shape_inference():
@@ -38,8 +41,9 @@ def enter_region(settings: RegionSettings) -> Optional[Region]:
     region = None
     if not regions.stack and not replaying:
         region = Region(regions.entered + 1, knobs.asynchronous())
-    if settings.active and settings.quantization.reduces_amax and not replaying:
-        STATE.groups.of(settings.recipe, settings.group)  # a group this rank is not in: raise now
+    if settings.active and settings.quantization.reduces_amax:
+        # a group this rank is not in raises now (a replay's group was checked by its original entry)
+        settings = replace(settings, amax_group=STATE.groups.of(settings.recipe, fp8_group))
     # nothing above may have left state behind: it can raise (a bad env value, a foreign group)
     regions.push(settings, region)
     return region

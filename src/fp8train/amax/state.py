@@ -18,7 +18,7 @@ import collections
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 import torch
 
@@ -28,26 +28,50 @@ from .membership import reduces_across_ranks, world_if_default
 from .reduction import AmaxGroup, Direction
 from .stats import ReductionStats
 
-__all__ = ["STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "ForwardPlan"]
+if TYPE_CHECKING:
+    from ..recipe import Recipe
+
+__all__ = [
+    "STATE", "State", "KEPT_REGIONS", "RecipeQuantization", "RegionSettings", "Region", "BackwardPass",
+    "ForwardPlan",
+]  # fmt: skip
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
 
 
 # ---- what the owners hold -------------------------------------------------------------------------------
+class RecipeQuantization(Protocol):
+    """What the protocol, and the readers of a region's settings, read of a recipe's `Quantization`
+    (quantization/base.py, a layer above: the protocol names the facts here instead of importing it)."""
+
+    recipe: Recipe
+    kind: str  # a module trains under one kind
+    reduces_amax: bool  # delayed scaling: amax groups, plans with frozen scales
+    casts_before_gather: bool  # FSDP2 weights gathered as FP8 bytes
+    whole_blocks: int  # GEMM dimensions are multiples of it
+
+
 @dataclass(frozen=True)
 class RegionSettings:
     """One fp8_autocast entry's arguments, with its recipe's quantization."""
 
     enabled: bool
     calibrating: bool
-    recipe: Any  # one of recipe.py's recipes
-    quantization: Any  # the recipe's Quantization (quantization/): the protocol reads `reduces_amax`, `kind`
-    group: Any  # the amax group's torch.distributed ProcessGroup, or None for the world
+    recipe: Recipe
+    quantization: RecipeQuantization  # the recipe's Quantization (quantization/)
+    # delayed scaling in an active region: its amax group, looked up once at entry (regions.py); None else
+    amax_group: Optional[AmaxGroup] = None
 
     @property
     def active(self) -> bool:
         """FP8 casts or amax recording happen in this region."""
         return self.enabled or self.calibrating
+
+    @property
+    def group(self):
+        """The amax group's process group (asked of the amax group, its one owner); None where there is
+        no amax group (no delayed scaling, or an inactive region)."""
+        return None if self.amax_group is None else self.amax_group.process_group
 
 
 @dataclass
@@ -59,7 +83,7 @@ class ForwardPlan:
     backward owes the protocol; a training call's plan is noted in its region for recomputation."""
 
     fp8: bool
-    quantization: Any  # the recipe's Quantization
+    quantization: RecipeQuantization  # the recipe's Quantization
     region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
     serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
     # delayed scaling only (quantization.reduces_amax):
@@ -234,7 +258,7 @@ class AmaxGroups:
         if group is None:
             channel = None
             if reduces_across_ranks(recipe, process_group):
-                channel = self.channels.setdefault(process_group, Channel(process_group))
+                channel = self.channels.setdefault(process_group, Channel())
             group = self.groups[key] = AmaxGroup(recipe, process_group, channel, self.stats)
         return group
 
