@@ -5,6 +5,8 @@ GEMM (counts from fp8train.tools.bench.lean_path, which `fp8train bench cast` pr
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from test_cast_gemm import DTYPES, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
@@ -81,6 +83,43 @@ def test_compiled_gemm_output_gives_the_bf16_paths_bits(out_dtype) -> None:
         want = gemm.gemm(a.bfloat16(), sa, b.bfloat16(), sb, out_dtype, bias)
         assert got.dtype == out_dtype and torch.equal(got, want)
         assert census.ops["scaled_output"] == (1 if bias is None else 0)
+
+
+def test_compiled_kernels_registry(monkeypatch) -> None:
+    """cast.COMPILED_KERNELS, the one registry of the compiled kernels: one compiled kernel per variant
+    (its own code object), kept; a failure turns the casts and GEMM outputs off for the process with
+    one warning, and the casts still give the same values (torch's eager kernels)."""
+    from fp8train import gemm_output
+
+    registry = cast.CompiledKernels(enabled=True)
+    monkeypatch.setattr(cast, "COMPILED_KERNELS", registry)
+    x, s = torch.randn(256, 256) * 20, torch.tensor(2.0)
+    with StepCensus() as census:
+        values, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
+    assert census.ops["fused_cast"] == 1
+    kernel = registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False))
+    assert registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False)) is kernel
+    assert registry.variants() == [f"_kernel{(torch.float32, torch.float32, 'e4m3', False, False)}"]
+    assert registry.running and registry.failure is None
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+
+    with pytest.warns(UserWarning, match="compiled kernels failed.*no compiler here"):
+        assert registry.run(broken, x) is None
+    assert not registry.running and "no compiler here" in registry.failure
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert registry.run(broken, x) is None
+    assert caught == []  # warned once
+    assert not cast._fused_applies(x, s) and not gemm_output.fused_output_applies(x, s, None)
+    with StepCensus() as census:
+        again, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
+    assert census.ops["fused_cast"] == 0 and torch.equal(again, values)
+    registry.set_enabled(True)  # a failure stays: turning them on again does not bring them back
+    assert not registry.running
+    off = cast.CompiledKernels(enabled=False)
+    assert not off.running and (off.set_enabled(True) or off.running)
 
 
 def test_mlp_step_passes_and_calls_per_gemm() -> None:
