@@ -30,7 +30,7 @@ from ..torch_internals import (
 from .plans import note_training_output, plan_forward
 from .regions import current_backward_pass
 from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
-from .state import STATE, Plan
+from .state import STATE, Plan, _host_scalar
 
 __all__ = ["Call", "begin_call", "current_call"]
 
@@ -54,6 +54,9 @@ class Call:
     plan: Optional[Plan] = None  # eager: its module call's plan (compiled graphs make it at run time)
     gemm_path: Optional[str] = None  # gemm.PATHS: how its GEMMs multiply (the emulation's output rounding)
     weight_amax_in_cast: bool = False  # eager: the weight's cast (`quantize_weight`) takes its amax
+    # eager delayed scaling: ((x, x_inv), (w, w_inv)), the casts' views of `scales` (None: select them)
+    pairs: Optional[tuple] = None
+    amax_in_cast: bool = False  # eager training calls in FP8: the forward casts take their amaxes
 
     @staticmethod
     def outside_module(quantization, scales: Optional[torch.Tensor] = None) -> Call:
@@ -71,9 +74,13 @@ class Call:
     ) -> Call:
         """This call with its GEMM's operand dtype and path, the scales and token `forward_scales` gave,
         and whether the weight's cast takes the weight's amax."""
+        plan, pairs = self.plan, None
+        if plan is not None and plan.given is not None and plan.given[0] is scales:  # as given: its views
+            pairs = plan.given[1]
+        amax_in_cast = self.record and self.fp8 and not torch.compiler.is_compiling()
         return Call(
             self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
-            operand_dtype, scales, token, self.plan, gemm_path, weight_amax_in_cast,
+            operand_dtype, scales, token, plan, gemm_path, weight_amax_in_cast, pairs, amax_in_cast,
         )  # fmt: skip
 
     def without_tensors(self) -> Call:
@@ -107,6 +114,14 @@ class Call:
         if torch.compiler.is_compiling():
             return _backward_scales_op(self.module_handle, self.gemm_index, g_amax, self.token)
         return _backward_scales(STATE.handles.module(self.module_handle), self.gemm_index, g_amax, self.token)
+
+    def backward_scale_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager, for a gradient cast that takes its own amax (`record_grad_amax` records it after):
+        (scale, scale_inv) of this GEMM's grad_output, `backward_scales(None)`'s values, as views of the
+        group's storage (`Direction.column_views`) where that makes a copy."""
+        return _backward_scales(
+            STATE.handles.module(self.module_handle), self.gemm_index, None, self.token, pair=True
+        )
 
     def record_amax(self, role: int, amax: torch.Tensor) -> None:
         """Eager: record the amax of forward `role` (roles.py: INPUT, WEIGHT) that its cast took (delayed
@@ -197,6 +212,8 @@ def refuse_cuda_graph_capture(like: torch.Tensor) -> None:
 
 def _gemm_scales(plan: Plan, gemm_index: int) -> torch.Tensor:
     base = forward_column(plan.offset, gemm_index, INPUT)
+    if plan.frozen is not None:
+        return plan.frozen.gemm(base)[0]
     return torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]])
 
 
@@ -210,34 +227,44 @@ def _forward_scales(
     """Record this GEMM's amaxes into the plan's direction; its scales (the region's frozen ones, a
     copy) and its region's token (a CPU int64 scalar: the region's serial for a training call's
     backward, -1 otherwise)."""
-    refuse_cuda_graph_capture(like)
+    if capturing_cuda_graph(like.device):
+        refuse_cuda_graph_capture(like)
+    base = forward_column(plan.offset, gemm_index, INPUT)
     if plan.records_into is not None:
         if x_amax is not None:
-            plan.records_into.record(forward_column(plan.offset, gemm_index, INPUT), x_amax)
+            plan.records_into.record(base, x_amax)
         if w_amax is not None:
             plan.records_into.record(forward_column(plan.offset, gemm_index, WEIGHT), w_amax)
-    token = torch.tensor(plan.serial)
-    token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
-    return _gemm_scales(plan, gemm_index), token
+    # the region's token, made once (a replay holds no region: its own)
+    token = plan.region.token if plan.region is not None else _host_scalar(plan.serial)
+    if plan.frozen is None:
+        return torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]]), token
+    plan.given = plan.frozen.gemm(base)  # the block, and its casts' pairs for `for_gemm`
+    return plan.given[0], token
 
 
 def _backward_scales(
-    module, gemm_index: int, g_amax: Optional[torch.Tensor], token: torch.Tensor
-) -> torch.Tensor:
+    module, gemm_index: int, g_amax: Optional[torch.Tensor], token: torch.Tensor, pair: bool = False
+):
     """Record this backward GEMM's grad_output amax (unless None: recorded after the cast); return
-    [scale, scale_inv] for it.
+    [scale, scale_inv] for it (a copy), or with `pair` (eager, cast at once) the two as views.
 
     Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
     launches the group's backward reduction when it ends."""
     meta = module.fp8_meta["scaling_bwd"]
     direction = meta.direction
-    refuse_cuda_graph_capture(direction.storage.scale if g_amax is None else g_amax)
+    like = direction.storage.scale if g_amax is None else g_amax
+    if capturing_cuda_graph(like.device):
+        refuse_cuda_graph_capture(like)
     direction.finish()
     direction.check()
     column = backward_column(meta.offset, gemm_index, GRAD_OUTPUT)
     if g_amax is not None:
         direction.record(column, g_amax)
     current_backward_pass().note(direction.group, STATE.regions.by_serial(int(token)))
+    if pair:
+        scales, inverses = direction.column_views()
+        return scales[column], inverses[column]
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 

@@ -90,7 +90,12 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
         region.note_trained(group)  # only once the module is a member: it can launch
         if group.recipe.per_step and training:
             check_step_open(module)
-    scale, scale_inv, offset = fwd_meta.scales_in(region, module)
+    if fwd_meta.direction is None:  # not a member yet: its own scales (ScalingMeta.scales_in)
+        scale, scale_inv, offset = fwd_meta.scales_in(region, module)
+        frozen = None
+    else:  # its group's, frozen for the region, with the views its GEMMs read
+        frozen = region.scales_for(fwd_meta.direction)
+        scale, scale_inv, offset = frozen.scale, frozen.scale_inv, fwd_meta.offset
     return Plan(
         fp8=settings.enabled,
         quantization=settings.quantization,
@@ -98,6 +103,7 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
         scale_inv=scale_inv,
         offset=offset,
         records_into=group.fwd if record else None,
+        frozen=frozen,
     )
 
 

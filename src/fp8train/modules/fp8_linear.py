@@ -116,14 +116,22 @@ class _HighPrecision(torch.autograd.Function):
         return grad
 
 
-def _gemm_path(tokens: int, weight: torch.Tensor) -> tuple[str, torch.dtype]:
+def _gemm_path(tokens: int, weight: torch.Tensor, call: Call) -> tuple[str, torch.dtype]:
     """The GEMM path (gemm.PATHS) and its operand dtype (`gemm.operand_dtype`): FP8 for torch._scaled_mm
-    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values.
+    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values. Decided once per region
+    and shape for a training call (`Region.gemm_paths`: the settings are read at the first call).
 
     The backward GEMMs have the same three dimensions, so they take the same path."""
+    region = None if call.plan is None else call.plan.region
+    key = (weight.device, tokens, *weight.shape)
+    if region is not None and key in region.gemm_paths:
+        return region.gemm_paths[key]
     out_features, in_features = weight.shape
     path = choose_path(weight.device, tokens, in_features, out_features)
-    return path, operand_dtype(path, weight.device)
+    decided = path, operand_dtype(path, weight.device)
+    if region is not None:
+        region.gemm_paths[key] = decided
+    return decided
 
 
 def _warn_if_emulated_for_shape(module, weight: torch.Tensor, call: Call) -> None:
@@ -210,7 +218,7 @@ def fp8_linear(
     if rebuild is not None:  # the weight scale the step's first microbatch cast the weight with
         scales = torch.stack([scales[:, 0], rebuild.to(scales.device)], dim=1)
     tokens = x.numel() // x.shape[-1] * (1 if sp_group is None else dist.get_world_size(sp_group))
-    path, dtype = _gemm_path(tokens, weight)
+    path, dtype = _gemm_path(tokens, weight, call)
     call = call.for_gemm(dtype, scales, token, path, weight_amax is AMAX_IN_CAST)
     if stored:  # used as it is, whatever the recipe (a block operand: matmul dequantizes it)
         w_ops = stored_weight
