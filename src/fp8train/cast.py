@@ -74,7 +74,7 @@ def cast_with_amax(
     `transposed` (2-D x) also the values' transposed copy, contiguous (where a later GEMM wants the
     other layout), else None. Eager CPU casts of large tensors run as one compiled kernel
     (fused_cast.py); others as torch kernels (`cast_operand`, and `amax` one pass more)."""
-    if x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
+    if COMPILED_KERNELS.running and x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
         out = _fused_cast(x, scale, encoding, dtype, transposed, amax_out)
         if out is not None:
             return out
@@ -229,7 +229,8 @@ class CompiledKernels:
         self.enabled = enabled
         self.failure: Optional[str] = None
         self.running = enabled
-        self._variants: dict[tuple, Callable] = {}  # (kernel, its variant) -> the compiled kernel
+        # (kernel, its variant) -> the compiled kernel (hot paths look it up here, then `variant`)
+        self.compiled: dict[tuple, Callable] = {}
 
     def set_enabled(self, enabled: bool) -> None:
         """Turn the compiled kernels on or off (benchmarks: the torch-op casts beside them)."""
@@ -240,10 +241,9 @@ class CompiledKernels:
         """`kernel` compiled for one variant `key` (the constants its graph depends on: dtypes,
         encoding), each its own code object: dynamo keeps 8 graphs per code object (then runs it
         eagerly), and a process may cast in more variants than that. Shapes are dynamic."""
-        try:
-            return self._variants[kernel, key]
-        except KeyError:
-            pass
+        compiled = self.compiled.get((kernel, key))
+        if compiled is not None:
+            return compiled
         name = kernel.__name__ + "_" + "_".join(str(k).replace("torch.", "") for k in key)
         code = kernel.__code__.replace(co_name=name, co_qualname=name)
         fn = type(kernel)(code, kernel.__globals__, name)
@@ -253,12 +253,12 @@ class CompiledKernels:
         # sys.argv as strings (a script's sys.argv may hold other objects)
         options = {"emulate_precision_casts": True, "benchmark_harness": False}
         compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
-        self._variants[kernel, key] = compiled
+        self.compiled[kernel, key] = compiled
         return compiled
 
     def variants(self) -> list[str]:
         """The names of the variants compiled so far (one code object each)."""
-        return [kernel.__name__ + str(key) for kernel, key in self._variants]
+        return [kernel.__name__ + str(key) for kernel, key in self.compiled]
 
     def run(self, run: Callable, *args):
         """`run(*args)` (a compiled kernel's call); None if it fails (no C++ compiler, an inductor bug):
@@ -270,15 +270,16 @@ class CompiledKernels:
             self.failed(f"{type(err).__name__}: {err}")
             return None
 
-    def failed(self, why: str) -> None:
-        """A compiled kernel failed (`why`): all are off from now on; the first failure warns."""
+    def failed(self, why: str, stacklevel: int = 4) -> None:
+        """A compiled kernel failed (`why`): all are off from now on; the first failure warns (at the
+        caller `stacklevel` frames up)."""
         if self.failure is None:
             self.failure = why
             warnings.warn(
                 f"fp8train's compiled kernels failed ({why[:300]}); casts and GEMM outputs run as torch's "
                 f"eager kernels from now on (slower, the same values). Set {ENV_FUSED_CAST}=0 to skip the "
                 "attempt",
-                stacklevel=5,
+                stacklevel=stacklevel + 1,
             )
         self.running = False
 
@@ -295,7 +296,7 @@ def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
         COMPILED_KERNELS.running
         and x.device.type == "cpu"
         and x.dtype in _FUSED_DTYPES
-        and scale.numel() == 1
+        and (not scale.shape or scale.numel() == 1)  # a 0-dim scale: no call
         and scale.device == x.device
         and x.is_contiguous()
         and not torch.compiler.is_compiling()
@@ -324,7 +325,11 @@ def _run_fused(
     amax_out: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
     with_amax = amax_out is not None
-    kernel = COMPILED_KERNELS.variant(_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+    key = (_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+    try:
+        kernel = COMPILED_KERNELS.compiled[key]
+    except KeyError:
+        kernel = COMPILED_KERNELS.variant(*key)
     values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
     if amax_out is not None:
         amax_out.copy_(amax)
@@ -352,8 +357,21 @@ def _fused_cast(
     this process: the caller casts eagerly)."""
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
-    run = _fused_cast_op if dispatch_mode_active() else _run_fused
-    out = COMPILED_KERNELS.run(run, x.detach(), scale, encoding, dtype, transposed, amax_out)
-    if out is None:
+    x = x.detach()
+    try:  # (COMPILED_KERNELS.run, inline: the hot path)
+        if dispatch_mode_active():
+            out = _fused_cast_op(x, scale, encoding, dtype, transposed, amax_out)
+            return out[0], (out[1] if transposed else None)
+        with_amax = amax_out is not None  # (`_run_fused`, inline)
+        key = (_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+        try:
+            kernel = COMPILED_KERNELS.compiled[key]
+        except KeyError:
+            kernel = COMPILED_KERNELS.variant(*key)
+        values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
+    except Exception as err:
+        COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None
-    return out[0], (out[1] if transposed else None)
+    if amax_out is not None:
+        amax_out.copy_(amax)
+    return values, values_t

@@ -36,7 +36,12 @@ def _output_kernel(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype)
 
 
 def _run(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return cast.COMPILED_KERNELS.variant(_output_kernel, (y.dtype, out_dtype))(y, scale, out_dtype)
+    key = (_output_kernel, (y.dtype, out_dtype))
+    try:
+        kernel = cast.COMPILED_KERNELS.compiled[key]
+    except KeyError:
+        kernel = cast.COMPILED_KERNELS.variant(*key)
+    return kernel(y, scale, out_dtype)
 
 
 _scaled_output_op = torch.library.custom_op("fp8train::scaled_output", _run, mutates_args=())
@@ -51,5 +56,15 @@ def scaled_output(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) 
     """y (the fp32 product of FP8 values) rounded to bf16, times `scale` (1 element, fp32), as
     `out_dtype`: one pass; None where the compiled kernel cannot run here (`cast.COMPILED_KERNELS.run`:
     the caller computes it eagerly)."""
-    run = _scaled_output_op if dispatch_mode_active() else _run
-    return cast.COMPILED_KERNELS.run(run, y, scale, out_dtype)
+    try:  # (cast.COMPILED_KERNELS.run, inline: the hot path)
+        if dispatch_mode_active():
+            return _scaled_output_op(y, scale, out_dtype)
+        key = (_output_kernel, (y.dtype, out_dtype))  # (`_run`, inline)
+        try:
+            kernel = cast.COMPILED_KERNELS.compiled[key]
+        except KeyError:
+            kernel = cast.COMPILED_KERNELS.variant(*key)
+        return kernel(y, scale, out_dtype)
+    except Exception as err:
+        cast.COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
+        return None

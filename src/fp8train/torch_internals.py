@@ -148,10 +148,10 @@ def round_precision_casts_as_eager() -> bool:
     return bool(config.emulate_precision_casts)
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a TorchDispatchMode is active (`torch.utils._python_dispatch`): dynamo does not compile
-    under one, so the compiled cast (cast.py) goes through its custom op there, where the mode sees it."""
-    return is_in_torch_dispatch_mode()
+# dispatch_mode_active() -> bool: whether a TorchDispatchMode is active (`torch.utils._python_dispatch`):
+# dynamo does not compile under one, so the compiled cast (cast.py) goes through its custom op there,
+# where the mode sees it. torch's function itself (asked at every compiled cast: no wrapper call).
+dispatch_mode_active = is_in_torch_dispatch_mode
 
 
 # ---- ops --------------------------------------------------------------------------------------------

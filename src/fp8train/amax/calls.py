@@ -28,7 +28,6 @@ from ..torch_internals import (
     round_precision_casts_as_eager,
 )
 from .plans import note_training_output, plan_forward
-from .regions import current_backward_pass
 from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
 from .state import STATE, Plan, _host_scalar
 
@@ -76,7 +75,7 @@ class Call:
         and whether the weight's cast takes the weight's amax."""
         plan, pairs = self.plan, None
         if plan is not None and plan.given is not None and plan.given[0] is scales:  # as given: its views
-            pairs = plan.given[1]
+            pairs = plan.given[1]  # (None where the plan has no frozen views)
         amax_in_cast = self.record and self.fp8 and not torch.compiler.is_compiling()
         return Call(
             self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
@@ -115,10 +114,11 @@ class Call:
             return _backward_scales_op(self.module_handle, self.gemm_index, g_amax, self.token)
         return _backward_scales(STATE.handles.module(self.module_handle), self.gemm_index, g_amax, self.token)
 
-    def backward_scale_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eager, for a gradient cast that takes its own amax (`record_grad_amax` records it after):
-        (scale, scale_inv) of this GEMM's grad_output, `backward_scales(None)`'s values, as views of the
-        group's storage (`Direction.column_views`) where that makes a copy."""
+    def backward_scale_pair(self) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """Eager, for a gradient cast that takes its own amax: (scale, scale_inv) of this GEMM's
+        grad_output, `backward_scales(None)`'s values, as views of the group's storage
+        (`Direction.column_views`) where that makes a copy; and where its amax goes, for
+        `record_grad_amax` after the cast."""
         return _backward_scales(
             STATE.handles.module(self.module_handle), self.gemm_index, None, self.token, pair=True
         )
@@ -126,13 +126,21 @@ class Call:
     def record_amax(self, role: int, amax: torch.Tensor) -> None:
         """Eager: record the amax of forward `role` (roles.py: INPUT, WEIGHT) that its cast took (delayed
         scaling's scales are frozen before the call, so the cast needs no amax first: one read)."""
-        if self.plan.records_into is not None:
-            self.plan.records_into.record(forward_column(self.plan.offset, self.gemm_index, role), amax)
+        plan = self.plan
+        if plan.records_into is not None:
+            given = plan.given  # the GEMM's columns, where `forward_scales` found them
+            if given is not None and given[0] is self.scales:
+                plan.records_into.record(given[2][role], amax)
+            else:
+                plan.records_into.record(forward_column(plan.offset, self.gemm_index, role), amax)
 
-    def record_grad_amax(self, g_amax: torch.Tensor) -> None:
-        """Eager: record the grad_output amax its cast took (after `backward_scales(None)`)."""
-        meta = STATE.handles.module(self.module_handle).fp8_meta["scaling_bwd"]
-        meta.direction.record(backward_column(meta.offset, self.gemm_index, GRAD_OUTPUT), g_amax)
+    def record_grad_amax(self, g_amax: torch.Tensor, into: Optional[tuple] = None) -> None:
+        """Eager: record the grad_output amax its cast took (after `backward_scales(None)`; `into`: where,
+        as `backward_scale_pair` said)."""
+        if into is None:
+            meta = STATE.handles.module(self.module_handle).fp8_meta["scaling_bwd"]
+            into = meta.direction, backward_column(meta.offset, self.gemm_index, GRAD_OUTPUT)
+        into[0].record(into[1], g_amax)
 
     def check_recipe_kind(self) -> None:
         """Under torch.compile, a training call's check that its module trains under one recipe kind
@@ -175,7 +183,9 @@ def begin_call(module, gemm_index: int) -> Call:
         STATE.calls.begin(module, plan)
     else:  # a later GEMM of the module's call (LayerNormMLP's fc2)
         plan = STATE.calls.of(module)
-    return _planned_call(plan, handle, gemm_index)
+    if plan is None:  # high precision, recording nothing (`_planned_call`, inline)
+        return Call(False, False, None, handle, gemm_index)
+    return Call(plan.fp8, plan.records_into is not None, plan.quantization, handle, gemm_index, plan=plan)
 
 
 def current_call(module, gemm_index: int = 0) -> Optional[Call]:
@@ -230,17 +240,20 @@ def _forward_scales(
     if capturing_cuda_graph(like.device):
         refuse_cuda_graph_capture(like)
     base = forward_column(plan.offset, gemm_index, INPUT)
+    columns = (base, forward_column(plan.offset, gemm_index, WEIGHT))
     if plan.records_into is not None:
         if x_amax is not None:
             plan.records_into.record(base, x_amax)
         if w_amax is not None:
-            plan.records_into.record(forward_column(plan.offset, gemm_index, WEIGHT), w_amax)
+            plan.records_into.record(columns[WEIGHT], w_amax)
     # the region's token, made once (a replay holds no region: its own)
     token = plan.region.token if plan.region is not None else _host_scalar(plan.serial)
     if plan.frozen is None:
-        return torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]]), token
-    plan.given = plan.frozen.gemm(base)  # the block, and its casts' pairs for `for_gemm`
-    return plan.given[0], token
+        block, pairs = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]]), None
+    else:
+        block, pairs = plan.frozen.gemm(base)
+    plan.given = block, pairs, columns  # for the call's `for_gemm` and `record_amax`
+    return block, token
 
 
 def _backward_scales(
@@ -256,15 +269,19 @@ def _backward_scales(
     like = direction.storage.scale if g_amax is None else g_amax
     if capturing_cuda_graph(like.device):
         refuse_cuda_graph_capture(like)
-    direction.finish()
-    direction.check()
+    if direction.pending:  # (finish and check, called only where they have work)
+        direction.finish()
+    if direction.channel is not None:
+        direction.check()
     column = backward_column(meta.offset, gemm_index, GRAD_OUTPUT)
     if g_amax is not None:
         direction.record(column, g_amax)
-    current_backward_pass().note(direction.group, STATE.regions.by_serial(int(token)))
+    backward, region = STATE.backward.current(), STATE.regions.by_serial(int(token))
+    if direction.group not in backward.groups or region not in backward.regions:  # noted once a pass
+        backward.note(direction.group, region)
     if pair:
         scales, inverses = direction.column_views()
-        return scales[column], inverses[column]
+        return scales[column], inverses[column], (direction, column)
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 

@@ -98,8 +98,9 @@ class Plan:
     offset: int = 0  # the module's first column in its group's forward storage
     records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
     frozen: Optional[FrozenScales] = None  # the region's frozen scales, when scale and scale_inv are its
-    # the latest GEMM's scales as `Call.forward_scales` gave them: (block, its casts' pairs), for the
-    # call's `for_gemm` (the pairs serve only while the block is the one given)
+    # the latest GEMM's scales as `Call.forward_scales` gave them: (block, its casts' pairs or None,
+    # its (input, weight) columns), for the call's `for_gemm` and `record_amax` (they serve only while
+    # the call's scales are the block given)
     given: Optional[tuple] = None
 
     def replay(self) -> Plan:
@@ -120,6 +121,7 @@ class Region:
         self.trained: dict[AmaxGroup, int] = {}  # groups in the order they first trained -> index
         self.snapshots: dict[Direction, FrozenScales] = {}  # frozen (scale, scale_inv)
         self._token: Optional[torch.Tensor] = None
+        self._last_group: Optional[tuple] = None  # (settings, its amax group): `group_of`'s last answer
         # (device, tokens, out, in) -> (GEMM path, operand dtype) of its training calls, decided at the
         # first (modules/fp8_linear.py): the settings it reads hold for the region
         self.gemm_paths: dict[tuple, tuple] = {}
@@ -161,13 +163,22 @@ class Region:
 
     def scales_for(self, direction: Direction) -> FrozenScales:
         """The scales this region uses for `direction`: finished once, then frozen (a copy)."""
-        snap = self.snapshots.get(direction)
+        snap = self.snapshots[direction] if direction in self.snapshots else None
         if snap is None or snap.scale.shape[0] != direction.storage.scale.shape[0]:
             direction.finish()
             direction.check()
             snap = FrozenScales(direction.storage.scale, direction.storage.scale_inv)
             self.snapshots[direction] = snap
         return snap
+
+    def group_of(self, settings: RegionSettings) -> AmaxGroup:
+        """The amax group of `settings` (`STATE.groups.of`), asked once per settings object here."""
+        last = self._last_group
+        if last is not None and last[0] is settings:
+            return last[1]
+        group = STATE.groups.of(settings.recipe, settings.group)
+        self._last_group = (settings, group)
+        return group
 
     @property
     def token(self) -> torch.Tensor:

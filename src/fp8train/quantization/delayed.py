@@ -33,7 +33,8 @@ class DelayedQuantization(TensorQuantization):
     casts_before_gather = True
 
     def call_scales(self, call: Call, x: torch.Tensor, weight_amax):
-        if _amax_in_cast(call):  # x's amax: taken by its cast; the weight's too where it is cast here
+        # (_amax_in_cast, inline) x's amax: taken by its cast; the weight's too where it is cast here
+        if call.record and call.fp8 and not torch.compiler.is_compiling():
             w_amax = None if weight_amax is None or weight_amax is AMAX_IN_CAST else weight_amax()
             return call.forward_scales(None, w_amax, x.detach())
         x_amax = amax(x) if call.record else None
@@ -47,17 +48,19 @@ class DelayedQuantization(TensorQuantization):
         scale, scale_inv = (
             call.pairs[WEIGHT] if call.pairs is not None else (call.scales[0, 1], call.scales[1, 1])
         )
-        w_amax = _new_amax(weight) if call.weight_amax_in_cast and call.amax_in_cast else None
+        w_amax = None
+        if call.weight_amax_in_cast and call.amax_in_cast:  # where its cast writes the weight's amax
+            w_amax = torch.empty((), dtype=torch.float32, device=weight.device)
         operand = self.cast(weight, scale, scale_inv, "e4m3", call.operand_dtype, w_amax)
         if w_amax is not None:
             call.record_amax(WEIGHT, w_amax)
-        return WeightOperands.same(operand)
+        return WeightOperands(operand, operand)  # (WeightOperands.same)
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         scale, scale_inv = (
             call.pairs[INPUT] if call.pairs is not None else (call.scales[0, 0], call.scales[1, 0])
         )
-        x_amax = _new_amax(x2d) if call.amax_in_cast else None
+        x_amax = torch.empty((), dtype=torch.float32, device=x2d.device) if call.amax_in_cast else None
         operand = self.cast(x2d, scale, scale_inv, "e4m3", call.operand_dtype, x_amax)
         if x_amax is not None:
             call.record_amax(INPUT, x_amax)
@@ -65,15 +68,10 @@ class DelayedQuantization(TensorQuantization):
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
-            g_amax = _new_amax(g2d)
-            scale, scale_inv = call.backward_scale_pair()
+            g_amax = torch.empty((), dtype=torch.float32, device=g2d.device)
+            scale, scale_inv, into = call.backward_scale_pair()
             operands = self.grad_operands(g2d, scale, scale_inv, call, g_amax)
-            call.record_grad_amax(g_amax)
+            call.record_grad_amax(g_amax, into)
             return operands
         scales = call.backward_scales(amax(g2d))
         return self.grad_operands(g2d, scales[0], scales[1], call)
-
-
-def _new_amax(x: torch.Tensor) -> torch.Tensor:
-    """Where a cast writes its tensor's amax, for the call to record."""
-    return torch.empty((), dtype=torch.float32, device=x.device)
