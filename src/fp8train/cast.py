@@ -357,7 +357,7 @@ def _fused_cast(
     this process: the caller casts eagerly)."""
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
-    x = x.detach()
+    x = x.detach() if x.requires_grad else x  # (one graph per variant: x without grad)
     try:  # (COMPILED_KERNELS.run, inline: the hot path)
         if dispatch_mode_active():
             out = _fused_cast_op(x, scale, encoding, dtype, transposed, amax_out)

@@ -56,6 +56,9 @@ class Call:
     # eager delayed scaling: ((x, x_inv), (w, w_inv)), the casts' views of `scales` (None: select them)
     pairs: Optional[tuple] = None
     amax_in_cast: bool = False  # eager training calls in FP8: the forward casts take their amaxes
+    # eager delayed scaling: (x, w) amax slots of the recording direction (`Direction.column_views`)
+    # where the forward casts write their amaxes for `record_amax`; None: new tensors
+    amax_slots: Optional[tuple] = None
 
     @staticmethod
     def outside_module(quantization, scales: Optional[torch.Tensor] = None) -> Call:
@@ -73,13 +76,16 @@ class Call:
     ) -> Call:
         """This call with its GEMM's operand dtype and path, the scales and token `forward_scales` gave,
         and whether the weight's cast takes the weight's amax."""
-        plan, pairs = self.plan, None
-        if plan is not None and plan.given is not None and plan.given[0] is scales:  # as given: its views
-            pairs = plan.given[1]  # (None where the plan has no frozen views)
+        plan, pairs, slots = self.plan, None, None
+        given = None if plan is None else plan.given
+        if given is not None and given[0] is scales:  # the scales as given: their views and slots
+            pairs = given[1]  # (None where the plan has no frozen views)
+            if given[3] is not None:
+                slots = given[3][given[2][0]], given[3][given[2][1]]
         amax_in_cast = self.record and self.fp8 and not torch.compiler.is_compiling()
         return Call(
             self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
-            operand_dtype, scales, token, plan, gemm_path, weight_amax_in_cast, pairs, amax_in_cast,
+            operand_dtype, scales, token, plan, gemm_path, weight_amax_in_cast, pairs, amax_in_cast, slots,
         )  # fmt: skip
 
     def without_tensors(self) -> Call:
@@ -114,11 +120,11 @@ class Call:
             return _backward_scales_op(self.module_handle, self.gemm_index, g_amax, self.token)
         return _backward_scales(STATE.handles.module(self.module_handle), self.gemm_index, g_amax, self.token)
 
-    def backward_scale_pair(self) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    def backward_scale_pair(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
         """Eager, for a gradient cast that takes its own amax: (scale, scale_inv) of this GEMM's
         grad_output, `backward_scales(None)`'s values, as views of the group's storage
-        (`Direction.column_views`) where that makes a copy; and where its amax goes, for
-        `record_grad_amax` after the cast."""
+        (`Direction.column_views`) where that makes a copy; the amax slot its cast writes; and where
+        the amax is recorded, for `record_grad_amax` after the cast."""
         return _backward_scales(
             STATE.handles.module(self.module_handle), self.gemm_index, None, self.token, pair=True
         )
@@ -233,26 +239,32 @@ def _forward_scales(
     x_amax: Optional[torch.Tensor],
     w_amax: Optional[torch.Tensor],
     like: torch.Tensor,
+    fresh: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Record this GEMM's amaxes into the plan's direction; its scales (the region's frozen ones, a
-    copy) and its region's token (a CPU int64 scalar: the region's serial for a training call's
-    backward, -1 otherwise)."""
+    """Record this GEMM's amaxes into the plan's direction; its scales (the region's frozen ones) and
+    its region's token (a CPU int64 scalar: the region's serial for a training call's backward, -1
+    otherwise). Eagerly the scales are a view of the region's frozen copy and the token the region's
+    own; `fresh` (the custom op: its outputs must be new tensors, contiguous as its fake says) makes
+    both anew."""
     if capturing_cuda_graph(like.device):
         refuse_cuda_graph_capture(like)
     base = forward_column(plan.offset, gemm_index, INPUT)
     columns = (base, forward_column(plan.offset, gemm_index, WEIGHT))
+    slots = None
     if plan.records_into is not None:
         if x_amax is not None:
             plan.records_into.record(base, x_amax)
         if w_amax is not None:
             plan.records_into.record(columns[WEIGHT], w_amax)
+        if not fresh:  # where the eager casts write their amaxes
+            slots = plan.records_into.column_views()[2]
     # the region's token, made once (a replay holds no region: its own)
-    token = plan.region.token if plan.region is not None else _host_scalar(plan.serial)
-    if plan.frozen is None:
+    token = plan.region.token if plan.region is not None and not fresh else _host_scalar(plan.serial)
+    if plan.frozen is None or fresh:
         block, pairs = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]]), None
     else:
         block, pairs = plan.frozen.gemm(base)
-    plan.given = block, pairs, columns  # for the call's `for_gemm` and `record_amax`
+    plan.given = block, pairs, columns, slots  # for the call's `for_gemm` and `record_amax`
     return block, token
 
 
@@ -280,8 +292,8 @@ def _backward_scales(
     if direction.group not in backward.groups or region not in backward.regions:  # noted once a pass
         backward.note(direction.group, region)
     if pair:
-        scales, inverses = direction.column_views()
-        return scales[column], inverses[column], (direction, column)
+        scales, inverses, slots = direction.column_views()
+        return scales[column], inverses[column], slots[column], (direction, column)
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 
@@ -299,7 +311,7 @@ def _forward_scales_op(
     module = STATE.handles.module(handle)
     if gemm_index == 0:  # the module call's plan, made at run time
         STATE.calls.begin(module, plan_forward(module, training, compiled=True))
-    return _forward_scales(STATE.calls.of(module), gemm_index, x_amax, w_amax, like)
+    return _forward_scales(STATE.calls.of(module), gemm_index, x_amax, w_amax, like, fresh=True)
 
 
 @_forward_scales_op.register_fake

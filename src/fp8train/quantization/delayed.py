@@ -50,7 +50,7 @@ class DelayedQuantization(TensorQuantization):
         )
         w_amax = None
         if call.weight_amax_in_cast and call.amax_in_cast:  # where its cast writes the weight's amax
-            w_amax = torch.empty((), dtype=torch.float32, device=weight.device)
+            w_amax = call.amax_slots[WEIGHT] if call.amax_slots is not None else _new_amax(weight)
         operand = self.cast(weight, scale, scale_inv, "e4m3", call.operand_dtype, w_amax)
         if w_amax is not None:
             call.record_amax(WEIGHT, w_amax)
@@ -60,7 +60,9 @@ class DelayedQuantization(TensorQuantization):
         scale, scale_inv = (
             call.pairs[INPUT] if call.pairs is not None else (call.scales[0, 0], call.scales[1, 0])
         )
-        x_amax = torch.empty((), dtype=torch.float32, device=x2d.device) if call.amax_in_cast else None
+        x_amax = None
+        if call.amax_in_cast:  # where its cast writes x's amax
+            x_amax = call.amax_slots[INPUT] if call.amax_slots is not None else _new_amax(x2d)
         operand = self.cast(x2d, scale, scale_inv, "e4m3", call.operand_dtype, x_amax)
         if x_amax is not None:
             call.record_amax(INPUT, x_amax)
@@ -68,10 +70,14 @@ class DelayedQuantization(TensorQuantization):
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
-            g_amax = torch.empty((), dtype=torch.float32, device=g2d.device)
-            scale, scale_inv, into = call.backward_scale_pair()
+            scale, scale_inv, g_amax, into = call.backward_scale_pair()
             operands = self.grad_operands(g2d, scale, scale_inv, call, g_amax)
             call.record_grad_amax(g_amax, into)
             return operands
         scales = call.backward_scales(amax(g2d))
         return self.grad_operands(g2d, scales[0], scales[1], call)
+
+
+def _new_amax(x: torch.Tensor) -> torch.Tensor:
+    """Where a cast writes its tensor's amax, for the call to record (where the call has no slot)."""
+    return torch.empty((), dtype=torch.float32, device=x.device)
