@@ -30,7 +30,10 @@ E8M0 = "e8m0"  # the form of MX operands whose power-of-2 scales are kept as the
 
 def saves_fp8_bytes() -> bool:
     """Whether emulated operands are kept as FP8 bytes for backward (`FP8TRAIN_SAVE_FP8`, default 0)."""
-    value = os.environ.get(ENV_SAVE_FP8, "0").strip() or "0"
+    value = os.environ.get(ENV_SAVE_FP8)
+    if value is None:  # the default, without a string method's call (asked twice per FP8 call)
+        return False
+    value = value.strip() or "0"
     if value not in ("0", "1"):
         raise ValueError(
             f"{ENV_SAVE_FP8}={value!r} is not valid: 1 keeps FP8 operands for backward as FP8 bytes "
@@ -85,7 +88,7 @@ def pack(operand: Operand, e2m1: bool = False, e8m0: bool = False) -> tuple[Oper
     decode FP8 bytes to, E2M1 (NVFP4 values packed two to a byte; `e2m1`: the values are E2M1) or E8M0
     (`e8m0`: the scales are MX scales, kept as their bytes)."""
     values = operand.values
-    if not saves_fp8_bytes():
+    if ENV_SAVE_FP8 not in os.environ or not saves_fp8_bytes():  # (unset: the default, no call)
         return operand, None
     if e8m0 and operand.block is not None:
         return _with_values(operand, values, _e8m0_codes(operand.scale_inv)), E8M0

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 __all__ = [
     "graph_task_id",
+    "current_graph_task",
     "in_backward",
     "at_end_of_backward",
     "register_ordered_effects",
@@ -73,9 +74,13 @@ def graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+# `graph_task_id` itself, for the hot path (amax recording: one builtin call, no wrapper)
+current_graph_task = torch._C._current_graph_task_id
+
+
 def in_backward() -> bool:
     """Whether a backward pass is running: there, a forward call is an activation recomputation."""
-    return graph_task_id() != -1
+    return current_graph_task() != -1
 
 
 def at_end_of_backward(callback: Callable[[], None]) -> None:
@@ -146,10 +151,10 @@ def round_precision_casts_as_eager() -> bool:
     return bool(config.emulate_precision_casts)
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a TorchDispatchMode is active (`torch.utils._python_dispatch`): dynamo does not compile
-    under one, so the compiled cast (cast.py) goes through its custom op there, where the mode sees it."""
-    return is_in_torch_dispatch_mode()
+# dispatch_mode_active() -> bool: whether a TorchDispatchMode is active (`torch.utils._python_dispatch`):
+# dynamo does not compile under one, so the compiled cast (cast.py) goes through its custom op there,
+# where the mode sees it. torch's function itself (asked at every compiled cast: no wrapper call).
+dispatch_mode_active = is_in_torch_dispatch_mode
 
 
 # ---- ops --------------------------------------------------------------------------------------------

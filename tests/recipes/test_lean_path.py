@@ -5,6 +5,8 @@ GEMM (counts from fp8train.tools.bench.lean_path, which `fp8train bench cast` pr
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from test_cast_gemm import DTYPES, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
@@ -83,23 +85,62 @@ def test_compiled_gemm_output_gives_the_bf16_paths_bits(out_dtype) -> None:
         assert census.ops["scaled_output"] == (1 if bias is None else 0)
 
 
+def test_compiled_kernels_registry(monkeypatch) -> None:
+    """cast.COMPILED_KERNELS, the one registry of the compiled kernels: one compiled kernel per variant
+    (its own code object), kept; a failure turns the casts and GEMM outputs off for the process with
+    one warning, and the casts still give the same values (torch's eager kernels)."""
+    from fp8train import gemm_output
+
+    registry = cast.CompiledKernels(enabled=True)
+    monkeypatch.setattr(cast, "COMPILED_KERNELS", registry)
+    x, s = torch.randn(256, 256) * 20, torch.tensor(2.0)
+    with StepCensus() as census:
+        values, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
+    assert census.ops["fused_cast"] == 1
+    kernel = registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False))
+    assert registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False)) is kernel
+    assert registry.variants() == [f"_kernel{(torch.float32, torch.float32, 'e4m3', False, False)}"]
+    assert registry.running and registry.failure is None
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+
+    with pytest.warns(UserWarning, match="compiled kernels failed.*no compiler here"):
+        assert registry.run(broken, x) is None
+    assert not registry.running and "no compiler here" in registry.failure
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert registry.run(broken, x) is None
+    assert caught == []  # warned once
+    assert not cast._fused_applies(x, s) and not gemm_output.fused_output_applies(x, s, None)
+    with StepCensus() as census:
+        again, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
+    assert census.ops["fused_cast"] == 0 and torch.equal(again, values)
+    registry.set_enabled(True)  # a failure stays: turning them on again does not bring them back
+    assert not registry.running
+    off = cast.CompiledKernels(enabled=False)
+    assert not off.running and (off.set_enabled(True) or off.running)
+
+
 def test_mlp_step_passes_and_calls_per_gemm() -> None:
     """The FP8 MLP block 1024-4096-1024 on 256 tokens (delayed scaling, eager, fwd + bwd): at most 4
     passes over the elements of the operands it casts in all its non-GEMM ops, the model's own
     included (before: 14.4, measured at 74dd396: the cast's 8, the amax's, the GEMMs' upcasts and
     output scaling); aten calls and fp8train's Python calls per FP8 GEMM bounded (before: 66 aten calls
-    beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds)."""
+    beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds;
+    measured now, the same in three runs: 27.8 aten calls, 79.2 and 48.6 Python calls)."""
     torch.set_num_threads(1)
     r = lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1)
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
-    assert r["extra_aten_calls_per_gemm"] <= 36
+    assert r["extra_aten_calls_per_gemm"] <= 29.5, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
     # that grow with the stack's depth (pytest's is deep), not with the model
-    assert r["python_calls_per_gemm"] <= 120, r["python_calls_by_function"]
-    # 76-78 after the merges (the call depth of the suite moves it by ~2): bounded with that margin
-    assert r["python_calls_per_added_gemm"] <= 80, r["python_calls_by_function"]
+    assert r["python_calls_per_gemm"] <= 90, r["python_calls_by_function"]
+    # 48.6 (the call depth of the suite has moved it by ~2): bounded with that margin, about half of
+    # 97, the count before the lean path
+    assert r["python_calls_per_added_gemm"] <= 52, r["python_calls_by_function"]
 
 
 _BROKEN_COMPILER = r"""

@@ -28,9 +28,8 @@ from ..torch_internals import (
     round_precision_casts_as_eager,
 )
 from .plans import note_training_output, plan_forward
-from .regions import current_backward_pass
 from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
-from .state import STATE, ForwardPlan
+from .state import STATE, ForwardPlan, _host_scalar
 
 __all__ = ["Call", "begin_call", "current_call"]
 
@@ -56,6 +55,12 @@ class Call:
     plan: Optional[ForwardPlan] = None  # eager: its module call's plan (compiled graphs make it at run time)
     gemm_path: Optional[str] = None  # gemm.PATHS: how its GEMMs multiply (the emulation's output rounding)
     weight_amax_in_cast: bool = False  # eager: the weight's cast (`quantize_weight`) takes its amax
+    # eager delayed scaling: ((x, x_inv), (w, w_inv)), the casts' views of `scales` (None: select them)
+    pairs: Optional[tuple] = None
+    amax_in_cast: bool = False  # eager training calls in FP8: the forward casts take their amaxes
+    # eager delayed scaling: (x, w) amax slots of the recording direction (`Direction.column_views`)
+    # where the forward casts write their amaxes for `record_amax`; None: new tensors
+    amax_slots: Optional[tuple] = None
 
     @staticmethod
     def outside_module(quantization, scales: Optional[torch.Tensor] = None) -> Call:
@@ -73,9 +78,16 @@ class Call:
     ) -> Call:
         """This call with its GEMM's operand dtype and path, the scales and token `forward_scales` gave,
         and whether the weight's cast takes the weight's amax."""
+        plan, pairs, slots = self.plan, None, None
+        given = None if plan is None else plan.given
+        if given is not None and given[0] is scales:  # the scales as given: their views and slots
+            pairs = given[1]  # (None where the plan has no frozen views)
+            if given[3] is not None:
+                slots = given[3][given[2][0]], given[3][given[2][1]]
+        amax_in_cast = self.record and self.fp8 and not torch.compiler.is_compiling()
         return Call(
             self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
-            operand_dtype, scales, token, self.plan, gemm_path, weight_amax_in_cast,
+            operand_dtype, scales, token, plan, gemm_path, weight_amax_in_cast, pairs, amax_in_cast, slots,
         )  # fmt: skip
 
     def without_tensors(self) -> Call:
@@ -110,16 +122,33 @@ class Call:
             return _backward_scales_op(self.module_handle, self.gemm_index, g_amax, self.token)
         return _backward_scales(STATE.handles.module(self.module_handle), self.gemm_index, g_amax, self.token)
 
+    def backward_scale_pair(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """Eager, for a gradient cast that takes its own amax: (scale, scale_inv) of this GEMM's
+        grad_output, `backward_scales(None)`'s values, as views of the group's storage
+        (`Direction.column_views`) where that makes a copy; the amax slot its cast writes; and where
+        the amax is recorded, for `record_grad_amax` after the cast."""
+        return _backward_scales(
+            STATE.handles.module(self.module_handle), self.gemm_index, None, self.token, pair=True
+        )
+
     def record_amax(self, role: int, amax: torch.Tensor) -> None:
         """Eager: record the amax of forward `role` (roles.py: INPUT, WEIGHT) that its cast took (delayed
         scaling's scales are frozen before the call, so the cast needs no amax first: one read)."""
-        if self.plan.records_into is not None:
-            self.plan.records_into.record(forward_column(self.plan.offset, self.gemm_index, role), amax)
+        plan = self.plan
+        if plan.records_into is not None:
+            given = plan.given  # the GEMM's columns, where `forward_scales` found them
+            if given is not None and given[0] is self.scales:
+                plan.records_into.record(given[2][role], amax)
+            else:
+                plan.records_into.record(forward_column(plan.offset, self.gemm_index, role), amax)
 
-    def record_grad_amax(self, g_amax: torch.Tensor) -> None:
-        """Eager: record the grad_output amax its cast took (after `backward_scales(None)`)."""
-        meta = STATE.handles.module(self.module_handle).fp8_meta["scaling_bwd"]
-        meta.direction.record(backward_column(meta.offset, self.gemm_index, GRAD_OUTPUT), g_amax)
+    def record_grad_amax(self, g_amax: torch.Tensor, into: Optional[tuple] = None) -> None:
+        """Eager: record the grad_output amax its cast took (after `backward_scales(None)`; `into`: where,
+        as `backward_scale_pair` said)."""
+        if into is None:
+            meta = STATE.handles.module(self.module_handle).fp8_meta["scaling_bwd"]
+            into = meta.direction, backward_column(meta.offset, self.gemm_index, GRAD_OUTPUT)
+        into[0].record(into[1], g_amax)
 
     def check_recipe_kind(self) -> None:
         """Under torch.compile, a training call's check that its module trains under one recipe kind
@@ -162,7 +191,9 @@ def begin_call(module, gemm_index: int) -> Call:
         STATE.calls.begin(module, plan)
     else:  # a later GEMM of the module's call (LayerNormMLP's fc2)
         plan = STATE.calls.of(module)
-    return _planned_call(plan, handle, gemm_index)
+    if plan is None:  # high precision, recording nothing (`_planned_call`, inline)
+        return Call(False, False, None, handle, gemm_index)
+    return Call(plan.fp8, plan.records_into is not None, plan.quantization, handle, gemm_index, plan=plan)
 
 
 def current_call(module, gemm_index: int = 0) -> Optional[Call]:
@@ -199,6 +230,8 @@ def refuse_cuda_graph_capture(like: torch.Tensor) -> None:
 
 def _gemm_scales(plan: ForwardPlan, gemm_index: int) -> torch.Tensor:
     base = forward_column(plan.offset, gemm_index, INPUT)
+    if plan.frozen is not None:
+        return plan.frozen.gemm(base)[0]
     return torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]])
 
 
@@ -208,38 +241,61 @@ def _forward_scales(
     x_amax: Optional[torch.Tensor],
     w_amax: Optional[torch.Tensor],
     like: torch.Tensor,
+    fresh: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Record this GEMM's amaxes into the plan's direction; its scales (the region's frozen ones, a
-    copy) and its region's token (a CPU int64 scalar: the region's serial for a training call's
-    backward, -1 otherwise)."""
-    refuse_cuda_graph_capture(like)
+    """Record this GEMM's amaxes into the plan's direction; its scales (the region's frozen ones) and
+    its region's token (a CPU int64 scalar: the region's serial for a training call's backward, -1
+    otherwise). Eagerly the scales are a view of the region's frozen copy and the token the region's
+    own; `fresh` (the custom op: its outputs must be new tensors, contiguous as its fake says) makes
+    both anew."""
+    if capturing_cuda_graph(like.device):
+        refuse_cuda_graph_capture(like)
+    base = forward_column(plan.offset, gemm_index, INPUT)
+    columns = (base, forward_column(plan.offset, gemm_index, WEIGHT))
+    slots = None
     if plan.records_into is not None:
         if x_amax is not None:
-            plan.records_into.record(forward_column(plan.offset, gemm_index, INPUT), x_amax)
+            plan.records_into.record(base, x_amax)
         if w_amax is not None:
-            plan.records_into.record(forward_column(plan.offset, gemm_index, WEIGHT), w_amax)
-    token = torch.tensor(plan.serial)
-    token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
-    return _gemm_scales(plan, gemm_index), token
+            plan.records_into.record(columns[WEIGHT], w_amax)
+        if not fresh:  # where the eager casts write their amaxes
+            slots = plan.records_into.column_views()[2]
+    # the region's token, made once (a replay holds no region: its own)
+    token = plan.region.token if plan.region is not None and not fresh else _host_scalar(plan.serial)
+    if plan.frozen is None or fresh:
+        block, pairs = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]]), None
+    else:
+        block, pairs = plan.frozen.gemm(base)
+    plan.given = block, pairs, columns, slots  # for the call's `for_gemm` and `record_amax`
+    return block, token
 
 
 def _backward_scales(
-    module, gemm_index: int, g_amax: Optional[torch.Tensor], token: torch.Tensor
-) -> torch.Tensor:
+    module, gemm_index: int, g_amax: Optional[torch.Tensor], token: torch.Tensor, pair: bool = False
+):
     """Record this backward GEMM's grad_output amax (unless None: recorded after the cast); return
-    [scale, scale_inv] for it.
+    [scale, scale_inv] for it (a copy), or with `pair` (eager, cast at once) the two as views.
 
     Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
     launches the group's backward reduction when it ends."""
     meta = module.fp8_meta["scaling_bwd"]
     direction = meta.direction
-    refuse_cuda_graph_capture(direction.storage.scale if g_amax is None else g_amax)
-    direction.finish()
-    direction.check()
+    like = direction.storage.scale if g_amax is None else g_amax
+    if capturing_cuda_graph(like.device):
+        refuse_cuda_graph_capture(like)
+    if direction.pending:  # (finish and check, called only where they have work)
+        direction.finish()
+    if direction.channel is not None:
+        direction.check()
     column = backward_column(meta.offset, gemm_index, GRAD_OUTPUT)
     if g_amax is not None:
         direction.record(column, g_amax)
-    current_backward_pass().note(direction.group, STATE.regions.by_serial(int(token)))
+    backward, region = STATE.backward.current(), STATE.regions.by_serial(int(token))
+    if direction.group not in backward.groups or region not in backward.regions:  # noted once a pass
+        backward.note(direction.group, region)
+    if pair:
+        scales, inverses, slots = direction.column_views()
+        return scales[column], inverses[column], slots[column], (direction, column)
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 
@@ -257,7 +313,7 @@ def _forward_scales_op(
     module = STATE.handles.module(handle)
     if gemm_index == 0:  # the module call's plan, made at run time
         STATE.calls.begin(module, plan_forward(module, training, compiled=True))
-    return _forward_scales(STATE.calls.of(module), gemm_index, x_amax, w_amax, like)
+    return _forward_scales(STATE.calls.of(module), gemm_index, x_amax, w_amax, like, fresh=True)
 
 
 @_forward_scales_op.register_fake

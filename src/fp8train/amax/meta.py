@@ -92,7 +92,8 @@ class ScalingMeta:
         region."""
         if self.direction is None:
             return *self.own_scales(next(module.parameters()).device), 0
-        return *region.scales_for(self.direction), self.offset
+        frozen = region.scales_for(self.direction)
+        return frozen.scale, frozen.scale_inv, self.offset
 
     def _as_own(self) -> dict:
         """The attributes of this direction holding its current state as its own (a copy, not a view)."""

@@ -14,8 +14,8 @@ from typing import Callable, Optional
 import torch
 
 from ..torch_internals import (
+    current_graph_task,
     ddp_join_that_does_not_throw,
-    in_backward,
     inside_reentrant_checkpoint,
     pipeline_group_of_caller,
 )
@@ -32,18 +32,19 @@ def plan_forward(module, training: bool, compiled: bool = False) -> Optional[For
 
     `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad);
     `compiled`: the call is made by a compiled graph (whose outputs the region does not see)."""
-    if STATE.recompute.replaying is not None or in_backward():
+    if STATE.recompute.replaying is not None or current_graph_task() != -1:  # (in_backward, inline)
         plan = _recompute_plan(module)
         if plan is not None:
             for record in STATE.recompute.noting:  # a checkpoint nested in the one being recomputed
                 record.add(id(module), plan)
         return plan
-    settings = STATE.regions.settings
-    if settings is None or not settings.active:
+    stack = STATE.regions.stack  # (the settings and `active` properties, inline: every call asks)
+    settings = stack[-1] if stack else None
+    if settings is None or not (settings.enabled or settings.calibrating):
         return None
     region = STATE.regions.region
     quantization = settings.quantization
-    if settings.enabled and training:
+    if settings.enabled and training and module.recipe_kind != quantization.kind:
         module.claim_recipe_kind(quantization.kind)
     if settings.enabled and not training and region.grad_at_entry:
         _refuse_reentrant_checkpoint()
@@ -66,7 +67,7 @@ def plan_forward(module, training: bool, compiled: bool = False) -> Optional[For
 def _delayed_plan(module, settings: RegionSettings, region: Region, training: bool) -> ForwardPlan:
     """Delayed scaling: the module joins its amax group when it first records; the region's frozen
     scales; amaxes recorded when training or calibrating."""
-    group = STATE.groups.of(settings.recipe, settings.group)
+    group = settings.amax_group  # looked up once, at the region's entry (regions.py)
     record = settings.calibrating or training
     fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
     if record:
@@ -87,10 +88,16 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
                 f"with {fwd_meta.direction.recipe} and is now run with {settings.recipe} (or another "
                 "group). Use the same fp8_recipe and fp8_group for every training region of a module"
             )
-        region.note_trained(group)  # only once the module is a member: it can launch
-        if group.recipe.per_step and training:
+        if group not in region.trained:
+            region.note_trained(group)  # only once the module is a member: it can launch
+        if training and group.recipe.amax_reduction == "step":  # (recipe.per_step, inline)
             check_step_open(module)
-    scale, scale_inv, offset = fwd_meta.scales_in(region, module)
+    if fwd_meta.direction is None:  # not a member yet: its own scales (ScalingMeta.scales_in)
+        scale, scale_inv, offset = fwd_meta.scales_in(region, module)
+        frozen = None
+    else:  # its group's, frozen for the region, with the views its GEMMs read
+        frozen = region.scales_for(fwd_meta.direction)
+        scale, scale_inv, offset = frozen.scale, frozen.scale_inv, fwd_meta.offset
     return ForwardPlan(
         fp8=settings.enabled,
         quantization=settings.quantization,
@@ -98,6 +105,7 @@ def _delayed_plan(module, settings: RegionSettings, region: Region, training: bo
         scale_inv=scale_inv,
         offset=offset,
         records_into=group.fwd if record else None,
+        frozen=frozen,
     )
 
 

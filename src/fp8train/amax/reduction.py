@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..errors import AmaxReductionError
 from ..numerics.formats import fp8_max
-from ..torch_internals import graph_task_id
+from ..torch_internals import current_graph_task
 from . import streams
 from .header import HEADER_LEN, Header
 from .stats import Mark, ReductionStats
@@ -68,6 +68,8 @@ class Direction:
         self.recorded_columns: list[int] = []
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self.group: Optional[AmaxGroup] = None  # set by the AmaxGroup that holds this direction
+        # (storage.scale, its columns, scale_inv's columns, amax slots): `column_views`
+        self._column_views: Optional[tuple] = None
 
     # ---- layout ---------------------------------------------------------------------------------
     def register(
@@ -98,9 +100,23 @@ class Direction:
         roles = self.storage.num_roles if self.storage is not None else 0
         return f"{len(self.members)} modules / {roles} {self.name} roles [{head}]"
 
+    def column_views(self) -> tuple[tuple, tuple, tuple]:
+        """Each column's scale and scale_inv as 0-dim views of the storage (they follow its updates,
+        which are in place), and its amax slot: a float32 0-dim tensor where an eager cast writes its
+        tensor's amax before `record` takes it (each column its own; recorded at once, so reused).
+        Three unbinds while the storage stands, where each cast would select its scales and allocate
+        its amax (the lean path, docs/design.md, section 6). Made again when the storage grows."""
+        views = self._column_views
+        if views is None or views[0] is not self.storage.scale:
+            storage = self.storage
+            slots = torch.empty_like(storage.scale).unbind()
+            views = (storage.scale, storage.scale.unbind(), storage.scale_inv.unbind(), slots)
+            self._column_views = views
+        return views[1], views[2], views[3]
+
     # ---- recording ------------------------------------------------------------------------------
     def record(self, column: int, amax: torch.Tensor) -> None:
-        task = graph_task_id()
+        task = current_graph_task()
         if self.recorded_columns and task != self._recording_task:
             # Left by a backward pass that raised before its end-of-pass launch: those amaxes belong
             # to no completed step, and folding them into this one would change its scales.

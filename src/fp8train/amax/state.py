@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 import torch
 
-from ..torch_internals import at_end_of_backward, graph_task_id
+from ..torch_internals import at_end_of_backward, current_graph_task
 from .channel import Channel
 from .membership import reduces_across_ranks, world_if_default
 from .reduction import AmaxGroup, Direction
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE", "State", "KEPT_REGIONS", "RecipeQuantization", "RegionSettings", "Region", "BackwardPass",
-    "ForwardPlan",
+    "ForwardPlan", "FrozenScales",
 ]  # fmt: skip
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
@@ -74,6 +74,37 @@ class RegionSettings:
         return None if self.amax_group is None else self.amax_group.process_group
 
 
+class FrozenScales:
+    """A direction's scales frozen for a region (a copy): [scale; scale_inv] as one 2 x N tensor, made
+    in one op, and what every GEMM of the region reads from it, made once for all of them (the lean
+    path, docs/design.md, section 6): each GEMM's [[x, w], [x_inv, w_inv]] block (a view), and each
+    column's scale and scale_inv as 0-dim views (two unbinds for the region, where each cast would
+    select its own)."""
+
+    __slots__ = ("stacked", "scale", "scale_inv", "_columns", "_blocks")
+
+    def __init__(self, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        self.stacked = torch.stack([scale, scale_inv])
+        self.scale, self.scale_inv = self.stacked.unbind()
+        self._columns: Optional[tuple[tuple, tuple]] = None
+        self._blocks: dict[int, tuple[torch.Tensor, tuple]] = {}
+
+    def gemm(self, base: int) -> tuple[torch.Tensor, tuple]:
+        """The block [[x, w], [x_inv, w_inv]] of the GEMM whose input's column is `base` (its weight's
+        is base + 1), and its casts' ((x, x_inv), (w, w_inv)), as views of the frozen copy."""
+        try:
+            return self._blocks[base]
+        except KeyError:
+            pass
+        if self._columns is None:
+            self._columns = (self.scale.unbind(), self.scale_inv.unbind())
+        scales, inverses = self._columns
+        block = self.stacked[:, base : base + 2]
+        pairs = ((scales[base], inverses[base]), (scales[base + 1], inverses[base + 1]))
+        self._blocks[base] = block, pairs
+        return block, pairs
+
+
 @dataclass
 class ForwardPlan:
     """The plan of one module's forward call (not a GEMM call: calls.Call; not a checkpoint call:
@@ -91,12 +122,18 @@ class ForwardPlan:
     scale_inv: Optional[torch.Tensor] = None
     offset: int = 0  # the module's first column in its group's forward storage
     records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
+    frozen: Optional[FrozenScales] = None  # the region's frozen scales, when scale and scale_inv are its
+    # the latest GEMM's scales as `Call.forward_scales` gave them: (block, its casts' pairs or None,
+    # its (input, weight) columns), for the call's `for_gemm` and `record_amax` (they serve only while
+    # the call's scales are the block given)
+    given: Optional[tuple] = None
 
     def replay(self) -> ForwardPlan:
         """The plan as a recomputation replays it: same scales, no amax recorded, no region held."""
         return ForwardPlan(
-            self.fp8, self.quantization, None, self.serial, self.scale, self.scale_inv, self.offset
-        )
+            self.fp8, self.quantization, None, self.serial, self.scale, self.scale_inv, self.offset,
+            frozen=self.frozen,
+        )  # fmt: skip
 
 
 class Region:
@@ -107,7 +144,11 @@ class Region:
         self.async_op = async_op
         self.grad_at_entry = torch.is_grad_enabled()
         self.trained: dict[AmaxGroup, int] = {}  # groups in the order they first trained -> index
-        self.snapshots: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {}  # frozen (scale, scale_inv)
+        self.snapshots: dict[Direction, FrozenScales] = {}  # frozen (scale, scale_inv)
+        self._token: Optional[torch.Tensor] = None
+        # (device, tokens, out, in) -> (GEMM path, operand dtype) of its training calls, decided at the
+        # first (modules/fp8_linear.py): the settings it reads hold for the region
+        self.gemm_paths: dict[tuple, tuple] = {}
         # module id -> replays of its training calls
         self.calls: dict[int, collections.deque[ForwardPlan]] = {}
         self.outputs: list[weakref.ref] = []  # autograd nodes of its FP8 training calls' outputs
@@ -145,15 +186,29 @@ class Region:
             self.trained[group] = group.next_region_index()
         return self.trained[group]
 
-    def scales_for(self, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, scale_inv) this region uses for `direction`: finished once, then frozen (a copy)."""
-        snap = self.snapshots.get(direction)
-        if snap is None or snap[0].numel() != direction.storage.num_roles:
+    def scales_for(self, direction: Direction) -> FrozenScales:
+        """The scales this region uses for `direction`: finished once, then frozen (a copy)."""
+        snap = self.snapshots[direction] if direction in self.snapshots else None
+        if snap is None or snap.scale.shape[0] != direction.storage.scale.shape[0]:
             direction.finish()
             direction.check()
-            snap = (direction.storage.scale.clone(), direction.storage.scale_inv.clone())
+            snap = FrozenScales(direction.storage.scale, direction.storage.scale_inv)
             self.snapshots[direction] = snap
         return snap
+
+    @property
+    def token(self) -> torch.Tensor:
+        """Its serial as a host int64 scalar: names the region to the backward of its training calls
+        (saved with each; made once)."""
+        if self._token is None:
+            self._token = _host_scalar(self.serial)
+        return self._token
+
+
+def _host_scalar(value: int) -> torch.Tensor:
+    token = torch.tensor(value)
+    token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+    return token
 
 
 class BackwardPass:
@@ -318,7 +373,7 @@ class BackwardPasses:
         self._current: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
 
     def current(self) -> BackwardPass:
-        task = graph_task_id()
+        task = current_graph_task()
         if self._current is None or self._current[0] != task:
             record = BackwardPass(self._step)
             self._current = (task, record)

@@ -96,7 +96,8 @@ class FP8Module(torch.nn.Module):
             operands = WeightOperands.same(replace(forward, values=forward.values.clone()))
         self._weight_cache[(gemm_index, kind)] = CachedWeight(operands, None)
         if cast_scales is not None:
-            self._weight_cast_scales[(gemm_index, kind)] = cast_scales
+            # its own copy: the caller's is a view of its region's frozen scales
+            self._weight_cast_scales[(gemm_index, kind)] = cast_scales.clone()
 
     def weight_cast_scales(self, gemm_index: int, kind: str) -> Optional[torch.Tensor]:
         """[scale, scale_inv] the cached weight of GEMM `gemm_index` (recipe `kind`) was cast with, also

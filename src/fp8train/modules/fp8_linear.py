@@ -97,6 +97,24 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def _gemm_path(tokens: int, weight: torch.Tensor, call: Call) -> tuple[str, torch.dtype]:
+    """The GEMM path (gemm.PATHS) and its operand dtype (`gemm.operand_dtype`): FP8 for torch._scaled_mm
+    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values. Decided once per region
+    and shape for a training call (`Region.gemm_paths`: the settings are read at the first call).
+
+    The backward GEMMs have the same three dimensions, so they take the same path."""
+    region = None if call.plan is None else call.plan.region
+    key = (weight.device, tokens, *weight.shape)
+    if region is not None and key in region.gemm_paths:
+        return region.gemm_paths[key]
+    out_features, in_features = weight.shape
+    path = choose_path(weight.device, tokens, in_features, out_features)
+    decided = path, operand_dtype(path, weight.device)
+    if region is not None:
+        region.gemm_paths[key] = decided
+    return decided
+
+
 def _warn_if_emulated_for_shape(module, weight: torch.Tensor, call: Call) -> None:
     """One rule for a weight off 16, on every device (shape_rule.py): an FP8 module computes it in FP8
     through the exact emulation. Where the device would otherwise run the recipe's kernel (a GPU, or
@@ -151,12 +169,7 @@ def fp8_linear(
     scales, token = call.quantization.call_scales(call, x, source.weight_amax)
     if source.cast_scales is not None:  # the weight scale the weight is cast with instead
         scales = torch.stack([scales[:, 0], source.cast_scales.to(scales.device)], dim=1)
-    # the GEMM path (gemm.PATHS) and its operand dtype: FP8 for torch._scaled_mm when every GEMM
-    # dimension fits it, else bf16 or fp32 holding FP8 values; backward's GEMMs have the same three
-    # dimensions, so they take the same path
-    out_features, in_features = weight.shape
-    path = choose_path(weight.device, x.numel() // x.shape[-1] * inputs.ranks, in_features, out_features)
-    dtype = operand_dtype(path, weight.device)
+    path, dtype = _gemm_path(x.numel() // x.shape[-1] * inputs.ranks, weight, call)
     native = grouped is not None and stored_weight is None and grouped.takes(call, _output_dtype(x))
     if native:  # one GEMM of a grouped call (grouped_gemm.py): its operands in FP8
         path, dtype = grouped.operand_path()

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..torch_internals import dispatch_mode_active
 from .formats import fp8_dtype, fp8_max
 
-__all__ = ["amax", "quantize", "cast_operand", "cast_with_amax", "PIECE_ELEMENTS", "FUSED_MIN_ELEMENTS"]
+__all__ = [
+    "amax", "quantize", "cast_operand", "cast_with_amax", "PIECE_ELEMENTS", "FUSED_MIN_ELEMENTS",
+    "CompiledKernels", "COMPILED_KERNELS",
+]  # fmt: skip
 
 # mantissa bits and smallest normal exponent of each encoding
 _FORMATS = {"e4m3": (3, -6), "e5m2": (2, -14)}
@@ -71,7 +74,7 @@ def cast_with_amax(
     `transposed` (2-D x) also the values' transposed copy, contiguous (where a later GEMM wants the
     other layout), else None. Eager CPU casts of large tensors run as one compiled kernel
     (fused_cast.py); others as torch kernels (`cast_operand`, and `amax` one pass more)."""
-    if x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
+    if COMPILED_KERNELS.running and x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
         out = _fused_cast(x, scale, encoding, dtype, transposed, amax_out)
         if out is not None:
             return out
@@ -193,9 +196,10 @@ def _pieces(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
 # Used where it pays (`_fused_applies`): eager calls (under torch.compile inductor fuses the graph's
 # casts itself), CPU tensors of at least `FUSED_MIN_ELEMENTS` (a compilation takes seconds, once per
 # variant and process; smaller tensors take the eager kernels), contiguous, in float32, bf16 or fp16,
-# with one scale on x's device. `FUSED_ENABLED` (`FP8TRAIN_FUSED_CAST`, read at import: 1 by default,
-# 0 off) turns it off; a compilation that fails (no C++ compiler) turns it off for the process, with
-# one warning. On GPUs, `cast_with_amax` is where fused device kernels plug in.
+# with one scale on x's device. `COMPILED_KERNELS` (the one registry of the compiled kernels, below)
+# says whether they run: `FP8TRAIN_FUSED_CAST` (read at import: 1 by default, 0 off) sets it; a
+# compilation that fails (no C++ compiler) turns them off for the process, with one warning. On GPUs,
+# `cast_with_amax` is where fused device kernels plug in.
 
 ENV_FUSED_CAST = "FP8TRAIN_FUSED_CAST"
 
@@ -210,21 +214,89 @@ def _enabled_by_env() -> bool:
     return value == "1"
 
 
-FUSED_ENABLED = _enabled_by_env()
+class CompiledKernels:
+    """The one registry of fp8train's compiled eager kernels (this file's cast, gemm_output.py's GEMM
+    output): whether they run, each kernel compiled once per variant, and why they stopped.
+
+    - `enabled`: `FP8TRAIN_FUSED_CAST` at import (benchmarks turn it off to measure the torch ops);
+    - `failure`: why a compiled kernel failed (None while none has): from then on every compiled kernel
+      is off for the process and callers compute the same values with torch's eager kernels;
+    - `running`: `enabled` and no failure, the one flag the hot path reads (an attribute, no call).
+
+    Only its methods change it; tests replace the registry object to test a failure."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.failure: Optional[str] = None
+        self.running = enabled
+        # (kernel, its variant) -> the compiled kernel (hot paths look it up here, then `variant`)
+        self.compiled: dict[tuple, Callable] = {}
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Turn the compiled kernels on or off (benchmarks: the torch-op casts beside them)."""
+        self.enabled = enabled
+        self.running = enabled and self.failure is None
+
+    def variant(self, kernel: Callable, key: tuple) -> Callable:
+        """`kernel` compiled for one variant `key` (the constants its graph depends on: dtypes,
+        encoding), each its own code object: dynamo keeps 8 graphs per code object (then runs it
+        eagerly), and a process may cast in more variants than that. Shapes are dynamic."""
+        compiled = self.compiled.get((kernel, key))
+        if compiled is not None:
+            return compiled
+        name = kernel.__name__ + "_" + "_".join(str(k).replace("torch.", "") for k in key)
+        code = kernel.__code__.replace(co_name=name, co_qualname=name)
+        fn = type(kernel)(code, kernel.__globals__, name)
+        # emulate_precision_casts: a rounding to bf16 inside the kernel is kept (inductor would
+        # otherwise compute through it in fp32)
+        # benchmark_harness off: inductor would write a benchmark main into the module, reading
+        # sys.argv as strings (a script's sys.argv may hold other objects)
+        options = {"emulate_precision_casts": True, "benchmark_harness": False}
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
+        self.compiled[kernel, key] = compiled
+        return compiled
+
+    def variants(self) -> list[str]:
+        """The names of the variants compiled so far (one code object each)."""
+        return [kernel.__name__ + str(key) for kernel, key in self.compiled]
+
+    def run(self, run: Callable, *args):
+        """`run(*args)` (a compiled kernel's call); None if it fails (no C++ compiler, an inductor bug):
+        then every compiled kernel of fp8train is off for the process, with one warning, and the caller
+        computes the same values with torch's eager kernels."""
+        try:
+            return run(*args)
+        except Exception as err:
+            self.failed(f"{type(err).__name__}: {err}")
+            return None
+
+    def failed(self, why: str, stacklevel: int = 4) -> None:
+        """A compiled kernel failed (`why`): all are off from now on; the first failure warns (at the
+        caller `stacklevel` frames up)."""
+        if self.failure is None:
+            self.failure = why
+            warnings.warn(
+                f"fp8train's compiled kernels failed ({why[:300]}); casts and GEMM outputs run as torch's "
+                f"eager kernels from now on (slower, the same values). Set {ENV_FUSED_CAST}=0 to skip the "
+                "attempt",
+                stacklevel=stacklevel + 1,
+            )
+        self.running = False
+
+
+COMPILED_KERNELS = CompiledKernels(_enabled_by_env())
 FUSED_MIN_ELEMENTS = 1 << 16  # below: the eager kernels (no compilation for small tensors)
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FUSED_FAILED: list[str] = []  # why the compiled kernel failed, once it has
 
 
 def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether the cast of `x` (of FUSED_MIN_ELEMENTS elements or more: the caller checks) by `scale`
     runs as the compiled kernel."""
     return (
-        FUSED_ENABLED
-        and not _FUSED_FAILED
+        COMPILED_KERNELS.running
         and x.device.type == "cpu"
         and x.dtype in _FUSED_DTYPES
-        and scale.numel() == 1
+        and (not scale.shape or scale.numel() == 1)  # a 0-dim scale: no call
         and scale.device == x.device
         and x.is_contiguous()
         and not torch.compiler.is_compiling()
@@ -244,46 +316,6 @@ def _kernel(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dt
     return values, values_t, amax
 
 
-_FUSED_VARIANTS: dict[tuple, object] = {}  # (kernel, its variant): the compiled kernel
-
-
-def compiled_variant(kernel, key: tuple):
-    """`kernel` compiled for one variant `key` (the constants its graph depends on: dtypes, encoding),
-    each its own code object: dynamo keeps 8 graphs per code object (then runs it eagerly), and a
-    process may cast in more variants than that. Shapes are dynamic. (gemm.py's output kernel too.)"""
-    compiled = _FUSED_VARIANTS.get((kernel, key))
-    if compiled is None:
-        name = kernel.__name__ + "_" + "_".join(str(k).replace("torch.", "") for k in key)
-        code = kernel.__code__.replace(co_name=name, co_qualname=name)
-        fn = type(kernel)(code, kernel.__globals__, name)
-        # emulate_precision_casts: a rounding to bf16 inside the kernel is kept (inductor would
-        # otherwise compute through it in fp32)
-        # benchmark_harness off: inductor would write a benchmark main into the module, reading
-        # sys.argv as strings (a script's sys.argv may hold other objects)
-        options = {"emulate_precision_casts": True, "benchmark_harness": False}
-        compiled = _FUSED_VARIANTS[(kernel, key)] = torch.compile(
-            fn, dynamic=True, fullgraph=True, options=options
-        )
-    return compiled
-
-
-def run_compiled(run, *args):
-    """`run(*args)` (a compiled kernel's call); None if it fails (no C++ compiler, an inductor bug):
-    then every compiled kernel of fp8train is off for the process, with one warning, and the caller
-    computes the same values with torch's eager kernels."""
-    try:
-        return run(*args)
-    except Exception as err:
-        _FUSED_FAILED.append(f"{type(err).__name__}: {err}")
-        warnings.warn(
-            f"fp8train's compiled kernels failed ({_FUSED_FAILED[0][:300]}); casts and GEMM outputs run as "
-            f"torch's eager kernels from now on (slower, the same values). Set {ENV_FUSED_CAST}=0 to skip "
-            "the attempt",
-            stacklevel=4,
-        )
-        return None
-
-
 def _run_fused(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -293,7 +325,11 @@ def _run_fused(
     amax_out: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
     with_amax = amax_out is not None
-    kernel = compiled_variant(_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+    key = (_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+    try:
+        kernel = COMPILED_KERNELS.compiled[key]
+    except KeyError:
+        kernel = COMPILED_KERNELS.variant(*key)
     values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
     if amax_out is not None:
         amax_out.copy_(amax)
@@ -321,8 +357,21 @@ def _fused_cast(
     this process: the caller casts eagerly)."""
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
-    run = _fused_cast_op if dispatch_mode_active() else _run_fused
-    out = run_compiled(run, x.detach(), scale, encoding, dtype, transposed, amax_out)
-    if out is None:
+    x = x.detach() if x.requires_grad else x  # (one graph per variant: x without grad)
+    try:  # (COMPILED_KERNELS.run, inline: the hot path)
+        if dispatch_mode_active():
+            out = _fused_cast_op(x, scale, encoding, dtype, transposed, amax_out)
+            return out[0], (out[1] if transposed else None)
+        with_amax = amax_out is not None  # (`_run_fused`, inline)
+        key = (_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+        try:
+            kernel = COMPILED_KERNELS.compiled[key]
+        except KeyError:
+            kernel = COMPILED_KERNELS.variant(*key)
+        values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
+    except Exception as err:
+        COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None
-    return out[0], (out[1] if transposed else None)
+    if amax_out is not None:
+        amax_out.copy_(amax)
+    return values, values_t

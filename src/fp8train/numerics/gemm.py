@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from ..torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
-from . import block_scaled_mm
+from . import block_scaled_mm, cast
 from .cast import FUSED_MIN_ELEMENTS
 from .gemm_output import fused_output_applies, scaled_output
 from .microscaling import float32_matmul
@@ -243,10 +243,16 @@ def gemm(
             fast_accum,
         )
         return y if bias is None or fused else y + bias.to(out_dtype)
-    scale = (a_scale_inv * b_scale_inv).reshape(1)
+    scale = a_scale_inv * b_scale_inv
+    scale = scale[None] if not scale.shape else scale.reshape(1)  # (0-dim scales: a view, no call)
     if bf16_output and a.dtype == torch.float32 and b.dtype == torch.float32:
         y = torch.mm(a, b)  # fp32 operands of the bf16 path: its rounding in the output's one pass
-        if y.numel() >= FUSED_MIN_ELEMENTS and fused_output_applies(y, scale, bias):
+        if (
+            bias is None  # (fused_output_applies's first conditions, inline: no call where they fail)
+            and cast.COMPILED_KERNELS.running
+            and y.shape[0] * y.shape[1] >= FUSED_MIN_ELEMENTS
+            and fused_output_applies(y, scale, bias)
+        ):
             out = scaled_output(y, scale, out_dtype)
             if out is not None:
                 return out

@@ -21,8 +21,7 @@ __all__ = ["fused_output_applies", "scaled_output"]
 def fused_output_applies(y: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether `scaled_output` runs as the compiled kernel for this (large: the caller checks) output."""
     return (
-        cast.FUSED_ENABLED
-        and not cast._FUSED_FAILED
+        cast.COMPILED_KERNELS.running
         and y.device.type == "cpu"
         and scale.device == y.device
         and bias is None  # with a bias, inductor's kernel rounds bias + y * scale once (a fused
@@ -37,7 +36,12 @@ def _output_kernel(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype)
 
 
 def _run(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return cast.compiled_variant(_output_kernel, (y.dtype, out_dtype))(y, scale, out_dtype)
+    key = (_output_kernel, (y.dtype, out_dtype))
+    try:
+        kernel = cast.COMPILED_KERNELS.compiled[key]
+    except KeyError:
+        kernel = cast.COMPILED_KERNELS.variant(*key)
+    return kernel(y, scale, out_dtype)
 
 
 _scaled_output_op = torch.library.custom_op("fp8train::scaled_output", _run, mutates_args=())
@@ -50,6 +54,17 @@ def _(y, scale, out_dtype):
 
 def scaled_output(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
     """y (the fp32 product of FP8 values) rounded to bf16, times `scale` (1 element, fp32), as
-    `out_dtype`: one pass; None where the compiled kernel cannot run here (`cast.run_compiled`: the
-    caller computes it eagerly)."""
-    return cast.run_compiled(_scaled_output_op if dispatch_mode_active() else _run, y, scale, out_dtype)
+    `out_dtype`: one pass; None where the compiled kernel cannot run here (`cast.COMPILED_KERNELS.run`:
+    the caller computes it eagerly)."""
+    try:  # (cast.COMPILED_KERNELS.run, inline: the hot path)
+        if dispatch_mode_active():
+            return _scaled_output_op(y, scale, out_dtype)
+        key = (_output_kernel, (y.dtype, out_dtype))  # (`_run`, inline)
+        try:
+            kernel = cast.COMPILED_KERNELS.compiled[key]
+        except KeyError:
+            kernel = cast.COMPILED_KERNELS.variant(*key)
+        return kernel(y, scale, out_dtype)
+    except Exception as err:
+        cast.COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
+        return None

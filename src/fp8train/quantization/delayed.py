@@ -33,7 +33,8 @@ class DelayedQuantization(TensorQuantization):
     casts_before_gather = True
 
     def call_scales(self, call: Call, x: torch.Tensor, weight_amax):
-        if _amax_in_cast(call):  # x's amax: taken by its cast; the weight's too where it is cast here
+        # (_amax_in_cast, inline) x's amax: taken by its cast; the weight's too where it is cast here
+        if call.record and call.fp8 and not torch.compiler.is_compiling():
             w_amax = None if weight_amax is None or weight_amax is AMAX_IN_CAST else weight_amax()
             return call.forward_scales(None, w_amax, x.detach())
         x_amax = amax(x) if call.record else None
@@ -43,31 +44,40 @@ class DelayedQuantization(TensorQuantization):
         return call.forward_scales(x_amax, w_amax, x.detach())
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
-        scales = call.scales
-        w_amax = _new_amax(weight, call) if call.weight_amax_in_cast else None
-        operand = self.cast(weight, scales[0, 1], scales[1, 1], "e4m3", call.operand_dtype, w_amax)
+        # the region's views of this GEMM's scales where the call has them, else selected
+        scale, scale_inv = (
+            call.pairs[WEIGHT] if call.pairs is not None else (call.scales[0, 1], call.scales[1, 1])
+        )
+        w_amax = None
+        if call.weight_amax_in_cast and call.amax_in_cast:  # where its cast writes the weight's amax
+            w_amax = call.amax_slots[WEIGHT] if call.amax_slots is not None else _new_amax(weight)
+        operand = self.cast(weight, scale, scale_inv, "e4m3", call.operand_dtype, w_amax)
         if w_amax is not None:
             call.record_amax(WEIGHT, w_amax)
-        return WeightOperands.same(operand)
+        return WeightOperands(operand, operand)  # (WeightOperands.same)
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
-        scales, x_amax = call.scales, _new_amax(x2d, call)
-        operand = self.cast(x2d, scales[0, 0], scales[1, 0], "e4m3", call.operand_dtype, x_amax)
+        scale, scale_inv = (
+            call.pairs[INPUT] if call.pairs is not None else (call.scales[0, 0], call.scales[1, 0])
+        )
+        x_amax = None
+        if call.amax_in_cast:  # where its cast writes x's amax
+            x_amax = call.amax_slots[INPUT] if call.amax_slots is not None else _new_amax(x2d)
+        operand = self.cast(x2d, scale, scale_inv, "e4m3", call.operand_dtype, x_amax)
         if x_amax is not None:
             call.record_amax(INPUT, x_amax)
         return InputOperands(operand, operand)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
-            g_amax = torch.empty((), dtype=torch.float32, device=g2d.device)
-            scales = call.backward_scales(None)
-            operands = self.grad_operands(g2d, scales[0], scales[1], call, g_amax)
-            call.record_grad_amax(g_amax)
+            scale, scale_inv, g_amax, into = call.backward_scale_pair()
+            operands = self.grad_operands(g2d, scale, scale_inv, call, g_amax)
+            call.record_grad_amax(g_amax, into)
             return operands
         scales = call.backward_scales(amax(g2d))
         return self.grad_operands(g2d, scales[0], scales[1], call)
 
 
-def _new_amax(x: torch.Tensor, call: Call):
-    """Where a forward cast writes its tensor's amax, for the call to record; None: not taken there."""
-    return torch.empty((), dtype=torch.float32, device=x.device) if _amax_in_cast(call) else None
+def _new_amax(x: torch.Tensor) -> torch.Tensor:
+    """Where a cast writes its tensor's amax, for the call to record (where the call has no slot)."""
+    return torch.empty((), dtype=torch.float32, device=x.device)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -33,7 +34,8 @@ class TensorQuantization(Quantization):
     ) -> Operand:
         """x's operand (`cast.cast_with_amax`, or its fused kernel where `kernels.use_fused_kernels`:
         the same bits; its amax into `amax_out` when given, in the same read)."""
-        if kernels.use_fused_kernels(x):
+        # (on the CPU with the default setting, the answer is known without asking: no call)
+        if (x.is_cuda or kernels.ENV_FUSED_KERNELS in os.environ) and kernels.use_fused_kernels(x):
             if amax_out is not None:
                 amax_out.zero_()  # the kernel maxes into it
             values, _ = kernels.cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)

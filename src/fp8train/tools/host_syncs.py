@@ -68,9 +68,10 @@ COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
 # function). Counted apart (`host_resident`), not as synchronisations.
 HOST_RESIDENT = {
     # The region token: a CPU int64 scalar each forward call hands its backward node to name its
-    # region (it passes through compiled graphs). It stays in host memory, is never copied to a
-    # device, and the backward reads it there.
-    ("lift_fresh", "amax/calls.py", "_forward_scales"),
+    # region (it passes through compiled graphs), made once per region (`Region.token`), and for
+    # replays and compiled calls at the call (amax/calls.py), all by `_host_scalar`. It stays in host
+    # memory, is never copied to a device, and the backward reads it there.
+    ("lift_fresh", "amax/state.py", "_host_scalar"),
 }
 
 Frame = tuple[str, int, str]  # (file relative to the package or its base name, line, function)

@@ -147,14 +147,14 @@ def _census_rows(step) -> list[dict]:
     """lean_path's counts of the MLP step with the compiled cast and output (the default) and without
     (FP8TRAIN_FUSED_CAST=0: torch's eager kernels)."""
     hidden, ffn, tokens = step
-    saved = cast.FUSED_ENABLED
+    saved = cast.COMPILED_KERNELS.enabled
     results = {}
     try:
         for name, on in (("compiled cast and output", True), ("torch ops (FP8TRAIN_FUSED_CAST=0)", False)):
-            cast.FUSED_ENABLED = on
+            cast.COMPILED_KERNELS.set_enabled(on)
             results[name] = lean_path.rows(lean_path.census((hidden, ffn, hidden), tokens, warmup=1))
     finally:
-        cast.FUSED_ENABLED = saved
+        cast.COMPILED_KERNELS.set_enabled(saved)
     names = list(results)
     return [
         {"count": row["count"], **{name: results[name][i]["value"] for name in names}}

@@ -68,12 +68,13 @@ def _block(linear, hidden: int, ffn: int) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _gemm_path(path: str):
-    saved_env, saved_fused = os.environ.get("FP8TRAIN_GEMM"), cast.FUSED_ENABLED
-    os.environ["FP8TRAIN_GEMM"], cast.FUSED_ENABLED = path, False
+    saved_env, saved_fused = os.environ.get("FP8TRAIN_GEMM"), cast.COMPILED_KERNELS.enabled
+    os.environ["FP8TRAIN_GEMM"] = path
+    cast.COMPILED_KERNELS.set_enabled(False)
     try:
         yield
     finally:
-        cast.FUSED_ENABLED = saved_fused
+        cast.COMPILED_KERNELS.set_enabled(saved_fused)
         if saved_env is None:
             del os.environ["FP8TRAIN_GEMM"]
         else:

@@ -35,11 +35,12 @@ def _without_compiled_cast(fn):
     """`fn` with the eager casts and GEMM outputs as torch ops (FP8TRAIN_FUSED_CAST=0), as before."""
 
     def step() -> None:
-        saved, cast.FUSED_ENABLED = cast.FUSED_ENABLED, False
+        saved = cast.COMPILED_KERNELS.enabled
+        cast.COMPILED_KERNELS.set_enabled(False)
         try:
             fn()
         finally:
-            cast.FUSED_ENABLED = saved
+            cast.COMPILED_KERNELS.set_enabled(saved)
 
     return step
 
