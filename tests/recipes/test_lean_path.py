@@ -89,7 +89,7 @@ def test_compiled_kernels_registry(monkeypatch) -> None:
     """cast.COMPILED_KERNELS, the one registry of the compiled kernels: one compiled kernel per variant
     (its own code object), kept; a failure turns the casts and GEMM outputs off for the process with
     one warning, and the casts still give the same values (torch's eager kernels)."""
-    from fp8train import gemm_output
+    from fp8train.numerics import gemm_output
 
     registry = cast.CompiledKernels(enabled=True)
     monkeypatch.setattr(cast, "COMPILED_KERNELS", registry)
