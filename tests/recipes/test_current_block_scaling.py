@@ -242,6 +242,7 @@ def _train_gpt(recipe, steps: int = 120) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # six trainings of 120 steps
 def test_each_recipe_trains_a_small_gpt_within_its_gap_of_fp32() -> None:
     """Final loss (mean of the last 10 of 120 steps) within 2% of fp32 for the FP8 recipes and 5% for
     NVFP4 (4-bit values). Measured (this machine, torch 2.13.0+cpu, seed 0): delayed -0.35%, current

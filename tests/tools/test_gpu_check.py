@@ -65,6 +65,7 @@ def _log(done: subprocess.CompletedProcess) -> str:
     return done.stdout[-4000:] + done.stderr[-4000:]
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_every_section_runs_on_the_cpu_and_writes_its_result(dry_run) -> None:
     done, sections = dry_run
     assert set(sections) == set(SECTIONS), _log(done)
@@ -75,12 +76,14 @@ def test_every_section_runs_on_the_cpu_and_writes_its_result(dry_run) -> None:
     assert "timed out" not in done.stdout
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_the_whole_dry_run_passes(dry_run) -> None:
     done, sections = dry_run
     failed = {name: r.get("figure") for name, r in sections.items() if not r["ok"]}
     assert done.returncode == 0 and not failed, failed
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_gemm_contract_three_layouts_and_three_calls_per_layer(dry_run) -> None:
     contract = dry_run[1]["contract"]
     assert {r["layout"] for r in contract["rows"]} == {"fprop", "dgrad", "wgrad"}
@@ -89,6 +92,7 @@ def test_gemm_contract_three_layouts_and_three_calls_per_layer(dry_run) -> None:
     assert all(c["calls"] == c["expected"] for c in calls.values()), calls
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_steady_steps_make_no_host_read_host_tensor_or_host_copy(dry_run) -> None:
     """Every recipe, both reduction modes, with and without telemetry: no site at all (a Python number
     written into a device tensor, a tensor built from Python data, a host read) in steady steps."""
@@ -100,6 +104,7 @@ def test_steady_steps_make_no_host_read_host_tensor_or_host_copy(dry_run) -> Non
     assert not found, json.dumps(found, indent=1)
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_reduction_timing_stays_bounded_and_reading_counters_waits_for_nothing(dry_run) -> None:
     """The CUDA branch of the reduction's timing (forced on the CPU, with events that complete a few
     events later): the events held must not grow with steps when no telemetry reads them, and
@@ -111,12 +116,14 @@ def test_reduction_timing_stays_bounded_and_reading_counters_waits_for_nothing(d
     assert timing["waits_in_reduction_stats_complete_false"] == 0, timing
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_blocks_compiled_one_by_one_compile_independently_of_their_number(dry_run) -> None:
     blocks = dry_run[1]["compile"]["blocks"]
     graphs = blocks["graphs_by_blocks"]
     assert graphs["12"] <= graphs["4"], graphs
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_block_recipes_emulation_warning_does_not_break_fullgraph(dry_run) -> None:
     warning = dry_run[1]["compile"]["emulation_warning"]
     assert warning["forced"].startswith("warn_emulated_on_cuda in") or warning["forced"].startswith(
@@ -126,11 +133,13 @@ def test_block_recipes_emulation_warning_does_not_break_fullgraph(dry_run) -> No
     assert not failed, failed
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_fullgraph_compile_is_one_graph_and_close_to_eager(dry_run) -> None:
     fullgraph = dry_run[1]["compile"]["fullgraph"]
     assert fullgraph["graphs"] == 1 and fullgraph["distance_over_fp8_error"] <= 0.25, fullgraph
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_emulation_compares_gradients_and_agrees(dry_run) -> None:
     """The gradients are compared (not zero after the steps), the first layer
     with identical FP8 operands within 1e-4, the rest against FP8's own error."""
@@ -140,12 +149,14 @@ def test_emulation_compares_gradients_and_agrees(dry_run) -> None:
     assert emulation["ok"], emulation
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_every_recipe_runs_one_step(dry_run) -> None:
     rows = dry_run[1]["recipes"]["rows"]
     assert [r["recipe"] for r in rows] == ["delayed", "current", "block", "mxfp8", "nvfp4"]
     assert all(r["ok"] for r in rows), rows
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_te_table_has_te_shapes_and_figures(dry_run) -> None:
     table = dry_run[1]["te_table"]
     assert len(table["rows"]) == 13  # 12 GEMMs and the layer's total
@@ -154,6 +165,7 @@ def test_te_table_has_te_shapes_and_figures(dry_run) -> None:
     assert total["bf16_ms"] == pytest.approx(sum(r["bf16_ms"] for r in table["rows"][:-1]))
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_overlap_launches_two_reductions_per_step(dry_run) -> None:
     rows = dry_run[1]["overlap"]["rows"]
     assert {(r["latency_ms"], r["mode"]) for r in rows} == {
@@ -165,6 +177,7 @@ def test_overlap_launches_two_reductions_per_step(dry_run) -> None:
     assert all(r["launched_per_step"] == 2 for r in rows), rows
 
 
+@pytest.mark.slow  # the dry run of every section (the module's fixture)
 def test_kernels_section_checks_compiled_transposed_casts_and_says_why_fused_is_skipped(dry_run) -> None:
     """The CPU dry run: compiled casts (values and transposed FP8 copies) equal eager ones, every path
     is timed, and the Triton kernels are skipped with the reason (not interpreted here)."""
