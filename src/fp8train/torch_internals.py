@@ -359,7 +359,8 @@ def scaled_grouped_mm(
     operands, `mat_a` row-major, `mat_b` column-major in its last two dimensions; `offs` the int32 end
     offsets of the groups along the jagged dimension (rows of a 2-D `mat_a` against a 3-D `mat_b`, or
     the reduction of two 2-D operands); fp32 scales per row of `mat_a` and per column of `mat_b` (2-D
-    operands: one block per group); bf16 output, no bias (docs/design.md, section 9.2)."""
+    operands: one block per group), or E8M0 scales per 32 (MXFP8, SM100; 2-D x 3-D: each group's and
+    each expert's in cuBLAS's blocked layout); bf16 output, no bias (docs/design.md, section 9.2)."""
     return torch._scaled_grouped_mm(
         mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum
     )
