@@ -152,6 +152,32 @@ def test_mxfp8_grouped_gemms_equal_one_mx_gemm_per_expert_bit_for_bit(fmt, monke
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max())
 
 
+def test_mxfp8_grouped_calls_pass_torchs_meta_checks(monkeypatch) -> None:
+    """Every MX grouped call fp8train makes, replayed on the meta device: torch's own checks
+    (`meta_scaled_grouped_mm`: dtypes, layouts, the 3-D operand's blocked scale shape) accept it; and
+    coverage names the experts' path "scaled_grouped_mm" under MXFP8."""
+    seen = []
+    real = grouped_gemm.scaled_grouped_mm
+
+    def recording(*args):
+        seen.append([a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+        return real(*args)
+
+    monkeypatch.setattr(grouped_gemm, "scaled_grouped_mm", recording)
+    _run(MX_SPLITS, fp8train.MXFP8BlockScaling(), steps=1)
+    assert len(seen) == 2  # forward, dgrad
+    for mat_a, mat_b, scale_a, scale_b, offs, fast in seen:
+        assert scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu
+        y = torch.ops.aten._scaled_grouped_mm(
+            mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+        assert tuple(y.shape) == (mat_a.shape[0], mat_b.shape[2])
+    module = fp8train.GroupedLinear(3, 64, 32).to(torch.bfloat16)
+    with cuda_contract(), cuda_grouped_contract():
+        report = fp8train.coverage(module, fp8train.MXFP8BlockScaling())
+    assert [layer.path for layer in report.layers] == ["scaled_grouped_mm"] * 3
+
+
 def test_mxfp8_grouped_scales_are_read_per_group() -> None:
     """The checker's MX product can fail: the same call with the groups' scale blocks swapped (the
     layout of one block of all groups' rows, not one per group) is refused or computes another product."""
