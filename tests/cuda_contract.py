@@ -272,7 +272,18 @@ def relative_bound(k: int) -> float:
 # along the jagged dimension: fp8train keeps every group a multiple of 16 rows (torchao's alignment of
 # token groups for this kernel), and the checker holds it to that. Rows past offs[-1] and the weight
 # gradient of an empty group are left undefined here (NaN): fp8train must not read them.
+# MXFP8 (both scales float8_e8m0fnu; the MX kernel, SM100): torch's meta check asks a 2-D operand's scale
+# to be 2-D and contiguous, a 3-D operand (groups, K, N)'s to be 2-D, contiguous in its last dimension,
+# (groups, round_up(K/32, 4) * round_up(N, 128)): each expert's per-column scales [N, K/32] in cuBLAS's
+# blocked layout. The 2-D operand's sizes torch cannot check at trace time (they depend on offs): its
+# scales are each group's [rows_g, K/32] in the blocked layout on its own (padded to 128 rows and 4
+# columns), the groups' blocks one after the other (torch's test helpers and torchao build them so),
+# i.e. [sum of round_up(rows_g, 128), round_up(K/32, 4)]; the checker holds the call to exactly that.
+# K must be whole blocks of 32, and the checker holds MX token groups to 32 rows (MXFP8 quantizes
+# tokens in whole 32s; torchao aligns its MX token groups so). Only the 2d-3d MX form is modelled
+# (fp8train calls no other): any other MX form is reported.
 GROUP_ALIGN = 16
+MX_GROUP_ALIGN = 32
 
 
 class GroupedContractChecker(ContractChecker):
@@ -328,7 +339,12 @@ class GroupedContractChecker(ContractChecker):
             )
             if a.dim() == 2 and b.dim() == 3:
                 need(len(ends) == b.shape[0], "one offset per expert of mat_b", call)
-        need(sa.dtype == sb.dtype == torch.float32, "row-wise scales must be float32", call)
+        if E8M0 is not None and sa.dtype == sb.dtype == E8M0:
+            self._check_mx_scales(a, b, sa, sb, sizes, call)
+            call["kind"] = f"grouped mx {a.dim()}d-{b.dim()}d"
+            self.calls.append(call)
+            return sizes
+        need(sa.dtype == sb.dtype == torch.float32, "row-wise scales must be float32 (or both E8M0)", call)
         groups = len(offs) if offs is not None else a.shape[0]
         multiplier = groups if two_d else 1
         for name, scale, mat, dim in (("scale_a", sa, a, 0), ("scale_b", sb, b, 1)):
@@ -344,9 +360,30 @@ class GroupedContractChecker(ContractChecker):
         self.calls.append(call)
         return sizes
 
+    def _check_mx_scales(self, a, b, sa, sb, sizes, call) -> None:
+        need = self._need
+        need(a.dim() == 2 and b.dim() == 3, "the checker models MX scales of the 2d-3d form only", call)
+        if not (a.dim() == 2 and b.dim() == 3):
+            return
+        k, n = b.shape[1], b.shape[2]
+        need(k % 32 == 0, "MX: the contraction dimension must be whole blocks of 32", call)
+        columns = _cdiv(k // 32, 4) * 4
+        need(sa.dim() == 2 and sa.is_contiguous(), "MX scale_a must be 2-D and contiguous", call)
+        if sizes is not None:
+            aligned = all(g % MX_GROUP_ALIGN == 0 for g in sizes)
+            need(aligned, f"MX: every group a multiple of {MX_GROUP_ALIGN} rows", call)
+            rows = sum(_cdiv(g, 128) * 128 for g in sizes)
+            need(tuple(sa.shape) == (rows, columns),
+                 f"MX scale_a must be each group's blocked scales: ({rows}, {columns})", call)  # fmt: skip
+        need(sb.dim() == 2 and sb.stride(-1) == 1, "MX scale_b must be 2-D, contiguous in its last dim", call)
+        need(tuple(sb.shape) == (b.shape[0], columns * _cdiv(n, 128) * 128),
+             f"MX scale_b must be (groups, {columns * _cdiv(n, 128) * 128})", call)  # fmt: skip
+
     def compute_grouped(self, a, b, sa, sb, sizes) -> torch.Tensor:
         """Each group's product of dequantized operands (fp32 values times their fp32 scales, an fp64
         matmul, rounded once to bf16), as `compute` makes one torch._scaled_mm's."""
+        if E8M0 is not None and sa.dtype == E8M0:
+            return self._compute_mx(a, b, sa, sb, sizes)
         if a.dim() == 2 and b.dim() == 3:
             out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=torch.float64)
             start = 0
@@ -368,6 +405,27 @@ class GroupedContractChecker(ContractChecker):
                 start += n
             return out.to(torch.bfloat16)
         return torch.full((1,), float("nan"), dtype=torch.bfloat16)
+
+    def _compute_mx(self, a, b, sa, sb, sizes) -> torch.Tensor:
+        """2d-3d with MX scales: each group's rows and its expert dequantized with the scales read back
+        from their blocks (the checker's own `_unblock`, cuBLAS's offset formula), an fp64 matmul,
+        rounded once to bf16 (what `compute` makes one MX torch._scaled_mm's)."""
+        k, n = b.shape[1], b.shape[2]
+        blocks = k // 32
+        columns = _cdiv(blocks, 4) * 4
+        out = torch.full((a.shape[0], n), float("nan"), dtype=torch.float64)
+        flat_a = sa.reshape(-1)
+        start, scale_row = 0, 0
+        for g, rows in enumerate(sizes or []):
+            padded = _cdiv(rows, 128) * 128
+            group_scales = flat_a[scale_row * columns : (scale_row + padded) * columns]
+            per_a = _e8m0(_unblock(group_scales, rows, blocks)).repeat_interleave(32, 1)
+            per_b = _e8m0(_unblock(sb[g], n, blocks)).repeat_interleave(32, 1)  # [N, K]
+            av = a[start : start + rows].float() * per_a
+            bv = b[g].t().float() * per_b  # [N, K]
+            out[start : start + rows] = av.double() @ bv.double().t()
+            start, scale_row = start + rows, scale_row + padded
+        return out.to(torch.bfloat16)
 
 
 def _grouped_shape(a, b, offs) -> tuple[int, ...]:

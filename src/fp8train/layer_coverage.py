@@ -28,7 +28,7 @@ from .amax import current_call
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
 from .modules.base import FP8Module
-from .modules.grouped_gemm import grouped_kernel_choice
+from .modules.grouped_gemm import GROUPED_KERNELS, grouped_kernel_choice
 from .numerics import gemm
 from .quantization import RECIPES, check_recipe, record_of_kind
 from .quantization.base import Quantization
@@ -196,11 +196,19 @@ def grouped_gemm_path(
     module: torch.nn.Module, kernel: str, device: torch.device, k: int, n: int
 ) -> Optional[str]:
     """GROUPED_PATH where the GEMMs of a grouped module (GroupedLinear, experts) of this shape take
-    torch._scaled_grouped_mm on `device` under a recipe whose kernel is `kernel` (per-tensor recipes,
-    features in whole 16s, a layer computing in bf16: modules/grouped_gemm.py), else None."""
-    if not hasattr(module, "gemm_weights") or kernel != "tensorwise" or k % 16 or n % 16 or not k or not n:
+    torch._scaled_grouped_mm on `device` under a recipe whose kernel is `kernel` (per-tensor recipes, and
+    MXFP8 on compute capability 10.x; features in whole 16s, a layer computing in bf16:
+    modules/grouped_gemm.py), else None."""
+    if (
+        not hasattr(module, "gemm_weights")
+        or kernel not in GROUPED_KERNELS
+        or k % 16
+        or n % 16
+        or not k
+        or not n
+    ):
         return None
-    return GROUPED_PATH if grouped_kernel_choice(device)[0] else None
+    return GROUPED_PATH if grouped_kernel_choice(device, kernel)[0] else None
 
 
 def whole_blocks(kind: str) -> int:

@@ -204,9 +204,10 @@ def _probe_operands(kernel: str, device: torch.device):
 
 def _probe(kernel: str, device: torch.device) -> None:
     """Run `kernel` once on `device` and check its value; raises where it does not run or is wrong
-    ("grouped": torch._scaled_grouped_mm's two forms, `_grouped_probe`)."""
-    if kernel == "grouped":
-        _grouped_probe(device)
+    ("grouped": torch._scaled_grouped_mm's two forms with row-wise scales, "grouped_mxfp8": its MX form,
+    `_grouped_probe`)."""
+    if kernel in ("grouped", "grouped_mxfp8"):
+        _grouped_probe(device, "mxfp8" if kernel == "grouped_mxfp8" else "tensorwise")
         return
     if kernel == "tensorwise":  # both dtype pairs fp8train uses, both output kinds
         one = torch.ones((), dtype=torch.float32, device=device)
@@ -277,50 +278,66 @@ def scaled_mm(
 
 
 # ---- grouped GEMMs (mixture-of-experts) -----------------------------------------------------------------
-def _grouped_probe(device: torch.device) -> None:
-    """Both forms fp8train calls, once each, all values and scales 1 (so every product is 16): rows in
-    groups times a stack of column-major expert weights (2d-3d: forward, dgrad), and the weight gradient's
-    form, groups along the reduction (2d-2d)."""
+def _grouped_probe(device: torch.device, kernel: str = "tensorwise") -> None:
+    """The forms fp8train calls, once each, all values and scales 1 (so every product is K): rows in
+    groups times a stack of column-major expert weights (2d-3d: forward, dgrad), and, with row-wise fp32
+    scales ("tensorwise"), the weight gradient's form, groups along the reduction (2d-2d). "mxfp8": the
+    2d-3d form with E8M0 scales (byte 127: 1.0) in the per-group blocked layout (every byte 1.0, so the
+    product is K whatever the layout)."""
     e4m3 = dict(dtype=torch.float8_e4m3fn, device=device)
     one = dict(dtype=torch.float32, device=device)
-    offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
-    rows = torch.ones(32, 16, **e4m3)
-    experts = torch.ones(2, 16, 16, **e4m3).transpose(-2, -1)
-    calls = [
-        (rows, experts, torch.ones(32, **one), torch.ones(2, 16, **one)),
-        (
-            rows.t().contiguous(),
-            rows.t().contiguous().t(),
-            torch.ones(2 * 16, **one),
-            torch.ones(2 * 16, **one),
-        ),
-    ]
+    if kernel == "mxfp8":  # K = 128: four E8M0 scales per row, two groups of 32 rows (each 128 in scales)
+        offs = torch.tensor([32, 64], dtype=torch.int32, device=device)
+        rows = torch.ones(64, 128, **e4m3)
+        experts = torch.ones(2, 16, 128, **e4m3).transpose(-2, -1)
+        e8m0 = dict(dtype=torch.uint8, device=device)
+        scale_a = torch.full((2 * 128, 4), 127, **e8m0).view(torch.float8_e8m0fnu)
+        scale_b = torch.full((2, 4 * 128), 127, **e8m0).view(torch.float8_e8m0fnu)
+        calls, expected = [(rows, experts, scale_a, scale_b)], 128.0
+    else:
+        offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+        rows = torch.ones(32, 16, **e4m3)
+        experts = torch.ones(2, 16, 16, **e4m3).transpose(-2, -1)
+        calls = [
+            (rows, experts, torch.ones(32, **one), torch.ones(2, 16, **one)),
+            (
+                rows.t().contiguous(),
+                rows.t().contiguous().t(),
+                torch.ones(2 * 16, **one),
+                torch.ones(2 * 16, **one),
+            ),
+        ]
+        expected = 16.0
     for mat_a, mat_b, scale_a, scale_b in calls:  # the op itself: not counted by code that wraps it
         y = torch.ops.aten._scaled_grouped_mm(
             mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16
         )
-        if not bool((y.float() == 16.0).all()):  # a host read, once per device
+        if not bool((y.float() == expected).all()):  # a host read, once per device
             raise RuntimeError(
-                f"torch._scaled_grouped_mm computed a wrong product ({y.flatten()[0].item()} for 16)"
+                f"torch._scaled_grouped_mm computed a wrong product ({y.flatten()[0].item()} for {expected})"
             )
 
 
 @constant_for_compile  # traced code reads the answer as a constant
-def scaled_grouped_mm_problem(device_type: str, index: int) -> str:
-    """Why `torch._scaled_grouped_mm` (FP8 grouped GEMM, row-wise fp32 scales, bf16 output) cannot run
-    on this device ("" when it can), found by one small call of each form per device and kept in the
-    registry of device facts (as `scaled_mm_problem`). torch has no CPU kernel of it: on the CPU it runs
-    only where a test registers one (tests/cuda_contract.py)."""
-    key = (device_type, index, "grouped")
+def scaled_grouped_mm_problem(device_type: str, index: int, kernel: str = "tensorwise") -> str:
+    """Why `torch._scaled_grouped_mm` (FP8 grouped GEMM, bf16 output; `kernel` "tensorwise": row-wise
+    fp32 scales, "mxfp8": E8M0 scales per 32) cannot run on this device ("" when it can), found by one
+    small call of each form per device and kernel and kept in the registry of device facts (as
+    `scaled_mm_problem`). torch has no CPU kernel of it: on the CPU it runs only where a test registers
+    one (tests/cuda_contract.py)."""
+    name = "grouped" if kernel == "tensorwise" else f"grouped_{kernel}"
+    key = (device_type, index, name)
     if key in _DEVICE_FACTS:
         return _DEVICE_FACTS[key]
     problem = ""
-    if not hasattr(torch, "_scaled_grouped_mm"):
+    if kernel == "mxfp8" and not hasattr(torch, "float8_e8m0fnu"):
+        problem = f"torch {torch.__version__} has no float8_e8m0fnu (MX scales)"
+    elif not hasattr(torch, "_scaled_grouped_mm"):
         problem = f"torch {torch.__version__} has no torch._scaled_grouped_mm"
     else:
         device = torch.device(device_type) if index < 0 else torch.device(device_type, index)
         try:
-            _probe("grouped", device)
+            _probe(name, device)
         except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             problem = f"torch._scaled_grouped_mm failed on {device}: {first}"
@@ -342,7 +359,8 @@ def scaled_grouped_mm(
     operands, `mat_a` row-major, `mat_b` column-major in its last two dimensions; `offs` the int32 end
     offsets of the groups along the jagged dimension (rows of a 2-D `mat_a` against a 3-D `mat_b`, or
     the reduction of two 2-D operands); fp32 scales per row of `mat_a` and per column of `mat_b` (2-D
-    operands: one block per group); bf16 output, no bias (docs/design.md, section 9.2)."""
+    operands: one block per group), or E8M0 scales per 32 (MXFP8, SM100; 2-D x 3-D: each group's and
+    each expert's in cuBLAS's blocked layout); bf16 output, no bias (docs/design.md, section 9.2)."""
     return torch._scaled_grouped_mm(
         mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum
     )

@@ -463,4 +463,8 @@ def test_info_says_which_gemm_each_recipe_uses_on_the_device(monkeypatch, fresh_
         "grouped GEMMs (mixture of experts; delayed and current scaling, bf16): torch._scaled_grouped_mm"
     )
     assert grouped + ": torch._scaled_grouped_mm runs on cuda (probed)" in out
+    mx_grouped = (
+        "grouped GEMMs (mixture of experts; MXFP8, bf16): one GEMM per expert: the mxfp8 kernel needs"
+    )
+    assert mx_grouped + " compute capability 10.0 or newer (Blackwell); this GPU has 9.0" in out
     assert "fast accumulation for forward GEMMs" in out

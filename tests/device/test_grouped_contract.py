@@ -14,7 +14,10 @@ GPU's kernels, so the grouped branch runs on every CPU run:
 - against the CPU's default emulation (the bf16 path): within two bf16 ulps (the emulation rounds each
   group's unscaled product to bf16 and scales it, the kernel scales and rounds once) plus fp32
   accumulation's gamma_K;
-- empty groups: the checker leaves their weight gradient NaN, fp8train sets it to 0.
+- empty groups: the checker leaves their weight gradient NaN, fp8train sets it to 0;
+- MXFP8 (E8M0 scales per 32, each group's in the blocked layout on its own): forward and dgrad grouped
+  (wgrad one MX torch._scaled_mm per expert), bit for bit equal to one MX torch._scaled_mm per expert,
+  with an empty group and groups off 128 rows; on compute capability 10.x only.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import fp8train
 from cuda_contract import cuda_contract, cuda_grouped_contract, relative_bound
 from fp8train import torch_internals
 from fp8train.layer_coverage import StepCoverage
+from fp8train.modules import grouped_gemm
 from fp8train.modules.grouped_gemm import grouped_kernel_choice
 
 E4M3, HYBRID = fp8train.Format.E4M3, fp8train.Format.HYBRID
@@ -37,6 +41,8 @@ RECIPES = {
 }
 ALIGNED = [16, 0, 48, 32]  # an empty expert; every group whole 16 rows
 OFF_16 = [10, 0, 45, 25]
+MX_SPLITS = [32, 0, 160, 96]  # MXFP8 takes whole 32s of tokens; an empty expert; groups off 128 rows
+PROBE_OFFS = ("[16, 32])", "[32, 64])")  # the probes' calls (row-wise, MX)
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +82,7 @@ def _run(splits, recipe, bias=False, steps=2, pad_outside=False):
 
 def _gemm_calls(calls) -> list[str]:
     """The kinds of the grouped calls of the layer (the probes' 32-row calls left out)."""
-    return [c["kind"] for c in calls if "[16, 32])" not in c["summary"]]
+    return [c["kind"] for c in calls if not any(offs in c["summary"] for offs in PROBE_OFFS)]
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -127,11 +133,105 @@ def test_grouped_gemms_against_the_cpu_emulation(monkeypatch) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(native, emulated))
 
 
-@pytest.mark.parametrize("name", ["block", "mxfp8", "nvfp4", "fp32_output", "setting_off"])
+@pytest.mark.parametrize("fmt", [E4M3, HYBRID])
+def test_mxfp8_grouped_gemms_equal_one_mx_gemm_per_expert_bit_for_bit(fmt, monkeypatch) -> None:
+    """Forward and dgrad through the grouped MX kernel (the checker reads each group's scales from its
+    own blocks), wgrad per expert; against FP8TRAIN_GROUPED_GEMM=off (one MX torch._scaled_mm per expert,
+    the per-GEMM checker): equal bit for bit, an empty expert and groups of 32, 160 and 96 rows (one and
+    two 128-row tiles of scales, a partial one each), K = 64 and 32 (2 and 1 scale columns, padded to 4).
+    HYBRID's E5M2 gradients: dgrad per expert too (the kernel multiplies E4M3 only)."""
+    recipe = lambda: fp8train.MXFP8BlockScaling(fp8_format=fmt)  # noqa: E731
+    native, calls = _run(MX_SPLITS, recipe())
+    per_step = ["grouped mx 2d-3d", "grouped mx 2d-3d"] if fmt is E4M3 else ["grouped mx 2d-3d"]
+    assert _gemm_calls(calls) == per_step * 2, _gemm_calls(calls)
+    monkeypatch.setenv("FP8TRAIN_GROUPED_GEMM", "off")
+    per_expert, calls = _run(MX_SPLITS, recipe())
+    assert _gemm_calls(calls) == []
+    for i, (a, b) in enumerate(zip(native, per_expert)):
+        assert not a.isnan().any(), i
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max())
+
+
+def test_mxfp8_grouped_calls_pass_torchs_meta_checks(monkeypatch) -> None:
+    """Every MX grouped call fp8train makes, replayed on the meta device: torch's own checks
+    (`meta_scaled_grouped_mm`: dtypes, layouts, the 3-D operand's blocked scale shape) accept it; and
+    coverage names the experts' path "scaled_grouped_mm" under MXFP8."""
+    seen = []
+    real = grouped_gemm.scaled_grouped_mm
+
+    def recording(*args):
+        seen.append([a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+        return real(*args)
+
+    monkeypatch.setattr(grouped_gemm, "scaled_grouped_mm", recording)
+    _run(MX_SPLITS, fp8train.MXFP8BlockScaling(), steps=1)
+    assert len(seen) == 2  # forward, dgrad
+    for mat_a, mat_b, scale_a, scale_b, offs, fast in seen:
+        assert scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu
+        y = torch.ops.aten._scaled_grouped_mm(
+            mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+        assert tuple(y.shape) == (mat_a.shape[0], mat_b.shape[2])
+    module = fp8train.GroupedLinear(3, 64, 32).to(torch.bfloat16)
+    with cuda_contract(), cuda_grouped_contract():
+        report = fp8train.coverage(module, fp8train.MXFP8BlockScaling())
+    assert [layer.path for layer in report.layers] == ["scaled_grouped_mm"] * 3
+
+
+def test_mxfp8_grouped_scales_are_read_per_group() -> None:
+    """The checker's MX product can fail: the same call with the groups' scale blocks swapped (the
+    layout of one block of all groups' rows, not one per group) is refused or computes another product."""
+    torch.manual_seed(0)
+    e8m0 = torch.float8_e8m0fnu
+    rows = torch.randn(64, 64).to(torch.float8_e4m3fn)
+    experts = torch.randn(2, 32, 64).to(torch.float8_e4m3fn).transpose(-2, -1)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    bytes_a = torch.randint(120, 134, (256, 4), dtype=torch.uint8)
+    bytes_b = torch.randint(120, 134, (2, 512), dtype=torch.uint8)
+    with cuda_grouped_contract() as checker:
+        y = torch._scaled_grouped_mm(rows, experts, bytes_a.view(e8m0), bytes_b.view(e8m0), offs=offs,
+                                     out_dtype=torch.bfloat16)  # fmt: skip
+        swapped = torch.cat([bytes_a[128:], bytes_a[:128]])
+        z = torch._scaled_grouped_mm(rows, experts, swapped.view(e8m0), bytes_b.view(e8m0), offs=offs,
+                                     out_dtype=torch.bfloat16)  # fmt: skip
+        assert not checker.violations, checker.violations
+        # one 128-row block of scales for both groups; then the MX 2d-2d form (not modelled)
+        torch._scaled_grouped_mm(
+            rows, experts, bytes_a[:128].view(e8m0), bytes_b.view(e8m0), offs=offs, out_dtype=torch.bfloat16
+        )
+        mx_a = bytes_a.view(e8m0)
+        torch._scaled_grouped_mm(rows.t().contiguous(), rows, mx_a, mx_a, offs=offs, out_dtype=torch.bfloat16)
+    rules = " / ".join(checker.violations)
+    assert "MX scale_a must be each group's blocked scales: (256, 4)" in rules
+    assert "the checker models MX scales of the 2d-3d form only" in rules
+    assert not y.isnan().any() and not torch.equal(y, z)
+    # group 0 by hand: its rows' scales from its own block (cuBLAS's offset formula, rows < 32)
+    r, c = torch.arange(32)[:, None], torch.arange(2)[None, :]
+    scale = torch.exp2(bytes_a.reshape(-1)[r * 16 + c].double() - 127).repeat_interleave(32, 1)
+    scale_b = torch.exp2(bytes_b[0][r * 16 + c].double() - 127).repeat_interleave(32, 1)  # [N, K]
+    expected = (rows[:32].double() * scale) @ (experts[0].t().double() * scale_b).t()
+    assert torch.equal(y[:32], expected.to(torch.bfloat16))
+
+
+def test_mxfp8_grouped_only_on_capability_10(monkeypatch) -> None:
+    """The MX grouped kernel is SM100's (torch's MXFP8 grouped GEMM): 9.x keeps one GEMM per expert
+    under MXFP8 while the row-wise form runs; 10.x takes both (the recipes' GEMMs and the probes faked)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(grouped_gemm, "kernel_choice", lambda kernel, device: (True, "faked"))
+    facts = {("cuda", 0, "grouped"): "", ("cuda", 0, "grouped_mxfp8"): ""}
+    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {**facts, ("capability", 0): (9, 0)})
+    assert grouped_kernel_choice(cuda) == (True, "torch._scaled_grouped_mm runs on cuda (probed)")
+    native, why = grouped_kernel_choice(cuda, "mxfp8")
+    assert not native and "mxfp8 kernel needs compute capability 10.x" in why and "9.0" in why
+    monkeypatch.setattr(torch_internals, "_DEVICE_FACTS", {**facts, ("capability", 0): (10, 0)})
+    assert grouped_kernel_choice(cuda, "mxfp8")[0] and grouped_kernel_choice(cuda)[0]
+    assert grouped_kernel_choice(cuda, "nvfp4")[0] is False
+
+
+@pytest.mark.parametrize("name", ["block", "nvfp4", "fp32_output", "setting_off"])
 def test_what_runs_one_gemm_per_group(name: str, monkeypatch) -> None:
     recipe = {
         "block": fp8train.Float8BlockScaling,
-        "mxfp8": fp8train.MXFP8BlockScaling,
         "nvfp4": fp8train.NVFP4BlockScaling,
     }.get(name, RECIPES["delayed_e4m3"])()
     if name == "setting_off":

@@ -18,8 +18,15 @@ kernel multiplies E4M3 by E4M3 and writes bf16 only, so a role takes it where bo
 and its output is bf16: with Format.HYBRID the gradients are E5M2, so dgrad and wgrad run one
 torch._scaled_mm per group (Format.E4M3 groups all three); fp32 weights' gradients (fp32 master
 weights) run per group too (an fp32 output, as a Linear's), never rounded to bf16 behind the user's
-back. Block scaling (1x128/128x128 blocks: no grouped kernel in torch), MXFP8 (torch's grouped kernel
-wants each group's scales in the blocked layout, padded per group: not wired here) and NVFP4 (no FP4
+back. MXFP8 (`Quantization.kernel` "mxfp8") takes it on compute capability 10.x only (torch's MX
+grouped kernel, SM100), for forward and dgrad (2d-3d): E8M0 scales per 32 values along K, each group's
+rows of scales in cuBLAS's blocked layout on their own (padded to 128 rows and to 4 scale columns, the
+groups' blocks one after the other: a 2-D [sum of round_up(rows_g, 128), round_up(K/32, 4)]), each
+expert's in the same layout, stacked [experts, round_up(K/32, 4) * round_up(N, 128)] (torch's meta
+check); the groups need no row padding (MXFP8 refuses tokens off 32). Its wgrad runs one MX
+torch._scaled_mm per expert: the K-grouped (2d-2d) MX form's scale layout (each group's 32-token
+blocks, blocked per group along the reduction) is not checked by torch's meta function, so it is not
+pinned down here. Block scaling (1x128/128x128 blocks: no grouped kernel in torch) and NVFP4 (no FP4
 grouped kernel in torch's CUDA builds used here) keep the per-group path.
 
 Groups off 16 rows (the kernel's alignment along the tokens, the wgrad's reduction) are padded with
@@ -38,14 +45,19 @@ from typing import Optional, Sequence
 import torch
 
 from ..fsdp import GatheredWeight
+from ..numerics.block_scaled_mm import k_major, mx_blocked_scales
 from ..numerics.gemm import Operand, fast_accumulation, kernel_choice, matmul, operand_dtype
 from ..second_order import refuse_create_graph
 from ..torch_internals import cuda_capability, device_index, scaled_grouped_mm, scaled_grouped_mm_problem
 
-__all__ = ["GroupedGEMMs", "grouped_kernel_choice", "ALIGN_ROWS", "ENV_GROUPED_GEMM"]
+__all__ = ["GroupedGEMMs", "grouped_kernel_choice", "ALIGN_ROWS", "ENV_GROUPED_GEMM", "GROUPED_KERNELS"]
 
 ENV_GROUPED_GEMM = "FP8TRAIN_GROUPED_GEMM"
 ALIGN_ROWS = 16  # each group's rows, padded to it for the grouped kernel (16 bytes of E4M3)
+MX_BLOCK = 32  # MXFP8's values per E8M0 scale, along K
+# the recipes' kernels (`Quantization.kernel`) the grouped kernel takes, and the compute capabilities
+# (major) of its CUTLASS kernels: row-wise scales on SM90 and SM100, MX scales on SM100
+GROUPED_KERNELS = {"tensorwise": (9, 10), "mxfp8": (10,)}
 _E4M3 = torch.float8_e4m3fn
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -57,24 +69,31 @@ def _setting() -> str:
     return value
 
 
-def grouped_kernel_choice(device: torch.device) -> tuple[bool, str]:
-    """Whether grouped FP8 GEMMs on `device` take `torch._scaled_grouped_mm`, and why: the setting
-    (`FP8TRAIN_GROUPED_GEMM`), the per-tensor FP8 GEMM's choice (`gemm.kernel_choice`: FP8TRAIN_GEMM,
+def grouped_kernel_choice(device: torch.device, kernel: str = "tensorwise") -> tuple[bool, str]:
+    """Whether grouped FP8 GEMMs on `device` under a recipe whose kernel is `kernel` ("tensorwise":
+    delayed and current scaling; "mxfp8") take `torch._scaled_grouped_mm`, and why: the setting
+    (`FP8TRAIN_GROUPED_GEMM`), the recipe's FP8 GEMM choice (`gemm.kernel_choice`: FP8TRAIN_GEMM,
     CUDA, or the CPU with FP8TRAIN_GEMM=scaled_mm), the GPU's compute capability (torch's CUTLASS
-    kernels: 9.x and 10.x), then one probe of the op per device (torch_internals)."""
+    kernels: 9.x and 10.x with row-wise scales, 10.x with MX scales), then one probe of the op per
+    device and kernel (torch_internals)."""
+    if kernel not in GROUPED_KERNELS:
+        return False, f"torch._scaled_grouped_mm has no {kernel} form: one GEMM per group"
     if _setting() == "off":
         return False, f"{ENV_GROUPED_GEMM}=off runs one GEMM per group"
-    native, why = kernel_choice("tensorwise", device)
+    native, why = kernel_choice(kernel, device)
     if not native:
         return False, why
     if device.type == "cuda":
-        cap = cuda_capability(device_index(device))
-        if cap[0] not in (9, 10):
-            return False, (
-                "torch._scaled_grouped_mm needs compute capability 9.x or 10.x (Hopper, Blackwell "
-                f"B200/GB200); this GPU has {cap[0]}.{cap[1]}: one torch._scaled_mm per group"
+        cap, majors = cuda_capability(device_index(device)), GROUPED_KERNELS[kernel]
+        if cap[0] not in majors:
+            needs = (
+                "9.x or 10.x (Hopper, Blackwell B200/GB200)" if 9 in majors else "10.x (Blackwell B200/GB200)"
             )
-    problem = scaled_grouped_mm_problem(device.type, device_index(device))
+            return False, (
+                f"torch._scaled_grouped_mm's {kernel} kernel needs compute capability {needs}; this GPU has "
+                f"{cap[0]}.{cap[1]}: one torch._scaled_mm per group"
+            )
+    problem = scaled_grouped_mm_problem(device.type, device_index(device), kernel)
     if problem:
         return False, problem
     return True, f"torch._scaled_grouped_mm runs on {device.type} (probed)"
@@ -110,6 +129,26 @@ def _rows(operands: Sequence[Operand], splits, padded) -> tuple[torch.Tensor, li
     return torch.cat(pieces), scales
 
 
+def _grouped_mx_rows_gemm(
+    a_ops: Sequence[Operand], b_ops: Sequence[Operand], splits, role: str
+) -> torch.Tensor:
+    """Group g's MXFP8 rows a_ops[g] (n_g x k, blocks of 32 along k) times b_ops[g] (k x n): one
+    torch._scaled_grouped_mm (2-D x 3-D, bf16) with E8M0 scales, each group's in the blocked layout on
+    its own (`mx_blocked_scales`, as one MX torch._scaled_mm's: the same bytes), one after the other."""
+    ka = [k_major(op, True) for op in a_ops]
+    kb = [k_major(op, False) for op in b_ops]
+    k = ka[0].values.shape[1]
+    scale_columns = -(-(k // MX_BLOCK) // 4) * 4
+    mat_a = torch.cat([op.values for op in ka]).contiguous()
+    scale_a = torch.cat([mx_blocked_scales(op) for op in ka]).view(-1, scale_columns)
+    experts = torch.stack([op.values for op in kb]).contiguous()  # (groups, n, k)
+    scale_b = torch.stack([mx_blocked_scales(op) for op in kb])  # (groups, blocked n * blocked k)
+    offs = _offsets(list(splits), mat_a.device)
+    return scaled_grouped_mm(
+        mat_a, experts.transpose(-2, -1), scale_a, scale_b, offs, fast_accumulation(role)
+    )
+
+
 def _repeat(scales: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
     """Each group's scale `counts[g]` times, one after the other (fp32, 1-D, contiguous)."""
     return torch.cat([s.expand(c) for s, c in zip(scales, counts)])
@@ -129,7 +168,12 @@ def _one_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, role: str) -> torc
 
 
 def _grouped_rows_gemm(
-    a_ops: Sequence[Operand], b_ops: Sequence[Operand], splits, out_dtype: torch.dtype, role: str
+    a_ops: Sequence[Operand],
+    b_ops: Sequence[Operand],
+    splits,
+    out_dtype: torch.dtype,
+    role: str,
+    kernel: str = "tensorwise",
 ) -> torch.Tensor:
     """Group g's rows a_ops[g] (n_g x k) times b_ops[g] (k x n), the groups' outputs one under the
     other: one torch._scaled_grouped_mm (2-D x 3-D) where the operands are E4M3 with a bf16 output,
@@ -137,6 +181,8 @@ def _grouped_rows_gemm(
     e4m3 = all(op.values.dtype == _E4M3 for op in (*a_ops, *b_ops))
     if not (e4m3 and out_dtype == torch.bfloat16):
         return torch.cat([_one_gemm(a, b, out_dtype, role) for a, b in zip(a_ops, b_ops)])
+    if kernel == "mxfp8":
+        return _grouped_mx_rows_gemm(a_ops, b_ops, splits, role)
     padded = _padded(splits)
     device = a_ops[0].values.device
     mat_a, a_scales = _rows(a_ops, splits, padded)
@@ -154,13 +200,17 @@ def _grouped_rows_gemm(
 
 
 def _grouped_wgrad(
-    g_ops: Sequence[Operand], x_ops: Sequence[Operand], splits, out_dtype: torch.dtype
+    g_ops: Sequence[Operand],
+    x_ops: Sequence[Operand],
+    splits,
+    out_dtype: torch.dtype,
+    kernel: str = "tensorwise",
 ) -> list[torch.Tensor]:
     """Each group's weight gradient g_g.T @ x_g (out x in): one torch._scaled_grouped_mm whose groups
-    run along the tokens (2-D x 2-D) where the operands are E4M3 with a bf16 output, else one GEMM
-    per group."""
+    run along the tokens (2-D x 2-D) where the operands are E4M3 with a bf16 output and row-wise
+    scales, else one GEMM per group (MXFP8's: the K-grouped MX form is not wired, module docstring)."""
     e4m3 = all(op.values.dtype == _E4M3 for op in (*g_ops, *x_ops))
-    if not (e4m3 and out_dtype == torch.bfloat16):
+    if not (e4m3 and out_dtype == torch.bfloat16) or kernel != "tensorwise":
         return [_one_gemm(g.t(), x, out_dtype, "wgrad") for g, x in zip(g_ops, x_ops)]
     padded = _padded(splits)
     g_rows, g_scales = _rows(g_ops, splits, padded)  # (tokens, out)
@@ -186,6 +236,7 @@ class GroupedGEMMs:
         self.native: Optional[bool] = None
         self.why = ""
         self.out_dtype = torch.bfloat16
+        self.kernel = "tensorwise"  # the recipe's kernel (`Quantization.kernel`), set by `takes`
         self.entries: list[tuple] = []
 
     def takes(self, call, out_dtype: torch.dtype) -> bool:
@@ -193,12 +244,15 @@ class GroupedGEMMs:
         if self.native is None:
             self.native, self.why = self._decide(call, out_dtype)
             self.out_dtype = out_dtype
+            self.kernel = call.quantization.kernel
         return self.native
 
     def _decide(self, call, out_dtype: torch.dtype) -> tuple[bool, str]:
         quantization = call.quantization
-        if quantization is None or quantization.kernel != "tensorwise":
-            return False, "only per-tensor recipes (delayed, current scaling) take torch._scaled_grouped_mm"
+        if quantization is None or quantization.kernel not in GROUPED_KERNELS:
+            return False, (
+                "only per-tensor recipes (delayed, current scaling) and MXFP8 take torch._scaled_grouped_mm"
+            )
         if out_dtype != torch.bfloat16:
             return False, f"the grouped kernel writes bf16 only; this call's output is {out_dtype}"
         if torch.compiler.is_compiling():
@@ -208,7 +262,7 @@ class GroupedGEMMs:
             return False, f"the features ({in_features} -> {out_features}) are not whole 16s"
         if any(isinstance(w, GatheredWeight) for w in self.weights):
             return False, "weights gathered by FSDP2 in FP8 run one GEMM per group"
-        return grouped_kernel_choice(self.weights[0].device)
+        return grouped_kernel_choice(self.weights[0].device, quantization.kernel)
 
     def operand_path(self) -> tuple[str, torch.dtype]:
         """The GEMM path and operand dtype of every group's call (Call.for_gemm): FP8 operands."""
@@ -243,8 +297,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         rows = x2d.split(splits)
         x_ops = [call.quantization.quantize_input(r, call) for r, call in zip(rows, calls)]
         y = _grouped_rows_gemm(
-            [op.forward for op in x_ops], [w.forward.t() for w in w_ops], splits, out_dtype, "forward"
-        )
+            [op.forward for op in x_ops], [w.forward.t() for w in w_ops], splits, out_dtype, "forward",
+            batch.kernel,
+        )  # fmt: skip
         if any(b is not None for b in biases):
             y = torch.cat([
                 part if b is None else part + b.to(out_dtype) for part, b in zip(y.split(splits), biases)
@@ -255,7 +310,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         ctx.save_for_backward(*tensors, calls[0].module_handle, *[c.token for c in calls])
         ctx.layouts = [op.layout for op in (*x_saved, *w_saved)]
         ctx.calls = [c.without_tensors() for c in calls]
-        ctx.splits, ctx.groups = splits, groups
+        ctx.splits, ctx.groups, ctx.kernel = splits, groups, batch.kernel
         ctx.x_dtype = x2d.dtype
         ctx.w_dtypes = [w.dtype for w in params[:groups]]
         ctx.b_dtypes = [None if b is None else b.dtype for b in biases]
@@ -285,11 +340,13 @@ class _GroupedLinearFn(torch.autograd.Function):
             needs = (needs_x, any(needs_w))
             g_ops = [c.quantization.quantize_grad(g, c, needs) for g, c in zip(g_rows, calls)]
             if needs_x:
-                grad_x = _grouped_rows_gemm([op.dgrad for op in g_ops], w_dgrad, splits, ctx.x_dtype, "dgrad")
+                grad_x = _grouped_rows_gemm(
+                    [op.dgrad for op in g_ops], w_dgrad, splits, ctx.x_dtype, "dgrad", ctx.kernel
+                )
             if any(needs_w):
                 g_wgrad = [op.wgrad for op in g_ops]
                 if len(set(ctx.w_dtypes)) == 1:
-                    grads = _grouped_wgrad(g_wgrad, x_wgrad, splits, ctx.w_dtypes[0])
+                    grads = _grouped_wgrad(g_wgrad, x_wgrad, splits, ctx.w_dtypes[0], ctx.kernel)
                 else:  # experts of different dtypes: one GEMM each, in its own
                     grads = [
                         _one_gemm(g.t(), x, d, "wgrad") for g, x, d in zip(g_wgrad, x_wgrad, ctx.w_dtypes)

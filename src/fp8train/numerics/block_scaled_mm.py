@@ -40,6 +40,7 @@ __all__ = [
     "k_major",
     "block_scaled_mm",
     "e8m0_bytes",
+    "mx_blocked_scales",
     "kernel_adds_bias",
 ]
 
@@ -112,6 +113,12 @@ def _per_row(op: KOperand) -> torch.Tensor:
     return op.scales.repeat_interleave(op.rows_per_scale, 0)[: op.values.shape[0]]
 
 
+def mx_blocked_scales(op: KOperand) -> torch.Tensor:
+    """An MXFP8 operand's E8M0 scales (float8_e8m0fnu, flat) in cuBLAS's blocked layout, one row per row
+    of its [rows, K] values: what torch._scaled_mm takes, and torch._scaled_grouped_mm per group."""
+    return swizzle_scales(e8m0_bytes(_per_row(op))).view(torch.float8_e8m0fnu)
+
+
 def kernel_adds_bias(out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> bool:
     """Whether the kernel adds the bias itself (its epilogue adds a bf16/fp16 bias of the output's dtype,
     in fp32 before the one rounding to the output: what `bias` added to an fp32 product gives)."""
@@ -138,8 +145,7 @@ def block_scaled_mm(
         )
     elif fmt == "mxfp8":
         mat1, mat2 = ka.values.contiguous(), kb.values.contiguous().t()
-        scale_a = swizzle_scales(e8m0_bytes(_per_row(ka))).view(torch.float8_e8m0fnu)
-        scale_b = swizzle_scales(e8m0_bytes(_per_row(kb))).view(torch.float8_e8m0fnu)
+        scale_a, scale_b = mx_blocked_scales(ka), mx_blocked_scales(kb)
     else:  # nvfp4: E2M1 values packed along K; no fast accumulation with FP4 (torch refuses it)
         mat1 = pack_e2m1(ka.values.float().contiguous()).view(torch.float4_e2m1fn_x2)
         mat2 = pack_e2m1(kb.values.float().contiguous()).view(torch.float4_e2m1fn_x2).t()

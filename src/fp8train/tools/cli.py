@@ -184,9 +184,10 @@ def _info() -> int:
         for recipe, quantization in RECIPES.items():
             gemm, why = recipe_gemm(quantization.kernel, device)
             print(f"  {recipe.__name__}: {gemm}: {why}")
-        native, why = grouped_kernel_choice(device)
-        grouped = "torch._scaled_grouped_mm" if native else "one GEMM per expert"
-        print(f"grouped GEMMs (mixture of experts; delayed and current scaling, bf16): {grouped}: {why}")
+        for kernel, recipes in (("tensorwise", "delayed and current scaling"), ("mxfp8", "MXFP8")):
+            native, why = grouped_kernel_choice(device, kernel)
+            grouped = "torch._scaled_grouped_mm" if native else "one GEMM per expert"
+            print(f"grouped GEMMs (mixture of experts; {recipes}, bf16): {grouped}: {why}")
         fast = [role for role in ("forward", "dgrad", "wgrad") if fast_accumulation(role)]
         print(
             f"{ENV_FAST_ACCUM}={_env(ENV_FAST_ACCUM)}: fast accumulation for {', '.join(fast) or 'no'} GEMMs"
