@@ -15,9 +15,13 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from fp8train.tools.ranks import AllReduceSpy, assert_ok, free_port, run_ranks, run_ranks_outcomes
 
 __all__ = [
+    "CollectiveCounter",
     "AllReduceSpy", "assert_ok", "free_port", "run_ranks", "run_ranks_outcomes", "run_scenarios",
     "scenario_outcome",
 ]  # fmt: skip
@@ -42,3 +46,38 @@ def scenario_outcome(runs: list[dict], name: str) -> list:
         if status != "ok":
             raise AssertionError(f"rank {rank} failed in scenario {name!r}:\n{value}")
     return [run[name][1] for run in runs]
+
+
+class CollectiveCounter:
+    """Wraps the collectives until `close()`: bytes and dtype FSDP2 all-gathers (per call) and the amax
+    all-reduces. `gather_dtypes`: the dtypes gathered (FP8 gathers move uint8)."""
+
+    def __init__(self) -> None:
+        self.gathers: list[tuple[int, torch.dtype]] = []
+        self.all_reduces = 0
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        self._restore = [(name, getattr(dist, name)), ("all_reduce", dist.all_reduce)]
+        gather, all_reduce = self._restore[0][1], dist.all_reduce
+
+        def counted_gather(*args, **kwargs):  # FSDP2 passes the tensors by keyword in torch 2.6
+            input = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+            self.gathers.append((input.numel() * input.element_size(), input.dtype))
+            return gather(*args, **kwargs)
+
+        def counted_all_reduce(*args, **kwargs):
+            self.all_reduces += 1
+            return all_reduce(*args, **kwargs)
+
+        setattr(dist, name, counted_gather)
+        dist.all_reduce = counted_all_reduce
+
+    @property
+    def gather_dtypes(self) -> list[torch.dtype]:
+        return [dtype for _, dtype in self.gathers]
+
+    def reset(self) -> None:
+        self.gathers, self.all_reduces = [], 0
+
+    def close(self) -> None:
+        for name, fn in self._restore:
+            setattr(dist, name, fn)

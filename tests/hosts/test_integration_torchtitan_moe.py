@@ -87,7 +87,6 @@ def test_in_fp8_each_expert_equals_fp8_linears_bit_for_bit() -> None:
 def _fsdp_titan_experts(rank: int, world: int) -> dict:
     """FP8GroupedExperts (3 experts: uneven over 2 ranks) sharded by FSDP2, without and with
     fsdp_fp8_all_gather, trained 3 steps on per-rank tokens (an expert empty on rank 0)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from helpers import digest, fp8_state
@@ -103,15 +102,9 @@ def _fsdp_titan_experts(rank: int, world: int) -> dict:
             for p in experts.parameters():
                 p.normal_(0, 0.2)
         fully_shard(experts)
-        gathers = []
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        real = getattr(dist, name)
+        from multirank import CollectiveCounter
 
-        def counted(*args, real=real, gathers=gathers, **kwargs):
-            gathers.append(kwargs.get("input_tensor", args[1] if len(args) > 1 else None).dtype)
-            return real(*args, **kwargs)
-
-        setattr(dist, name, counted)
+        counter = CollectiveCounter()
         try:
             opt = torch.optim.SGD(experts.parameters(), lr=0.05)
             steps = []
@@ -126,8 +119,8 @@ def _fsdp_titan_experts(rank: int, world: int) -> dict:
                 opt.step()
                 opt.zero_grad()
         finally:
-            setattr(dist, name, real)
-        out[option] = {"steps": steps, "gathers": gathers}
+            counter.close()
+        out[option] = {"steps": steps, "gathers": counter.gather_dtypes}
     return out
 
 

@@ -14,7 +14,7 @@ import fp8train
 from fp8train.layer_coverage import StepCoverage
 from fp8train.modules.grouped_experts import FusedExperts, grouped_linear
 from helpers import fp8_state
-from multirank import run_ranks
+from multirank import CollectiveCounter, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -279,7 +279,6 @@ class _ShardedExperts(torch.nn.Module):
 
 
 def _fsdp_experts_ranks(rank: int, world: int) -> dict:
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from helpers import digest
@@ -292,16 +291,7 @@ def _fsdp_experts_ranks(rank: int, world: int) -> dict:
         fully_shard(model.up)
         fully_shard(model.experts)
         fully_shard(model)
-        gathers = []
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        real = getattr(dist, name)
-
-        def counted(*args, real=real, gathers=gathers, **kwargs):
-            tensor = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
-            gathers.append(tensor.dtype)
-            return real(*args, **kwargs)
-
-        setattr(dist, name, counted)
+        counter = CollectiveCounter()
         try:
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             snapshots = []
@@ -320,8 +310,8 @@ def _fsdp_experts_ranks(rank: int, world: int) -> dict:
                 opt.step()
                 opt.zero_grad()
         finally:
-            setattr(dist, name, real)
-        out[option] = {"steps": snapshots, "gathers": gathers}
+            counter.close()
+        out[option] = {"steps": snapshots, "gathers": counter.gather_dtypes}
     return out
 
 

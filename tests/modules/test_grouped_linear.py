@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fp8train
 from helpers import fp8_state
-from multirank import AllReduceSpy, run_ranks
+from multirank import AllReduceSpy, CollectiveCounter, run_ranks
 from reference import E4M3_MAX, E5M2_MAX, RefScaling, amax_of, quantize_ref
 
 RECIPES = {
@@ -325,7 +325,6 @@ class _Experts(torch.nn.Module):
 
 
 def _fsdp_ranks(rank: int, world: int) -> dict:
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from helpers import digest
@@ -336,16 +335,7 @@ def _fsdp_ranks(rank: int, world: int) -> dict:
         model = _Experts(option)
         fully_shard(model.experts)
         fully_shard(model)
-        gathers = []
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        real = getattr(dist, name)
-
-        def counted(*args, real=real, gathers=gathers, **kwargs):
-            tensor = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
-            gathers.append(tensor.dtype)
-            return real(*args, **kwargs)
-
-        setattr(dist, name, counted)
+        counter = CollectiveCounter()
         try:
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             snapshots = []
@@ -359,8 +349,8 @@ def _fsdp_ranks(rank: int, world: int) -> dict:
                 opt.step()
                 opt.zero_grad()
         finally:
-            setattr(dist, name, real)
-        out[option] = {"steps": snapshots, "gathers": gathers}
+            counter.close()
+        out[option] = {"steps": snapshots, "gathers": counter.gather_dtypes}
     return out
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import fp8train
 from helpers import digest, fp8_state
-from multirank import run_ranks
+from multirank import CollectiveCounter, run_ranks
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 
@@ -25,36 +25,6 @@ def _fully_shard():
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard
-
-
-class Counter:
-    """Wraps the collectives: bytes FSDP2 all-gathers (per call) and the amax all-reduces."""
-
-    def __init__(self) -> None:
-        self.gathers: list[tuple[int, torch.dtype]] = []
-        self.all_reduces = 0
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        self._restore = [(name, getattr(dist, name)), ("all_reduce", dist.all_reduce)]
-        gather, all_reduce = self._restore[0][1], dist.all_reduce
-
-        def counted_gather(*args, **kwargs):  # FSDP2 passes the tensors by keyword in torch 2.6
-            input = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
-            self.gathers.append((input.numel() * input.element_size(), input.dtype))
-            return gather(*args, **kwargs)
-
-        def counted_all_reduce(*args, **kwargs):
-            self.all_reduces += 1
-            return all_reduce(*args, **kwargs)
-
-        setattr(dist, name, counted_gather)
-        dist.all_reduce = counted_all_reduce
-
-    def reset(self) -> None:
-        self.gathers, self.all_reduces = [], 0
-
-    def close(self) -> None:
-        for name, fn in self._restore:
-            setattr(dist, name, fn)
 
 
 def _model(option: bool, width: int = 32, hidden: int = 24) -> torch.nn.Module:
@@ -153,7 +123,7 @@ def _both(rank: int, world: int, mp_dtype=None, kwargs=None, build=_model, resha
     """The same training without and with the option, the collectives counted over the steps."""
     result = {}
     for option in (False, True):
-        counter = Counter()
+        counter = CollectiveCounter()
         try:
             trained = _train(rank, _shard(build(option), mp_dtype, reshard), 4, **(kwargs or {}))
         finally:
