@@ -30,7 +30,7 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_ops: WeightOperands, call: Call, inputs: InputSource, noted: bool):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (2-D: no view to make)
         x_ops = inputs.operands(x2d, call)
         shape = x.shape
         if inputs.fp8_group is not None:  # sequence parallel: every rank's tokens, gathered in FP8
@@ -66,7 +66,7 @@ class _LinearFn(torch.autograd.Function):
                 "a sequence-parallel, FSDP2-FP8-gathered or Hadamard-transformed layer's gradients"
             )
         needs = ctx.needs_input_grad[:2]
-        g2d = grad_y.reshape(-1, grad_y.shape[-1])
+        g2d = grad_y if grad_y.ndim == 2 else grad_y.reshape(-1, grad_y.shape[-1])
         needs_bias = ctx.b_dtype is not None and ctx.needs_input_grad[2]
         grad_bias = g2d.sum(0).to(ctx.b_dtype) if needs_bias else None
         grad_x = grad_w = None
@@ -78,7 +78,8 @@ class _LinearFn(torch.autograd.Function):
                 grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad", path=call.gemm_path)
                 if ctx.sp_group is not None:  # each rank's tokens: summed over the group
                     grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
-                grad_x = grad_x.reshape(ctx.x_shape)
+                if grad_x.shape != ctx.x_shape:  # (x was not 2-D)
+                    grad_x = grad_x.reshape(ctx.x_shape)
             if needs[1]:
                 grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad", path=call.gemm_path)
         if create_graph:  # differentiable, with the same values (second_order.py)
@@ -97,19 +98,23 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _gemm_path(tokens: int, weight: torch.Tensor, call: Call) -> tuple[str, torch.dtype]:
+def _gemm_path(
+    x: torch.Tensor, ranks: int, weight: torch.Tensor, call: Call
+) -> tuple[str, torch.dtype, bool]:
     """The GEMM path (gemm.PATHS) and its operand dtype (`gemm.operand_dtype`): FP8 for torch._scaled_mm
-    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values. Decided once per region
-    and shape for a training call (`Region.gemm_paths`: the settings are read at the first call).
+    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values; and whether the weight's
+    shape fits torch._scaled_mm (`shape_rule.weight_fits`). Decided once per region and shape for a
+    training call (`Region.gemm_paths`: the settings are read at the first call), for `x` (its rows
+    times `ranks`, the ranks whose tokens the GEMM multiplies, are the GEMM's tokens).
 
     The backward GEMMs have the same three dimensions, so they take the same path."""
     region = None if call.plan is None else call.plan.region
-    key = (weight.device, tokens, *weight.shape)
+    key = (weight.device, x.shape[:-1], ranks, *weight.shape)  # (the tokens without counting them)
     if region is not None and key in region.gemm_paths:
         return region.gemm_paths[key]
     out_features, in_features = weight.shape
-    path = choose_path(weight.device, tokens, in_features, out_features)
-    decided = path, operand_dtype(path, weight.device)
+    path = choose_path(weight.device, x.numel() // x.shape[-1] * ranks, in_features, out_features)
+    decided = path, operand_dtype(path, weight.device), weight_fits(out_features, in_features)
     if region is not None:
         region.gemm_paths[key] = decided
     return decided
@@ -151,25 +156,20 @@ def fp8_linear(
     (grouped_gemm.py); where it takes the call, the GEMM's operands go to it and None is returned.
 
     The call picks its weight source and input source once (sources.py); one path runs for all."""
-    if isinstance(weight, GatheredWeight) and torch.compiler.is_compiling():
-        raise RuntimeError(
-            "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the gathered "
-            "FP8 weight's bookkeeping runs outside the graph. Compile without the option, or run eagerly"
-        )
     call = begin_call(module, gemm_index)
     weight, source = weight_source(module, weight, call, gemm_index, is_first_microbatch, stored_weight)
     if not source.fp8:  # in high precision
         weight = source.linear_weight(weight, x, call)
         return F.linear(x if sp_group is None else TokenCollective.apply(x, sp_group, True), weight, bias)
-    if not weight_fits(*weight.shape):  # the same FP8 numerics on every device (shape_rule.py)
-        _warn_if_emulated_for_shape(module, weight, call)
     x, inputs = (x, LOCAL) if sp_group is None else input_source(x, sp_group, call.quantization)
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
         call.check_recipe_kind()
     scales, token = call.quantization.call_scales(call, x, source.weight_amax)
     if source.cast_scales is not None:  # the weight scale the weight is cast with instead
         scales = torch.stack([scales[:, 0], source.cast_scales.to(scales.device)], dim=1)
-    path, dtype = _gemm_path(x.numel() // x.shape[-1] * inputs.ranks, weight, call)
+    path, dtype, fits = _gemm_path(x, inputs.ranks, weight, call)
+    if not fits:  # the same FP8 numerics on every device (shape_rule.py)
+        _warn_if_emulated_for_shape(module, weight, call)
     native = grouped is not None and stored_weight is None and grouped.takes(call, _output_dtype(x))
     if native:  # one GEMM of a grouped call (grouped_gemm.py): its operands in FP8
         path, dtype = grouped.operand_path()
@@ -200,6 +200,8 @@ def parallel_linear(
 ) -> torch.Tensor:
     """`fp8_linear` with the tensor-parallel collectives around it; a row GEMM adds its (whole) bias
     once, after the sum over the group."""
+    if tp.group is None:  # not tensor parallel (most modules): no collective to place
+        return fp8_linear(module, x, weight, bias, gemm_index, is_first_microbatch)
     if tp.sp_group() is not None and not module.shards_checked:  # the first SP gather of the module
         check_equal_shards(x, tp.group, module.signature)
         module.shards_checked = True

@@ -173,13 +173,21 @@ def weight_source(
 ) -> tuple[torch.Tensor, Union[WeightSource, HighPrecisionWeight]]:
     """The weight `call` multiplies and where its operands come from, picked once per call (the
     table of docs/design.md, section 9.3). `stored`: a StoredFP8Linear's operands."""
-    gathered = isinstance(weight, GatheredWeight) and weight.fp8  # FSDP2 gathered it in FP8 already
+    gathered = False
+    if isinstance(weight, GatheredWeight):  # an FSDP2 gather of an fsdp_fp8_all_gather weight
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "torch.compile over FP8 modules built with fsdp_fp8_all_gather is not supported: the "
+                "gathered FP8 weight's bookkeeping runs outside the graph. Compile without the option, "
+                "or run eagerly"
+            )
+        gathered = weight.fp8  # FSDP2 gathered it in FP8 already
     if gathered and not (
         call.fp8 and call.quantization.casts_before_gather and is_current_gather(weight.gather)
     ):
         # gathered in FP8 for another region (FSDP2 kept it gathered), or needed in high precision
         weight, gathered = _HighPrecision.apply(weight), False  # gathered again, in the parameter dtype
-    if not call.fp8 or weight.numel() == 0:  # an empty GEMM (Linear(0, n)): the bias, as torch gives
+    if not call.fp8 or 0 in weight.shape:  # an empty GEMM (Linear(0, n)): the bias, as torch gives
         return weight, HIGH_PRECISION if stored is None else DequantizedStoredWeight(stored)
     if stored is not None:
         return weight, StoredWeight(stored)

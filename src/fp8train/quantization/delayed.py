@@ -36,7 +36,7 @@ class DelayedQuantization(TensorQuantization):
         # (_amax_in_cast, inline) x's amax: taken by its cast; the weight's too where it is cast here
         if call.record and call.fp8 and not torch.compiler.is_compiling():
             w_amax = None if weight_amax is None or weight_amax is AMAX_IN_CAST else weight_amax()
-            return call.forward_scales(None, w_amax, x.detach())
+            return call.forward_scales(None, w_amax, x)  # (eagerly only x's device is read: no detach)
         x_amax = amax(x) if call.record else None
         # (AMAX_IN_CAST reaches here only for calls that record nothing: eager FP8 calls without grad)
         recorded = call.record and weight_amax is not None and weight_amax is not AMAX_IN_CAST
