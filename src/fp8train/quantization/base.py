@@ -97,9 +97,8 @@ class Quantization:
     def __init__(self, recipe) -> None:
         self.recipe = recipe
 
-    @functools.cached_property  # read at every backward GEMM; the recipe is frozen
+    @property
     def grad_encoding(self) -> str:
-        """The gradients' encoding, "e4m3" or "e5m2" (the recipe's format)."""
         return self.recipe.fp8_format.bwd
 
     def call_scales(self, call: Call, x: torch.Tensor, weight_amax):
