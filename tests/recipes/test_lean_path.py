@@ -128,19 +128,22 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     included (before: 14.4, measured at 74dd396: the cast's 8, the amax's, the GEMMs' upcasts and
     output scaling); aten calls and fp8train's Python calls per FP8 GEMM bounded (before: 66 aten calls
     beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds;
-    measured now, the same in three runs: 27.8 aten calls, 79.2 and 48.6 Python calls)."""
+    27.8, 79.2 and 48.9 at 13da088; measured now, the same in every run: 26.5 aten calls, 76.2 and
+    45.4 Python calls)."""
     torch.set_num_threads(1)
     r = lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1)
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
-    assert r["extra_aten_calls_per_gemm"] <= 29.5, r["extra_aten_calls_per_gemm"]
+    # deterministic counts: a margin of one call per layer of the block (2 layers, 6 GEMMs)
+    assert r["extra_aten_calls_per_gemm"] <= 26.5 + 2 / 6, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
-    # that grow with the stack's depth (pytest's is deep), not with the model
-    assert r["python_calls_per_gemm"] <= 90, r["python_calls_by_function"]
-    # 48.6 (the call depth of the suite has moved it by ~2): bounded with that margin, about half of
+    # that grow with the stack's depth (pytest's is deep), not with the model: 76.2 from a script,
+    # 86.8 here
+    assert r["python_calls_per_gemm"] <= 89, r["python_calls_by_function"]
+    # 45.4 (the call depth of the suite has moved it by ~2): bounded with that margin, under half of
     # 97, the count before the lean path
-    assert r["python_calls_per_added_gemm"] <= 52, r["python_calls_by_function"]
+    assert r["python_calls_per_added_gemm"] <= 48, r["python_calls_by_function"]
 
 
 _BROKEN_COMPILER = r"""
