@@ -233,6 +233,10 @@ def gemm(
                 "set FP8TRAIN_GEMM=bf16"
             )
         fused = block_scaled_mm.kernel_adds_bias(out_dtype, bias)
+        # torch._scaled_mm takes a row-major, b column-major. The fused kernels' casts give every
+        # operand so (a training call's transposed copies: w in dgrad, g.t() and x in wgrad;
+        # per_tensor.py), and these calls copy nothing; the torch path's operands (and FSDP2-gathered
+        # weights) are copied here, one 1-byte pass each where the layout is the other one
         y = scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),
