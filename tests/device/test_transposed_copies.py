@@ -95,6 +95,8 @@ def scenario(name):
         return "delayed", fp8train.Linear(128, 256), x, [[(True, True), (False, True)]]
     if name == "inference":
         return "delayed", fp8train.Linear(128, 256), x, [[(None, False)]]
+    if name == "recompute":  # fp8train.checkpoint: the forward replayed in backward
+        return "delayed", fp8train.Linear(128, 256), x, [[(None, True)]]
     if name == "first-layer":  # no input gradient: the gradient's rows are needed by no GEMM
         return "current", fp8train.Linear(128, 256), x, [[(None, True)]]
     return name, fp8train.Linear(128, 256), x, [[(None, True)], [(None, True)]]
@@ -113,7 +115,10 @@ def run(name):
         for first, training in microbatches:
             kw = {} if first is None else {"is_first_microbatch": first}
             with torch.set_grad_enabled(training), counter, fp8train.fp8_autocast(fp8_recipe=recipe):
-                y, nbytes, tensors = saved_bytes(lambda: module(x, **kw), module.parameters())
+                forward = lambda: module(x, **kw)  # noqa: E731
+                if name == "recompute":
+                    forward = lambda: fp8train.checkpoint(module, x)  # noqa: E731
+                y, nbytes, tensors = saved_bytes(forward, module.parameters())
                 saved.append([nbytes, [[str(t.dtype), list(t.shape), t.is_contiguous()] for t in tensors
                                        if t.dtype in FP8]])
                 if training:
@@ -131,7 +136,7 @@ def run(name):
 with cuda_contract():  # torch._scaled_mm's probe (once per process), through the checker, before counting
     assert fp8train.numerics.gemm.kernel_runs("tensorwise", torch.device("cpu"))[0]
 report = {}
-for name in ("delayed", "current", "mlp", "microbatches", "inference", "first-layer"):
+for name in ("delayed", "current", "mlp", "microbatches", "inference", "recompute", "first-layer"):
     runs = {}
     with cuda_contract() as checker:
         for mode in ("off", "interpret"):
@@ -169,9 +174,13 @@ def report() -> dict:
     return json.loads(line[len("REPORT") :])
 
 
-SCENARIOS = ("delayed", "current", "mlp", "microbatches", "inference", "first-layer")
+SCENARIOS = ("delayed", "current", "mlp", "microbatches", "inference", "recompute", "first-layer")
 # torch._scaled_mm calls of each scenario (the same on both paths): 3 per Linear step with backward
-GEMMS = {"delayed": 6, "current": 6, "mlp": 12, "microbatches": 6, "inference": 1, "first-layer": 2}
+GEMMS = {"delayed": 6, "current": 6, "mlp": 12, "microbatches": 6, "inference": 1, "recompute": 4,
+         "first-layer": 2}  # fmt: skip
+# the torch path's copies into torch._scaled_mm's layout: w, g.t() and x per backward (no w without dgrad)
+LAYOUT_COPIES = {"delayed": 6, "current": 6, "mlp": 12, "microbatches": 6, "inference": 0, "recompute": 3,
+                 "first-layer": 2}  # fmt: skip
 # the kernels' calls, in order, and whether each wrote the transposed copy (x, w, then g per GEMM)
 ASKED = {
     "delayed": [True] * 6,
@@ -179,6 +188,7 @@ ASKED = {
     "mlp": [True] * 12,  # fc1's x, w; fc2's x, w; fc2's g, fc1's g; twice
     "microbatches": [True, True, True, True, True],  # the second microbatch reuses the cached weight
     "inference": [False, False],
+    "recompute": [True] * 5,  # the forward's x, w; the replay's x, w (its plan names the region); g
     "first-layer": [True, True, True],  # the gradient's copy for wgrad (its rows are written too)
 }
 
@@ -198,9 +208,7 @@ def test_no_fp8_operand_is_copied_before_the_gemm(report: dict, name: str) -> No
     r = report[name]
     assert r["fused_copies"] == [], r["fused_copies"]
     layout_copies = [c for c in r["torch_path_copies"] if c.startswith("aten.clone")]
-    backward_steps = GEMMS[name] // 3
-    expected = {"inference": 0, "first-layer": 2}.get(name, 3 * backward_steps)  # first layer: no dgrad
-    assert len(layout_copies) == expected, r["torch_path_copies"]
+    assert len(layout_copies) == LAYOUT_COPIES[name], r["torch_path_copies"]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
