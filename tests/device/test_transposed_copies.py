@@ -76,7 +76,7 @@ def spy(name):
     setattr(triton_cast, name, spied)
 
 
-spy("cast_tensor")
+spy("cast_with_amax")
 spy("amax_then_cast")
 RECIPES = {
     "delayed": lambda: fp8train.DelayedScaling(amax_history_len=4),
