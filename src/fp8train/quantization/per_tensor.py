@@ -105,5 +105,5 @@ class TensorQuantization(Quantization):
         same pass (`cast_operands`)."""
         encoding = self.grad_encoding
         dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
-        dgrad, wgrad = self.cast_operands(g2d, scale, scale_inv, encoding, dtype, amax_out, None, wgrad)
-        return GradOperands(dgrad, wgrad)
+        operands = self.cast_operands(g2d, scale, scale_inv, encoding, dtype, amax_out, None, wgrad)
+        return GradOperands(*operands)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -67,7 +67,8 @@ def _kernels():
 _PER_TENSOR = ("cast_with_amax", "amax_then_cast")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Callable:
+    """`cast_with_amax` and `amax_then_cast`: triton_cast.py's (imported here, on first use)."""
     if name in _PER_TENSOR:
         return getattr(_kernels(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
