@@ -60,6 +60,7 @@ from gpu_check_probes import (
     DelayedCollective,
     StandInEvents,
     SyncDebugSites,
+    env_set,
     format_exception,
     live_cuda_events,
     sleep_cycles_per_ms,
@@ -112,10 +113,10 @@ def check_settings(
     applied: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         if async_reduction is not None:
-            stack.enter_context(_env("NVTE_ASYNC_AMAX_REDUCTION", "1" if async_reduction else "0"))
+            stack.enter_context(env_set("NVTE_ASYNC_AMAX_REDUCTION", "1" if async_reduction else "0"))
             applied["async_reduction"] = str(async_reduction)
         if gemm_path is not None:
-            stack.enter_context(_env(ft_gemm.ENV_PATH, gemm_path))
+            stack.enter_context(env_set(ft_gemm.ENV_PATH, gemm_path))
             applied["gemm_path"] = gemm_path
         if fast_accum is not None:
             name = getattr(ft_gemm, "ENV_FAST_ACCUM", None)
@@ -123,7 +124,7 @@ def check_settings(
                 applied["fast_accum"] = "not available (fp8train.numerics.gemm has no ENV_FAST_ACCUM switch)"
             else:
                 value = "all" if fast_accum else "none"  # fp8train.numerics.gemm.FAST_ACCUM's choices
-                stack.enter_context(_env(name, value))
+                stack.enter_context(env_set(name, value))
                 applied["fast_accum"] = f"{name}={value}"
         if reduce_on_one_rank is not None:
             _one_rank_group(reduce_on_one_rank)  # kept: main() destroys it at the end
@@ -137,19 +138,6 @@ def check_settings(
         if cuda_emulation_warning:
             applied["cuda_emulation_warning"] = _force_cuda_warning(stack)
         yield applied
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import statistics
-import time
 from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from gpu_check_probes import env_set, median_seconds
 
 import fp8train as ft
 from fp8train.modules import grouped_gemm
@@ -36,19 +34,6 @@ __all__ = ["grouped_section"]
 
 FULL = {"hidden": 7168, "inter": 2048, "experts": 16, "rows": 8192, "warmup": 2, "iters": 5}
 QUICK = {"hidden": 64, "inter": 32, "experts": 4, "rows": 96, "warmup": 1, "iters": 2}
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -74,25 +59,6 @@ def _splits(rows: int, experts: int, generator: torch.Generator) -> list[int]:
     weights[1] = 0.0
     picks = torch.multinomial(weights, rows, replacement=True, generator=generator)
     return torch.bincount(picks, minlength=experts).tolist()
-
-
-def _time_ms(step: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -164,10 +130,9 @@ def grouped_section(device: torch.device, quick: bool, progress: Callable[[dict]
     for name, (recipe, setting) in variants.items():
         keep: dict = {}
         layers = experts()
-        with _env(grouped_gemm.ENV_GROUPED_GEMM, setting), _counted() as calls:
-            ms = _time_ms(
-                functools.partial(step, layers, recipe, keep), device, sizes["warmup"], sizes["iters"]
-            )
+        with env_set(grouped_gemm.ENV_GROUPED_GEMM, setting), _counted() as calls:
+            run = functools.partial(step, layers, recipe, keep)
+            ms = 1e3 * median_seconds(run, device, sizes["iters"], sizes["warmup"])
             per_step = len(calls) / (sizes["warmup"] + sizes["iters"])
         del layers
         results[name] = keep

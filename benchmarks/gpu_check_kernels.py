@@ -18,11 +18,10 @@ environment), and the compiled cast is aot_eager's (inductor's C++ compile would
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable, Optional
 
 import torch
+from gpu_check_probes import median_seconds
 
 from fp8train.numerics import kernels as ft_kernels
 from fp8train.numerics.cast import amax, cast_operand
@@ -54,32 +53,6 @@ BYTES_PER_ELEMENT = {
 }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median seconds of `fn` over `reps` runs after 2 warm-ups (CUDA events on the GPU)."""
-    for _ in range(2):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _peak(device: torch.device, quick: bool) -> tuple[float, str]:
     """(bytes/s, where from): the published figure for the device, else a measured copy's."""
     if device.type == "cuda":
@@ -90,7 +63,7 @@ def _peak(device: torch.device, quick: bool) -> tuple[float, str]:
     n = (1 << 20) if quick else (1 << 28)
     a = torch.empty(n, dtype=torch.float32, device=device)
     b = torch.empty_like(a)
-    seconds = _seconds(lambda: b.copy_(a), device, 5)
+    seconds = median_seconds(lambda: b.copy_(a), device, 5)
     return 2 * a.nbytes / seconds, "measured copy"
 
 
@@ -234,7 +207,7 @@ def kernels_section(device: torch.device, quick: bool, progress: Callable[[dict]
                 checks["compiled_equals_eager"] = False
                 row["compile_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         for name, fn in timed.items():
-            seconds = _seconds(fn, device, reps)
+            seconds = median_seconds(fn, device, reps)
             row[f"{name}_us"] = 1e6 * seconds
             row[f"{name}_gb_s"] = useful / seconds / 1e9
             row[f"{name}_share_of_peak"] = useful / seconds / peak

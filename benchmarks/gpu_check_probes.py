@@ -8,6 +8,8 @@ counter is the toolbox's: fp8train.tools.host_syncs).
 - `DelayedCollective`: `torch.distributed.all_reduce` as a collective of a chosen latency on its own
   stream (a `torch.cuda._sleep` on a side stream; on the CPU, host time), to see on one GPU how much
   of it the asynchronous reduction hides.
+- `median_seconds`: a step's median time (CUDA events on the GPU, host time on the CPU);
+  `env_set`: an environment variable set for a block.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import statistics
 import time
 import traceback
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,46 @@ __all__ = [
     "DelayedCollective",
     "sleep_cycles_per_ms",
     "format_exception",
+    "median_seconds",
+    "env_set",
 ]
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of `fn` over `reps` runs after `warmup` runs and a synchronisation (each run timed
+    by CUDA events on the GPU, by the host's clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str) -> Iterator[None]:
+    """`name`=`value` in the environment within the block; the previous value (or none) after it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 class _StandInEvent:

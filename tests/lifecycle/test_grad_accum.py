@@ -16,7 +16,7 @@ rolls the weight history N times per step). It is the loop below, written from p
 and update the delayed-scaling state after every microbatch with [input amax, weight amax on
 microbatch 1 else 0, 0] forward and [grad amax, 0] backward. Losses, accumulated gradients, updated
 weights and every scale and history must be bitwise equal to fp8train's, and the weight must be
-cast once per step (counted by wrapping the per-tensor recipes' `TensorQuantization.cast`).
+cast once per step (counted by wrapping the per-tensor recipes' `TensorQuantization.cast_operands`).
 
 """
 
@@ -63,14 +63,15 @@ class CastCounter:
 @pytest.fixture
 def weight_casts(monkeypatch) -> CastCounter:
     counter = CastCounter()
-    real = TensorQuantization.cast
+    real = TensorQuantization.cast_operands
 
-    def counting(x, scale, scale_inv, encoding, dtype, amax_out=None):
+    def counting(x, scale, *args, **kwargs):
         if any(x.data_ptr() == w.data_ptr() for w in counter.weights):
             counter.casts.append(float(scale))
-        return real(x, scale, scale_inv, encoding, dtype, amax_out)
+        return real(x, scale, *args, **kwargs)
 
-    monkeypatch.setattr(TensorQuantization, "cast", staticmethod(counting))  # a spy: counts, passes on
+    # a spy on the per-tensor recipes' cast (`cast` goes through it too): counts, passes on
+    monkeypatch.setattr(TensorQuantization, "cast_operands", staticmethod(counting))
     return counter
 
 

@@ -44,7 +44,7 @@ def count_calls(module, names):  # spies in a child process: count the kernels' 
         setattr(module, name, counted)
 
 
-count_calls(triton_cast, ["cast_tiles", "cast_tensor", "amax_then_cast"])
+count_calls(triton_cast, ["cast_tiles", "cast_with_amax", "amax_then_cast"])
 count_calls(kernels.microscaling(), kernels.microscaling().__all__)
 
 F = fp8train.Format
@@ -107,7 +107,7 @@ print("REPORT" + json.dumps(report))
 # The kernels each recipe's layer calls in one forward and backward (weight, input, output gradient);
 # nvfp4_amax: the per-tensor amax read of the 16x16 weight blocks and of each un-rotated pair of copies.
 EXPECTED_CALLS = {
-    "delayed": {"cast_tensor": 6},  # weight, input and gradient, in each of the two steps
+    "delayed": {"cast_with_amax": 6},  # weight, input and gradient, in each of the two steps
     "current": {"amax_then_cast": 3},
     "block": {"cast_tiles": 3},
     "block-no-power-2": {"cast_tiles": 3},

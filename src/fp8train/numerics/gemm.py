@@ -233,6 +233,10 @@ def gemm(
                 "set FP8TRAIN_GEMM=bf16"
             )
         fused = block_scaled_mm.kernel_adds_bias(out_dtype, bias)
+        # torch._scaled_mm takes a row-major, b column-major: the forward's x and w.t() are so; the
+        # backward's w (dgrad), g.t() and x (wgrad) are so where the fused kernels cast them (their
+        # transposed copies, quantization/per_tensor.py: these calls then copy nothing); the torch
+        # path's (and FSDP2-gathered weights) are copied here, one 1-byte pass each
         y = scaled_mm(
             a.contiguous(),
             b.t().contiguous().t(),

@@ -17,7 +17,10 @@ class Operand:
     holding FP8 values exactly) and the inverse scale that dequantizes them, one for the whole tensor
     (`block` None) or one per `block` = (rows, columns) of the values as stored; a two-level format
     (NVFP4) also divides the whole tensor by `tensor_scale`. `transposed` operands are used as the
-    transpose of what is stored (a view: nothing is copied or requantized). `rotated` operands hold a
+    transpose of what is stored (a view: nothing is copied or requantized); a per-tensor recipe's
+    operand for the GEMM that takes its tensor in the other layout (w in dgrad, x and g in wgrad) is
+    so where a fused kernel wrote the tensor's transposed copy (quantization/per_tensor.py,
+    `cast_operands`): the layout torch._scaled_mm takes there. `rotated` operands hold a
     tensor after a random Hadamard transform along their reduction dimension: only a product with
     another operand rotated alike is the product of the original tensors."""
 

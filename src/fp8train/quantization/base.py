@@ -12,7 +12,9 @@ The three GEMMs of y = x @ w.T, with x as (tokens x in), w as (out x in), g = dL
 
 Every operand is given in the orientation of its tensor (x, w or g); `Operand.t()` makes the views
 the GEMMs need. A recipe whose scales cover whole tensors returns one operand for both of a tensor's
-uses; a block-scaled recipe quantizes each use along its own GEMM's reduction dimension.
+uses (or, on torch._scaled_mm's path with the fused kernels, the second one its cast's transposed
+copy, stored transposed: the layout that GEMM takes); a block-scaled recipe quantizes each use along
+its own GEMM's reduction dimension.
 """
 
 from __future__ import annotations

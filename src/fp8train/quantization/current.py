@@ -3,6 +3,8 @@ before its cast; no history and no amax reduction (docs/design.md, section 9).""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..amax import Call
@@ -11,7 +13,7 @@ from ..numerics.cast import amax
 from ..numerics.formats import FLOAT32_MAX, fp8_dtype, fp8_max
 from ..numerics.operand import Operand
 from .base import GradOperands, InputOperands, WeightOperands
-from .per_tensor import TensorQuantization
+from .per_tensor import TensorQuantization, operand_pair, trains
 
 __all__ = ["CurrentQuantization", "scale_from_amax", "current_scales"]
 
@@ -38,23 +40,33 @@ def current_scales(x: torch.Tensor, encoding: str) -> tuple[torch.Tensor, torch.
 class CurrentQuantization(TensorQuantization):
     kind = "current"
 
-    def current_operand(self, x: torch.Tensor, encoding: str, dtype: torch.dtype) -> Operand:
+    def current_operands(
+        self,
+        x: torch.Tensor,
+        encoding: str,
+        dtype: torch.dtype,
+        call: Optional[Call] = None,
+        wgrad: bool = False,
+    ) -> tuple[Operand, Operand]:
         """x cast with the scale of its own amax: the amax read, then the cast (two reads of x; one
-        fused kernel each where `kernels.use_fused_kernels`, the same bits)."""
+        fused kernel each where `kernels.use_fused_kernels`, the same bits), and the operand of the
+        GEMM that takes x in the other layout (`call`, `wgrad`: as `TensorQuantization.cast_operands`)."""
         if kernels.use_fused_kernels(x):
-            cast = kernels.amax_then_cast(x, encoding, dtype, transposed=False)
-            return Operand(cast.values, cast.scale_inv)
-        return self.cast(x, *current_scales(x, encoding), encoding, dtype)
+            transposed = dtype.itemsize == 1 and (wgrad or trains(call))
+            cast = kernels.amax_then_cast(x, encoding, dtype, transposed=transposed)
+            return operand_pair(cast.values, cast.values_t, cast.scale_inv)
+        return self.cast_operands(x, *current_scales(x, encoding), encoding, dtype)
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
-        return WeightOperands.same(self.current_operand(weight, "e4m3", call.operand_dtype))
+        forward, dgrad = self.current_operands(weight, "e4m3", call.operand_dtype, call)
+        return WeightOperands(forward, dgrad)
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
-        operand = self.current_operand(x2d, "e4m3", call.operand_dtype)
-        return InputOperands(operand, operand)
+        forward, wgrad = self.current_operands(x2d, "e4m3", call.operand_dtype, call)
+        return InputOperands(forward, wgrad)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         encoding = self.grad_encoding
         dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
-        operand = self.current_operand(g2d, encoding, dtype)
-        return GradOperands(operand, operand)
+        dgrad, wgrad = self.current_operands(g2d, encoding, dtype, None, needs[1])
+        return GradOperands(dgrad, wgrad)

@@ -51,10 +51,12 @@ class DelayedQuantization(TensorQuantization):
         w_amax = None
         if call.weight_amax_in_cast and call.amax_in_cast:  # where its cast writes the weight's amax
             w_amax = call.amax_slots[WEIGHT] if call.amax_slots is not None else _new_amax(weight)
-        operand = self.cast(weight, scale, scale_inv, "e4m3", call.operand_dtype, w_amax)
+        forward, dgrad = self.cast_operands(
+            weight, scale, scale_inv, "e4m3", call.operand_dtype, w_amax, call
+        )
         if w_amax is not None:
             call.record_amax(WEIGHT, w_amax)
-        return WeightOperands(operand, operand)  # (WeightOperands.same)
+        return WeightOperands(forward, dgrad)
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         scale, scale_inv = (
@@ -63,19 +65,19 @@ class DelayedQuantization(TensorQuantization):
         x_amax = None
         if call.amax_in_cast:  # where its cast writes x's amax
             x_amax = call.amax_slots[INPUT] if call.amax_slots is not None else _new_amax(x2d)
-        operand = self.cast(x2d, scale, scale_inv, "e4m3", call.operand_dtype, x_amax)
+        forward, wgrad = self.cast_operands(x2d, scale, scale_inv, "e4m3", call.operand_dtype, x_amax, call)
         if x_amax is not None:
             call.record_amax(INPUT, x_amax)
-        return InputOperands(operand, operand)
+        return InputOperands(forward, wgrad)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
             scale, scale_inv, g_amax, into = call.backward_scale_pair()
-            operands = self.grad_operands(g2d, scale, scale_inv, call, g_amax)
+            operands = self.grad_operands(g2d, scale, scale_inv, call, g_amax, needs[1])
             call.record_grad_amax(g_amax, into)
             return operands
         scales = call.backward_scales(amax(g2d))
-        return self.grad_operands(g2d, scales[0], scales[1], call)
+        return self.grad_operands(g2d, scales[0], scales[1], call, None, needs[1])
 
 
 def _new_amax(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,23 @@ from ..numerics.formats import fp8_dtype
 from ..numerics.gemm import Operand
 from .base import GradOperands, Quantization, WeightOperands
 
-__all__ = ["TensorQuantization"]
+__all__ = ["TensorQuantization", "trains", "operand_pair"]
+
+
+def trains(call: Optional[Call]) -> bool:
+    """Whether `call` is a training call (its plan names its region's serial; a recomputation's replay
+    too), whose backward GEMMs take its forward tensors in the other layout. False for inference and
+    traced calls (no plan), and without a call."""
+    return call is not None and call.plan is not None and call.plan.serial != -1
+
+
+def operand_pair(
+    values: torch.Tensor, values_t: Optional[torch.Tensor], scale_inv: torch.Tensor
+) -> tuple[Operand, Operand]:
+    """(the operand of `values`, the operand of the GEMM that takes the tensor in the other layout):
+    the same one, or the kernel's transposed copy `values_t` stored as the tensor's transpose."""
+    operand = Operand(values, scale_inv)
+    return operand, (operand if values_t is None else Operand(values_t, scale_inv, transposed=True))
 
 
 class TensorQuantization(Quantization):
@@ -34,18 +50,44 @@ class TensorQuantization(Quantization):
     ) -> Operand:
         """x's operand (`cast.cast_with_amax`, or its fused kernel where `kernels.use_fused_kernels`:
         the same bits; its amax into `amax_out` when given, in the same read)."""
+        return TensorQuantization.cast_operands(x, scale, scale_inv, encoding, dtype, amax_out)[0]
+
+    @staticmethod
+    def cast_operands(
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        scale_inv: torch.Tensor,
+        encoding: str,
+        dtype: torch.dtype,
+        amax_out: Optional[torch.Tensor] = None,
+        call: Optional[Call] = None,
+        wgrad: bool = False,
+    ) -> tuple[Operand, Operand]:
+        """(x's operand, the operand of the GEMM that takes x in the other layout). Where the fused
+        kernel casts x to FP8 (torch._scaled_mm's path) for a GEMM that takes x so, the second is its
+        transposed copy, written in the same pass and stored as x.t() (`Operand.transposed`): for the
+        forward casts of a training `call` (`trains`), w for dgrad (column-major) and x for wgrad
+        (column-major); for a gradient whose wgrad runs (`wgrad`), g.t() (row-major). gemm.py then
+        copies nothing. Else `cast`'s operand twice (the torch path: gemm.py copies)."""
         # (on the CPU with the default setting, the answer is known without asking: no call)
         if (x.is_cuda or kernels.ENV_FUSED_KERNELS in os.environ) and kernels.use_fused_kernels(x):
             if amax_out is not None:
                 amax_out.zero_()  # the kernel maxes into it
-            values, _ = kernels.cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
-        else:
-            values, _ = cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
-        return Operand(values, scale_inv)
+            transposed = dtype.itemsize == 1 and (wgrad or trains(call))
+            values, values_t = kernels.cast_with_amax(
+                x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out
+            )
+            return operand_pair(values, values_t, scale_inv)
+        values, _ = cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
+        operand = Operand(values, scale_inv)
+        return operand, operand
 
     def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
-        # FP8 values convert exactly between the operand dtypes of the GEMM paths
+        # FP8 values convert exactly between the operand dtypes of the GEMM paths; in the same dtype
+        # the cached operands serve as they are (with the dgrad's transposed copy, where cast)
         operand = cached.forward
+        if operand.values.dtype == call.operand_dtype:
+            return cached
         return WeightOperands.same(Operand(operand.values.to(call.operand_dtype), operand.scale_inv))
 
     def grad_operands(
@@ -55,10 +97,13 @@ class TensorQuantization(Quantization):
         scale_inv: torch.Tensor,
         call: Call,
         amax_out: Optional[torch.Tensor] = None,
+        wgrad: bool = True,
     ) -> GradOperands:
         """The gradient cast once for both backward GEMMs: FP8 in the gradient encoding's dtype for
-        the hardware GEMM, else in the emulation's operand dtype (its amax into `amax_out` if given)."""
+        the hardware GEMM, else in the emulation's operand dtype (its amax into `amax_out` if given).
+        Where the wgrad GEMM runs (`wgrad`), the fused kernel writes its transposed copy for it in the
+        same pass (`cast_operands`)."""
         encoding = self.grad_encoding
         dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
-        operand = self.cast(g2d, scale, scale_inv, encoding, dtype, amax_out)
-        return GradOperands(operand, operand)
+        operands = self.cast_operands(g2d, scale, scale_inv, encoding, dtype, amax_out, None, wgrad)
+        return GradOperands(*operands)

@@ -9,8 +9,10 @@ Triton is optional: this module imports it only when a kernel is asked for
 CPU tensors where triton_cast.py was first imported with TRITON_INTERPRET=1 (Triton's interpreter,
 the tests' way) and the caller allows it explicitly.
 
-- `cast_with_amax`: delayed scaling's cast with the scale in force, recording max|x| (one read);
+- `cast_with_amax`: delayed scaling's cast with the scale in force, recording max|x| (one read): the
+  torch path's seam, `cast.cast_with_amax`, in one kernel;
 - `amax_then_cast`: current scaling's amax, then the cast with its scale (two reads);
+  (both triton_cast.py's functions themselves, imported where first asked for: `__getattr__`)
 - `cast_tiles_1x128`, `cast_blocks_128x128`: block scaling's operands, as quantization/block_scaling.py
   makes them;
 - `microscaling()`: the module of the MXFP8 and NVFP4 kernels (triton_microscaling.py).
@@ -26,7 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -58,6 +60,18 @@ def _kernels():
     from . import triton_cast  # imports triton: only here, on first use
 
     return triton_cast
+
+
+# the per-tensor casts, triton_cast.py's own functions, looked up where they are first asked for
+# (a module attribute, PEP 562: triton is imported then, not with this package)
+_PER_TENSOR = ("cast_with_amax", "amax_then_cast")
+
+
+def __getattr__(name: str) -> Callable:
+    """`cast_with_amax` and `amax_then_cast`: triton_cast.py's (imported here, on first use)."""
+    if name in _PER_TENSOR:
+        return getattr(_kernels(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def microscaling():
@@ -131,40 +145,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def cast_with_amax(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    encoding: str,
-    dtype: torch.dtype,
-    *,
-    transposed: bool,
-    amax_out: Optional[torch.Tensor],
-    tile: Optional[tuple[int, int]] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(values, values_t): `cast.cast_operand(x, scale, encoding, dtype)` bit for bit, and with
-    `transposed` its copy [N, M] of x seen as M = numel / N rows of its last dimension N (x 2-D or 3-D),
-    contiguous; max|x| maxed into `amax_out` (float32 0-dim tensor on x's device, NaN propagating as
-    `cast.amax`) when given. One read of x. `tile`: (rows, columns) per program."""
-    if amax_out is not None:
-        _check_amax_out(amax_out, x)
-    return _kernels().cast_tensor(
-        x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out, tile=tile
-    )
-
-
-def amax_then_cast(
-    x: torch.Tensor,
-    encoding: str,
-    dtype: torch.dtype,
-    *,
-    transposed: bool,
-    tile: Optional[tuple[int, int]] = None,
-):
-    """Current scaling: CurrentCast(values, values_t, amax, scale, scale_inv), the amax of x and
-    `current_scales(x, encoding)` with the cast by that scale, bit for bit. Two reads of x."""
-    return _kernels().amax_then_cast(x, encoding, dtype, transposed=transposed, tile=tile)
-
-
 def cast_tiles_1x128(
     x2d: torch.Tensor,
     power_2: bool,
@@ -192,11 +172,3 @@ def cast_blocks_128x128(
     as `dtype`), in one read."""
     values, scale_inv, _, _ = _kernels().cast_tiles(weight, 128, encoding, dtype, power_2)
     return Operand(values, scale_inv, (128, 128))
-
-
-def _check_amax_out(amax_out: torch.Tensor, x: torch.Tensor) -> None:
-    if amax_out.dtype != torch.float32 or amax_out.dim() != 0 or amax_out.device != x.device:
-        raise ValueError(
-            f"amax_out must be a float32 0-dim tensor on {x.device} (the amax is maxed into it); got "
-            f"{amax_out.dtype} of shape {tuple(amax_out.shape)} on {amax_out.device}"
-        )

@@ -25,7 +25,15 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .rounding import abs_bits, bf16_bits, fp8_byte, max_along, round_to_fp8, saturate, scale_from_amax
 
-__all__ = ["INTERPRETED", "TILE", "cast_tensor", "tensor_amax", "cast_tiles", "CurrentCast"]
+__all__ = [
+    "INTERPRETED",
+    "TILE",
+    "cast_with_amax",
+    "tensor_amax",
+    "amax_then_cast",
+    "cast_tiles",
+    "CurrentCast",
+]
 
 TILE = 128  # block scaling's tile along the reduction dimension (quantization/block_scaling.py's TILE)
 
@@ -207,6 +215,14 @@ def _check_dtype(dtype: torch.dtype, encoding: str) -> int:
     return _OUT_KINDS[dtype]
 
 
+def _check_amax_out(amax_out: torch.Tensor, x: torch.Tensor) -> None:
+    if amax_out.dtype != torch.float32 or amax_out.dim() != 0 or amax_out.device != x.device:
+        raise ValueError(
+            f"amax_out must be a float32 0-dim tensor on {x.device} (the amax is maxed into it); got "
+            f"{amax_out.dtype} of shape {tuple(amax_out.shape)} on {amax_out.device}"
+        )
+
+
 def _launch_tensor(
     x, out, out_t, scale, amax, scale_inv, encoding, out_kind, record, from_amax, tile
 ) -> None:
@@ -250,7 +266,7 @@ def _outputs(x: torch.Tensor, dtype: torch.dtype, transposed: bool):
     return out, out_t
 
 
-def cast_tensor(
+def cast_with_amax(
     x: torch.Tensor,
     scale: torch.Tensor,
     encoding: str,
@@ -260,9 +276,13 @@ def cast_tensor(
     amax_out: Optional[torch.Tensor],
     tile: Optional[tuple[int, int]] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """cast_operand(x, scale, encoding, dtype) in one read of x, with its transposed copy when asked
-    and max|x| maxed into `amax_out` (a float32 scalar; NaN propagates) when given."""
+    """`cast.cast_with_amax` (the torch path's seam: its arguments and results, bit for bit) in one
+    read of x, one launch: the transposed copy [N, M] of x seen as M = numel / N rows of its last
+    dimension N (x 2-D or 3-D); max|x| maxed into `amax_out` (a float32 0-dim tensor on x's device,
+    not overwritten). `tile`: (rows, columns) per program."""
     out_kind = _check_dtype(dtype, encoding)
+    if amax_out is not None:
+        _check_amax_out(amax_out, x)
     x = x.detach()
     out, out_t = _outputs(x, dtype, transposed)
     if x.numel() == 0:
@@ -289,8 +309,9 @@ def amax_then_cast(
     transposed: bool,
     tile: Optional[tuple[int, int]] = None,
 ) -> CurrentCast:
-    """Current scaling: the amax of x (one read), then the cast with the scale it gives, computed in
-    the cast kernel (a second read): two launches, nothing else."""
+    """Current scaling: CurrentCast(values, values_t, amax, scale, scale_inv), bit for bit the amax of x
+    and `current_scales(x, encoding)` with the cast by that scale: the amax (one read), then the cast
+    with the scale it gives, computed in the cast kernel (a second read): two launches, nothing else."""
     out_kind = _check_dtype(dtype, encoding)
     x = x.detach()
     amax = torch.zeros((), dtype=torch.float32, device=x.device)

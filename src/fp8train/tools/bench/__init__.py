@@ -141,7 +141,7 @@ def _run_suite(suite: str, args) -> Optional[dict]:
     if suite == "gpumodel":
         from . import gpu_model
 
-        result = gpu_model.run(scale=64 if args.quick else gpu_model.SCALE)
+        result = gpu_model.run(**gpu_model.QUICK) if args.quick else gpu_model.run()
         print(f"\n== gpumodel: a model, not a measurement: {result['model']}")
         return result
     if suite == "reduction":
