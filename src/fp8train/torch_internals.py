@@ -50,6 +50,7 @@ __all__ = [
     "managed_by_fsdp2",
     "foreach_copy",
     "constant_for_compile",
+    "DirectlyCalled",
 ]
 
 
@@ -63,6 +64,135 @@ def constant_for_compile(fn: Callable) -> Callable:
     `import fp8train` sets it itself and leaves dynamo unimported until something compiles."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+class DirectlyCalled:
+    """`fn` compiled by torch.compile (inductor, dynamic shapes, fullgraph, inductor `options`), whose
+    compiled graph is then called directly, without dynamo: eager calls of fp8train's small compiled
+    kernels (cast.py, gemm_output.py) would pay dynamo's frame evaluation, guards and AOTAutograd's
+    runtime wrapper (about 50 us a call on a 2-core AMD EPYC, where the kernel of a 16K-element cast
+    takes a few us) on every call.
+
+    The first call goes through dynamo, which traces and compiles `fn` (inductor's on-disk caches
+    shared by every process) through this object's backend; the backend keeps inductor's compiled
+    graph and how to make its inputs from `fn`'s arguments: dynamo lifts each tensor argument and each
+    dynamic size to a graph input, and says which in the placeholders' `grapharg.source` (private:
+    `LocalSource` for an argument, `TensorPropertySource(SIZE)` for a size). Later calls whose tensors
+    match the traced ones (dtype, dimensions, the sizes dynamo did not make dynamic, at least 2 where
+    it did: it specializes sizes 0 and 1) call the graph with those inputs. What dynamo's guards would
+    check beyond that (layout) the callers fix by their variant key and checks (cast.py), and inductor's
+    generated code asserts each input's sizes and strides; a direct call that raises falls back to the
+    dynamo call for good. Anything unexpected in the graph (another kind of input, outputs that are
+    not `fn`'s flat tuple of tensors) leaves the dynamo call in charge: the same values, slower.
+
+    `fn` computes no gradients (its graph is an inference graph). It takes tensors (then arguments
+    with defaults, constants of the graph) and returns a flat tuple of tensors (no None: the graph
+    drops them). Floats `fn` reads from Python are specialized (dynamo would lift them to inputs);
+    sizes are not duck-shaped (dynamo would assume sizes that were equal in the first call equal).
+    Checked on torch 2.13 (tests/recipes/test_small_casts.py counts that the direct call runs)."""
+
+    def __init__(self, fn: Callable, options: dict) -> None:
+        self.fn = fn
+        self.options = options
+        self.graph: Optional[Callable] = None  # inductor's compiled graph, once traced and usable
+        self.direct_calls = 0  # calls that took the graph directly (tests count them)
+        self._inputs: tuple = ()  # per graph input: (its position, (argument index, dimension or -1))
+        self._n_inputs = 0
+        # per argument: (index, dtype, dimensions, sizes if all static else None, dynamic dimensions)
+        self._checks: tuple = ()
+        self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args: torch.Tensor):
+        graph = self.graph
+        if graph is not None:
+            # (no calls, only attributes and subscripts: this is the hot path, counted by
+            # tests/recipes/test_lean_path.py's Python-call census)
+            for i, dtype, ndim, static, dynamic in self._checks:
+                arg = args[i]
+                if arg.dtype != dtype or arg.ndim != ndim or (static is not None and arg.shape != static):
+                    break
+                for d in dynamic:
+                    if arg.shape[d] < 2:
+                        break
+                else:
+                    continue
+                break
+            else:
+                inputs = [None] * self._n_inputs
+                for k, (i, d) in self._inputs:
+                    inputs[k] = args[i] if d < 0 else args[i].shape[d]
+                try:
+                    out = graph(*inputs)
+                except Exception:  # (an input the graph asserts against): dynamo's call from now on
+                    self.graph = None
+                else:
+                    self.direct_calls += 1
+                    return out
+        from torch._dynamo import config
+        from torch.fx.experimental import _config as shapes
+
+        # floats as constants, and no size of one dimension assumed equal to another's (duck shapes):
+        # the graph's inputs are then its arguments and their sizes, each free
+        with config.patch(specialize_float=True), shapes.patch(use_duck_shape=False):
+            # (tensors without grad: one graph whatever the caller's, which the graph ignores)
+            return self._compiled(*[a.detach() if a.requires_grad else a for a in args])
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        graph = compile_fx(gm, example_inputs, config_patches=self.options)
+        if self.graph is None and not self._inputs:
+            code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
+            plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
+            if plan is not None:
+                inputs, tensors = plan
+                self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
+                self._checks = tuple(
+                    (i, dtype, len(sizes), None if None in sizes else torch.Size(sizes),
+                     tuple(d for d, n in enumerate(sizes) if n is None))
+                    for i, (dtype, sizes) in enumerate(tensors)
+                )  # fmt: skip
+                self.graph = graph
+        return graph
+
+
+def _graph_inputs(gm: torch.fx.GraphModule, names: tuple) -> Optional[tuple[tuple, tuple]]:
+    """For `DirectlyCalled`: per input of dynamo's graph `gm`, (argument index, dimension or -1),
+    and per argument of the traced function (`names`) its (dtype, static sizes or None); None where
+    the graph takes something else or does not return a flat tuple of tensors."""
+    from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+
+    inputs, tensors = [], [None] * len(names)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outs = node.args[0]
+            if not isinstance(outs, (tuple, list)) or not all(isinstance(o, torch.fx.Node) for o in outs):
+                return None
+            continue
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        source = getattr(arg, "source", None)
+        if isinstance(source, LocalSource) and source.local_name in names:
+            value = node.meta.get("example_value")
+            if not isinstance(value, torch.Tensor):
+                return None
+            index = names.index(source.local_name)
+            sizes = tuple(s if isinstance(s, int) else None for s in value.shape)
+            tensors[index] = (value.dtype, sizes)
+            inputs.append((index, -1))
+        elif (
+            isinstance(source, TensorPropertySource)
+            and source.prop == TensorProperty.SIZE
+            and isinstance(source.base, LocalSource)
+            and source.base.local_name in names
+        ):
+            inputs.append((names.index(source.base.local_name), source.idx))
+        else:
+            return None
+    if any(t is None for t in tensors):
+        return None
+    return tuple(inputs), tuple(tensors)
 
 
 # ---- autograd engine -------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""Small operands on the lean eager path (issue 37, item 3; docs/design.md, section 6, "The lean eager
+path"): casts and GEMM outputs from `cast.FUSED_MIN_ELEMENTS` (4096) elements run as one compiled
+kernel called without dynamo (`torch_internals.DirectlyCalled`), with the eager kernels' bits; counted
+as aten calls per cast and per GEMM (a dispatch-mode counter), not timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cast_gemm import _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
+
+from fp8train.numerics import cast, gemm, gemm_output
+from fp8train.tools.bench import lean_path
+from fp8train.tools.bench.common import StepCensus
+from fp8train.torch_internals import DirectlyCalled
+
+
+def _eager(fn):
+    """`fn()` with the compiled kernels off (torch's eager kernels), the registry as it was after."""
+    saved = cast.COMPILED_KERNELS.enabled
+    cast.COMPILED_KERNELS.set_enabled(False)
+    try:
+        return fn()
+    finally:
+        cast.COMPILED_KERNELS.set_enabled(saved)
+
+
+def test_a_small_cast_is_one_aten_call() -> None:
+    """A cast of 4096 elements with its amax: one call (the compiled kernel's op) where torch's eager
+    kernels make 15 (aminmax, neg, maximum, copy_, detach, empty_like, mul, clamp_, view, bitwise_and,
+    view, clamp_, add_, sub_, copysign_: measured at 13da088)."""
+    x, scale, amax_out = torch.randn(64, 64) * 30, torch.tensor(2.0), torch.zeros(())
+    cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_out)  # compiles
+    with StepCensus() as census:
+        cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_out)
+    assert census.calls == 1 and census.ops["fused_cast"] == 1, census.ops
+    with StepCensus() as eager:
+        _eager(lambda: cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False,
+                                           amax_out=amax_out))  # fmt: skip
+    assert eager.calls >= 14, eager.ops  # what the compiled kernel replaces
+
+
+def test_tiny_gpt_shapes_aten_calls_per_gemm() -> None:
+    """An MLP block at the tiny GPT's sizes (64-256-64, 256 tokens: operands of 4K-64K elements), FP8
+    delayed scaling, eager, fwd + bwd: aten calls per FP8 GEMM beyond the fp32 step's. At 13da088:
+    21.3 (the small casts and the GEMM outputs in torch's eager kernels), now 5.3."""
+    torch.set_num_threads(1)
+    r = lean_path.census((64, 256, 64), tokens=256, more_layers=1, warmup=1)
+    assert r["extra_aten_calls_per_gemm"] <= 7.0, r["extra_aten_calls_per_gemm"]
+    assert r["passes_by_op"].get("fused_cast", 0) == pytest.approx(1.0)  # every operand, one pass
+
+
+@pytest.mark.parametrize("encoding", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("x_dtype,dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                           (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_direct_calls_give_the_eager_bits_at_any_shape(encoding, x_dtype, dtype) -> None:
+    """One compiled variant serves every shape, called directly after the first (no dynamo): the hard
+    values (every FP8 value, tie, neighbour, NaN, saturation) cast at several shapes, transposed copies
+    and amax included, bit for bit the eager kernels'; shapes the first graph does not cover (a
+    dimension of 1, 3-D) go through dynamo, with the same bits."""
+    hard = _hard_values(encoding).to(x_dtype)
+    calls_before = None
+    for rows, cols in ((64, 96), (72, 64), (2048, 3), (1, 4500)):
+        x = hard[: rows * cols].reshape(rows, cols) * 1.0
+        for scale in (torch.tensor(3.0), torch.tensor(2.0**-7)):
+            amax_out, want_amax = torch.zeros(()), torch.zeros(())
+            values, values_t = cast.cast_with_amax(x, scale, encoding, dtype, transposed=True,
+                                                   amax_out=amax_out)  # fmt: skip
+            want, want_t = _eager(lambda: cast.cast_with_amax(x, scale, encoding, dtype, transposed=True,
+                                                              amax_out=want_amax))  # fmt: skip
+            assert bool(_same_bits(values, want).all()) and bool(_same_bits(values_t, want_t).all())
+            assert values_t.is_contiguous() and _same_bits(amax_out, want_amax).all()
+        kernel = cast.COMPILED_KERNELS.compiled[cast._kernel, (x_dtype, dtype, encoding, True, True)]
+        if calls_before is None:
+            calls_before = kernel.direct_calls
+    assert kernel.direct_calls >= calls_before + 4  # (64, 96)'s second call on: the graph, directly
+    x3 = hard[: 8 * 16 * 40].reshape(8, 16, 40)
+    got, _ = cast.cast_with_amax(x3, torch.tensor(3.0), encoding, dtype, transposed=False, amax_out=None)
+    want, _ = _eager(lambda: cast.cast_with_amax(x3, torch.tensor(3.0), encoding, dtype, transposed=False,
+                                                 amax_out=None))  # fmt: skip
+    assert bool(_same_bits(got, want).all())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_compiled_gemm_output_equals_the_eager_epilogue(out_dtype, bias_dtype) -> None:
+    """The bf16 path's output with fp32 operands (a CPU without bf16 instructions): rounded to bf16,
+    scaled by the product of the two scales, the bias added after, in one call (the scales' product
+    folded in: where eagerly that is up to five calls), bit for bit the eager epilogue's; from 4096
+    output elements (the tiny GPT's smallest GEMM outputs)."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(64, 96, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    b = (torch.randn(96, 64, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    sa, sb = torch.tensor(0.0371), torch.tensor(2.75)
+    bias = None if bias_dtype is None else torch.randn(64, generator=g).to(bias_dtype)
+    assert 64 * 64 >= cast.FUSED_MIN_ELEMENTS and gemm_output.fused_output_applies(a, sa, bias)
+    for _ in range(2):  # the compiling call, then the direct one
+        with StepCensus() as census:
+            got = gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True)
+        want = _eager(lambda: gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True))
+        assert got.dtype == out_dtype and torch.equal(got, want)
+        assert census.ops["scaled_output"] == 1 and census.calls == 2, census.ops  # mm and the output
+
+
+def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> None:
+    """`DirectlyCalled`: the first call traces; calls whose tensors match the traced graph (dtype,
+    dimensions, dynamic sizes of at least 2) call the graph directly; others go through dynamo, which
+    compiles what they need: the same values either way."""
+
+    def doubled_sum(x, y, scale=2.0):
+        return (x * scale + y.sum(), )
+
+    kernel = DirectlyCalled(doubled_sum, {})
+    x, y = torch.randn(8, 4), torch.randn(3)
+    assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum()) and kernel.direct_calls == 0
+    for shape in ((5, 7), (8, 4)):
+        x = torch.randn(shape)
+        assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum())
+    assert kernel.direct_calls == 2
+    for x, y in ((torch.randn(1, 4), y), (torch.randn(8, 4).double(), y.double()), (torch.randn(2, 3, 4), y)):
+        assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum())
+    assert kernel.direct_calls == 2  # a size of 1, float64, 3-D: dynamo's calls
