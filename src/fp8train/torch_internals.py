@@ -98,6 +98,7 @@ class DirectlyCalled:
         self.direct_calls = 0  # calls that took the graph directly (tests count them)
         self._inputs: tuple = ()  # per graph input: (its position, (argument index, dimension or -1))
         self._n_inputs = 0
+        self._boxed = False  # whether `graph` takes its inputs as one list (inductor's own graph)
         # per argument: (index, dtype, dimensions, sizes if all static else None, dynamic dimensions)
         self._checks: tuple = ()
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
@@ -122,7 +123,7 @@ class DirectlyCalled:
                 for k, (i, d) in self._inputs:
                     inputs[k] = args[i] if d < 0 else args[i].shape[d]
                 try:
-                    out = graph(*inputs)
+                    out = graph(inputs) if self._boxed else graph(*inputs)
                 except Exception:  # (an input the graph asserts against): dynamo's call from now on
                     self.graph = None
                 else:
@@ -138,9 +139,19 @@ class DirectlyCalled:
             return self._compiled(*[a.detach() if a.requires_grad else a for a in args])
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        from torch._inductor.compile_fx import compile_fx
+        from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        graph = compile_fx(gm, example_inputs, config_patches=self.options)
+        inner: list = []  # inductor's compiled graphs (AOTAutograd's inference graph: one)
+
+        def inner_compile(graph_module: torch.fx.GraphModule, inputs: list, **kwargs):
+            compiled = compile_fx_inner(graph_module, inputs, **kwargs)
+            inner.append((graph_module, compiled))
+            return compiled
+
+        # AOTAutograd's cache off: on a hit it would skip `inner_compile` (inductor's own cache serves)
+        with functorch_config.patch(enable_autograd_cache=False):
+            graph = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.options)
         if self.graph is None and not self._inputs:
             code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
             plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
@@ -152,8 +163,25 @@ class DirectlyCalled:
                      tuple(d for d, n in enumerate(sizes) if n is None))
                     for i, (dtype, sizes) in enumerate(tensors)
                 )  # fmt: skip
-                self.graph = graph
+                self.graph, self._boxed = _innermost(graph, gm, inner)
         return graph
+
+
+def _innermost(graph: Callable, gm: torch.fx.GraphModule, inner: list) -> tuple[Callable, bool]:
+    """(Inductor's compiled graph itself, True: a `CompiledFxGraph`, called with a list of its inputs), where
+    AOTAutograd's inference graph takes dynamo's inputs and returns its outputs one for one (no
+    mutations, aliases or extra outputs for its runtime wrapper to handle: then that wrapper and
+    dynamo's `disable` around it only cost time), else (`graph`, the function dynamo calls, False)."""
+
+    def counts(module: torch.fx.GraphModule) -> tuple[int, int]:
+        nodes = list(module.graph.nodes)
+        outputs = nodes[-1].args[0] if nodes and nodes[-1].op == "output" else None
+        n_out = len(outputs) if isinstance(outputs, (tuple, list)) else -1
+        return sum(n.op == "placeholder" for n in nodes), n_out
+
+    if len(inner) != 1 or counts(inner[0][0]) != counts(gm) or not callable(inner[0][1]):
+        return graph, False
+    return inner[0][1], True
 
 
 def _graph_inputs(gm: torch.fx.GraphModule, names: tuple) -> Optional[tuple[tuple, tuple]]:
