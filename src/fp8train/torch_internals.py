@@ -7,6 +7,7 @@ says how). When a torch upgrade breaks fp8train, this is the file to read first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -99,6 +100,7 @@ class DirectlyCalled:
         self._inputs: tuple = ()  # per graph input: (its position, (argument index, dimension or -1))
         self._n_inputs = 0
         self._boxed = False  # whether `graph` takes its inputs as one list (inductor's own graph)
+        self._equal: tuple = ()  # (argument, dimension, argument, dimension) of sizes traced equal
         # per argument: (index, dtype, dimensions, sizes if all static else None, dynamic dimensions)
         self._checks: tuple = ()
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
@@ -108,17 +110,19 @@ class DirectlyCalled:
         if graph is not None:
             # (no calls, only attributes and subscripts: this is the hot path, counted by
             # tests/recipes/test_lean_path.py's Python-call census)
+            fits = True
             for i, dtype, ndim, static, dynamic in self._checks:
                 arg = args[i]
                 if arg.dtype != dtype or arg.ndim != ndim or (static is not None and arg.shape != static):
+                    fits = False
                     break
                 for d in dynamic:
                     if arg.shape[d] < 2:
-                        break
-                else:
-                    continue
-                break
-            else:
+                        fits = False
+            for i, d, j, e in self._equal if fits else ():
+                if args[i].shape[d] != args[j].shape[e]:
+                    fits = False
+            if fits:
                 inputs = [None] * self._n_inputs
                 for k, (i, d) in self._inputs:
                     inputs[k] = args[i] if d < 0 else args[i].shape[d]
@@ -129,12 +133,7 @@ class DirectlyCalled:
                 else:
                     self.direct_calls += 1
                     return out
-        from torch._dynamo import config
-        from torch.fx.experimental import _config as shapes
-
-        # floats as constants, and no size of one dimension assumed equal to another's (duck shapes):
-        # the graph's inputs are then its arguments and their sizes, each free
-        with config.patch(specialize_float=True), shapes.patch(use_duck_shape=False):
+        with _tracing_settings():
             # (tensors without grad: one graph whatever the caller's, which the graph ignores)
             return self._compiled(*[a.detach() if a.requires_grad else a for a in args])
 
@@ -150,13 +149,15 @@ class DirectlyCalled:
             return compiled
 
         # AOTAutograd's cache off: on a hit it would skip `inner_compile` (inductor's own cache serves)
-        with functorch_config.patch(enable_autograd_cache=False):
+        with contextlib.ExitStack() as settings:
+            if hasattr(functorch_config, "enable_autograd_cache"):
+                settings.enter_context(functorch_config.patch(enable_autograd_cache=False))
             graph = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.options)
         if self.graph is None and not self._inputs:
             code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
             plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
             if plan is not None:
-                inputs, tensors = plan
+                inputs, tensors, self._equal = plan
                 self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
                 self._checks = tuple(
                     (i, dtype, len(sizes), None if None in sizes else torch.Size(sizes),
@@ -184,30 +185,42 @@ def _innermost(graph: Callable, gm: torch.fx.GraphModule, inner: list) -> tuple[
     return inner[0][1], True
 
 
-def _graph_inputs(gm: torch.fx.GraphModule, names: tuple) -> Optional[tuple[tuple, tuple]]:
-    """For `DirectlyCalled`: per input of dynamo's graph `gm`, (argument index, dimension or -1),
-    and per argument of the traced function (`names`) its (dtype, static sizes or None); None where
-    the graph takes something else or does not return a flat tuple of tensors."""
+def _tracing_settings() -> contextlib.ExitStack:
+    """For `DirectlyCalled`'s dynamo calls: floats as constants (`specialize_float`), and no size
+    assumed equal to another that was equal in the first call (`use_duck_shape`): the graph's inputs
+    are then the function's tensors and their sizes, each free. Where a torch lacks a setting, the
+    graph may not fit `_graph_inputs`: dynamo's calls then stay in charge."""
+    from torch._dynamo import config
+    from torch.fx.experimental import _config as shapes
+
+    settings = contextlib.ExitStack()
+    if hasattr(config, "specialize_float"):
+        settings.enter_context(config.patch(specialize_float=True))
+    if hasattr(shapes, "use_duck_shape"):
+        settings.enter_context(shapes.patch(use_duck_shape=False))
+    return settings
+
+
+def _graph_inputs(gm: torch.fx.GraphModule, names: tuple) -> Optional[tuple[tuple, tuple, tuple]]:
+    """For `DirectlyCalled`: per input of dynamo's graph `gm`, (argument index, dimension or -1);
+    per argument of the traced function (`names`), its (dtype, static sizes or None); and the
+    dynamic sizes that are no input of their own because the trace proved them equal to one that is
+    (a bias's size and its output's columns), as (argument, dimension, the input's argument,
+    dimension): checked equal at each call. None where the graph takes something else."""
     from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
 
-    inputs, tensors = [], [None] * len(names)
+    inputs, values, tensors = [], {}, [None] * len(names)
     for node in gm.graph.nodes:
-        if node.op == "output":
-            outs = node.args[0]
-            if not isinstance(outs, (tuple, list)) or not all(isinstance(o, torch.fx.Node) for o in outs):
-                return None
-            continue
         if node.op != "placeholder":
             continue
         arg = node.meta.get("grapharg")
         source = getattr(arg, "source", None)
+        value = node.meta.get("example_value")
         if isinstance(source, LocalSource) and source.local_name in names:
-            value = node.meta.get("example_value")
             if not isinstance(value, torch.Tensor):
                 return None
             index = names.index(source.local_name)
-            sizes = tuple(s if isinstance(s, int) else None for s in value.shape)
-            tensors[index] = (value.dtype, sizes)
+            tensors[index] = value
             inputs.append((index, -1))
         elif (
             isinstance(source, TensorPropertySource)
@@ -216,11 +229,20 @@ def _graph_inputs(gm: torch.fx.GraphModule, names: tuple) -> Optional[tuple[tupl
             and source.base.local_name in names
         ):
             inputs.append((names.index(source.base.local_name), source.idx))
+            values[str(value)] = inputs[-1]
         else:
             return None
     if any(t is None for t in tensors):
         return None
-    return tuple(inputs), tuple(tensors)
+    equal = []
+    for i, t in enumerate(tensors):
+        for d, n in enumerate(t.shape):
+            if not isinstance(n, int) and (i, d) not in inputs:
+                if str(n) not in values:
+                    return None  # a size the graph computes from others: not ours
+                equal.append((i, d, *values[str(n)]))
+    shapes = tuple((t.dtype, tuple(n if isinstance(n, int) else None for n in t.shape)) for t in tensors)
+    return tuple(inputs), shapes, tuple(equal)
 
 
 # ---- autograd engine -------------------------------------------------------------------------------

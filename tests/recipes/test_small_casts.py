@@ -15,12 +15,13 @@ from fp8train.tools.bench.common import StepCensus
 from fp8train.torch_internals import DirectlyCalled
 
 
-def _eager(fn):
-    """`fn()` with the compiled kernels off (torch's eager kernels), the registry as it was after."""
+def _eager(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with the compiled kernels off (torch's eager kernels), the registry as
+    it was after."""
     saved = cast.COMPILED_KERNELS.enabled
     cast.COMPILED_KERNELS.set_enabled(False)
     try:
-        return fn()
+        return fn(*args, **kwargs)
     finally:
         cast.COMPILED_KERNELS.set_enabled(saved)
 
@@ -35,8 +36,7 @@ def test_a_small_cast_is_one_aten_call() -> None:
         cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_out)
     assert census.calls == 1 and census.ops["fused_cast"] == 1, census.ops
     with StepCensus() as eager:
-        _eager(lambda: cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False,
-                                           amax_out=amax_out))  # fmt: skip
+        _eager(cast.cast_with_amax, x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_out)
     assert eager.calls >= 14, eager.ops  # what the compiled kernel replaces
 
 
@@ -73,8 +73,8 @@ def test_direct_calls_give_the_eager_bits_at_any_shape(encoding, x_dtype, dtype)
             amax_out, want_amax = torch.zeros(()), torch.zeros(())
             values, values_t = cast.cast_with_amax(x, scale, encoding, dtype, transposed=True,
                                                    amax_out=amax_out)  # fmt: skip
-            want, want_t = _eager(lambda: cast.cast_with_amax(x, scale, encoding, dtype, transposed=True,
-                                                              amax_out=want_amax))  # fmt: skip
+            want, want_t = _eager(cast.cast_with_amax, x, scale, encoding, dtype, transposed=True,
+                                  amax_out=want_amax)  # fmt: skip
             assert bool(_same_bits(values, want).all()) and bool(_same_bits(values_t, want_t).all())
             assert values_t.is_contiguous() and _same_bits(amax_out, want_amax).all()
         kernel = cast.COMPILED_KERNELS.compiled[cast._kernel, (x_dtype, dtype, encoding, True, True)]
@@ -83,8 +83,8 @@ def test_direct_calls_give_the_eager_bits_at_any_shape(encoding, x_dtype, dtype)
     assert kernel.direct_calls >= calls_before + 4  # (64, 96)'s second call on: the graph, directly
     x3 = hard[: 8 * 16 * 40].reshape(8, 16, 40)
     got, _ = cast.cast_with_amax(x3, torch.tensor(3.0), encoding, dtype, transposed=False, amax_out=None)
-    want, _ = _eager(lambda: cast.cast_with_amax(x3, torch.tensor(3.0), encoding, dtype, transposed=False,
-                                                 amax_out=None))  # fmt: skip
+    want, _ = _eager(cast.cast_with_amax, x3, torch.tensor(3.0), encoding, dtype, transposed=False,
+                     amax_out=None)  # fmt: skip
     assert bool(_same_bits(got, want).all())
 
 
@@ -108,9 +108,12 @@ def test_compiled_gemm_output_equals_the_eager_epilogue(out_dtype, bias_dtype) -
     for _ in range(2):  # the compiling call, then the direct one
         with StepCensus() as census:
             got = gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True)
-        want = _eager(lambda: gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True))
+        want = _eager(gemm.gemm, a, sa, b, sb, out_dtype, bias, bf16_output=True)
         assert got.dtype == out_dtype and torch.equal(got, want)
         assert census.ops["scaled_output"] == 1 and census.calls == 2, census.ops  # mm and the output
+    key = (torch.float32, out_dtype) + (() if bias is None else (bias.dtype,))
+    kernel = gemm_output._output_kernel if bias is None else gemm_output._biased_output_kernel
+    assert cast.COMPILED_KERNELS.compiled[kernel, key].direct_calls >= 1  # the second call, directly
 
 
 def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> None:
@@ -119,7 +122,7 @@ def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> 
     compiles what they need: the same values either way."""
 
     def doubled_sum(x, y, scale=2.0):
-        return (x * scale + y.sum(), )
+        return (x * scale + y.sum(),)
 
     kernel = DirectlyCalled(doubled_sum, {})
     x, y = torch.randn(8, 4), torch.randn(3)
@@ -128,6 +131,19 @@ def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> 
         x = torch.randn(shape)
         assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum())
     assert kernel.direct_calls == 2
-    for x, y in ((torch.randn(1, 4), y), (torch.randn(8, 4).double(), y.double()), (torch.randn(2, 3, 4), y)):
-        assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum())
+    others = ((torch.randn(1, 4), y), (torch.randn(8, 4).double(), y.double()), (torch.randn(2, 3, 4), y))
+    for x, z in others:
+        assert torch.equal(kernel(x, z)[0], x * 2.0 + z.sum())
     assert kernel.direct_calls == 2  # a size of 1, float64, 3-D: dynamo's calls
+
+    def biased(y, bias):  # the trace proves bias's size equal to y's columns: one input for both
+        return (y + bias,)
+
+    kernel = DirectlyCalled(biased, {})
+    for rows, cols in ((8, 4), (5, 7), (6, 9)):
+        y, bias = torch.randn(rows, cols), torch.randn(cols)
+        assert torch.equal(kernel(y, bias)[0], y + bias)
+    assert kernel.direct_calls == 2
+    with pytest.raises(RuntimeError, match="size of tensor"):  # checked equal: dynamo's call, torch's error
+        kernel(torch.randn(6, 9), torch.randn(8))
+    assert kernel.direct_calls == 2
