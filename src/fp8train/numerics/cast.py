@@ -320,26 +320,6 @@ def _kernel(x: torch.Tensor, scale: torch.Tensor, x_dtype: torch.dtype, dtype: t
     return out + (x.abs().amax().to(torch.float32),) if with_amax else out
 
 
-def _compiled_cast(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    encoding: str,
-    dtype: torch.dtype,
-    transposed: bool,
-    amax_out: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The compiled kernel's (values, values_t or None), max|x| copied into `amax_out`."""
-    key = (x.dtype, dtype, encoding, transposed, amax_out is not None)
-    try:
-        kernel = COMPILED_KERNELS.compiled[_kernel, key]
-    except KeyError:
-        kernel = COMPILED_KERNELS.variant(_kernel, key)
-    out = kernel(x, scale)
-    if amax_out is not None:
-        amax_out.copy_(out[-1])
-    return out[0], (out[1] if transposed else None)
-
-
 def _run_fused(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -348,8 +328,17 @@ def _run_fused(
     transposed: bool,
     amax_out: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
-    values, values_t = _compiled_cast(x, scale, encoding, dtype, transposed, amax_out)
-    return [values] if values_t is None else [values, values_t]
+    """The op's body (and `_fused_cast`'s, inline): the compiled kernel's values and, with
+    `transposed`, their transposed copy; max|x| copied into `amax_out`."""
+    key = (x.dtype, dtype, encoding, transposed, amax_out is not None)
+    try:
+        kernel = COMPILED_KERNELS.compiled[_kernel, key]
+    except KeyError:
+        kernel = COMPILED_KERNELS.variant(_kernel, key)
+    out = kernel(x, scale)
+    if amax_out is not None:
+        amax_out.copy_(out[-1])
+    return [out[0], out[1]] if transposed else [out[0]]
 
 
 _fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=("amax_out",))
@@ -378,7 +367,7 @@ def _fused_cast(
             x = x.detach() if x.requires_grad else x
             out = _fused_cast_op(x, scale, encoding, dtype, transposed, amax_out)
             return out[0], (out[1] if transposed else None)
-        key = (x.dtype, dtype, encoding, transposed, amax_out is not None)  # (`_compiled_cast`, inline)
+        key = (x.dtype, dtype, encoding, transposed, amax_out is not None)  # (`_run_fused`, inline)
         try:
             kernel = COMPILED_KERNELS.compiled[_kernel, key]
         except KeyError:
