@@ -7,6 +7,7 @@ says how). When a torch upgrade breaks fp8train, this is the file to read first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -50,6 +51,7 @@ __all__ = [
     "managed_by_fsdp2",
     "foreach_copy",
     "constant_for_compile",
+    "DirectlyCalled",
 ]
 
 
@@ -63,6 +65,184 @@ def constant_for_compile(fn: Callable) -> Callable:
     `import fp8train` sets it itself and leaves dynamo unimported until something compiles."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+class DirectlyCalled:
+    """`fn` compiled by torch.compile (inductor, dynamic shapes, fullgraph, inductor `options`), whose
+    compiled graph is then called directly, without dynamo: eager calls of fp8train's small compiled
+    kernels (cast.py, gemm_output.py) would pay dynamo's frame evaluation, guards and AOTAutograd's
+    runtime wrapper (about 50 us a call on a 2-core AMD EPYC, where the kernel of a 16K-element cast
+    takes a few us) on every call.
+
+    The first call goes through dynamo, which traces and compiles `fn` (inductor's on-disk caches
+    shared by every process) through this object's backend; the backend keeps inductor's compiled
+    graph and how to make its inputs from `fn`'s arguments: dynamo lifts each tensor argument and each
+    dynamic size to a graph input, and says which in the placeholders' `grapharg.source` (private:
+    `LocalSource` for an argument, `TensorPropertySource(SIZE)` for a size). Later calls whose tensors
+    match the traced ones (dtype, dimensions, the sizes dynamo did not make dynamic, at least 2 where
+    it did: it specializes sizes 0 and 1) call the graph with those inputs. What dynamo's guards would
+    check beyond that (layout) the callers fix by their variant key and checks (cast.py), and inductor's
+    generated code asserts each input's sizes and strides; a direct call that raises falls back to the
+    dynamo call for good. Anything unexpected in the graph (another kind of input, outputs that are
+    not `fn`'s flat tuple of tensors) leaves the dynamo call in charge: the same values, slower.
+
+    `fn` computes no gradients (its graph is an inference graph). It takes tensors (then arguments
+    with defaults, constants of the graph) and returns a flat tuple of tensors (no None: the graph
+    drops them). Floats `fn` reads from Python are specialized (dynamo would lift them to inputs);
+    sizes are not duck-shaped (dynamo would assume sizes that were equal in the first call equal).
+    Checked on torch 2.13 (tests/recipes/test_small_casts.py counts that the direct call runs)."""
+
+    def __init__(self, fn: Callable, options: dict) -> None:
+        self.fn = fn
+        self.options = options
+        self.graph: Optional[Callable] = None  # inductor's compiled graph, once traced and usable
+        self.direct_calls = 0  # calls that took the graph directly (tests count them)
+        self._inputs: tuple = ()  # per graph input: (its position, (argument index, dimension or -1))
+        self._n_inputs = 0
+        self._boxed = False  # whether `graph` takes its inputs as one list (inductor's own graph)
+        self._equal: tuple = ()  # (argument, dimension, argument, dimension) of sizes traced equal
+        # per argument: (index, dtype, dimensions, sizes if all static else None, dynamic dimensions)
+        self._checks: tuple = ()
+        self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args: torch.Tensor):
+        graph = self.graph
+        if graph is not None:
+            # (no calls, only attributes and subscripts: this is the hot path, counted by
+            # tests/recipes/test_lean_path.py's Python-call census)
+            fits = True
+            for i, dtype, ndim, static, dynamic in self._checks:
+                arg = args[i]
+                if arg.dtype != dtype or arg.ndim != ndim or (static is not None and arg.shape != static):
+                    fits = False
+                    break
+                for d in dynamic:
+                    if arg.shape[d] < 2:
+                        fits = False
+            for i, d, j, e in self._equal if fits else ():
+                if args[i].shape[d] != args[j].shape[e]:
+                    fits = False
+            if fits:
+                inputs = [None] * self._n_inputs
+                for k, (i, d) in self._inputs:
+                    inputs[k] = args[i] if d < 0 else args[i].shape[d]
+                try:
+                    out = graph(inputs) if self._boxed else graph(*inputs)
+                except Exception:  # (an input the graph asserts against): dynamo's call from now on
+                    self.graph = None
+                else:
+                    self.direct_calls += 1
+                    return out
+        with _tracing_settings():
+            # (tensors without grad: one graph whatever the caller's, which the graph ignores)
+            return self._compiled(*[a.detach() if a.requires_grad else a for a in args])
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        inner: list = []  # inductor's compiled graphs (AOTAutograd's inference graph: one)
+
+        def inner_compile(graph_module: torch.fx.GraphModule, inputs: list, **kwargs):
+            compiled = compile_fx_inner(graph_module, inputs, **kwargs)
+            inner.append((graph_module, compiled))
+            return compiled
+
+        # AOTAutograd's cache off: on a hit it would skip `inner_compile` (inductor's own cache serves)
+        with contextlib.ExitStack() as settings:
+            if hasattr(functorch_config, "enable_autograd_cache"):
+                settings.enter_context(functorch_config.patch(enable_autograd_cache=False))
+            graph = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.options)
+        if self.graph is None and not self._inputs:
+            code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
+            plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
+            if plan is not None:
+                inputs, tensors, self._equal = plan
+                self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
+                self._checks = tuple(
+                    (i, dtype, len(sizes), None if None in sizes else torch.Size(sizes),
+                     tuple(d for d, n in enumerate(sizes) if n is None))
+                    for i, (dtype, sizes) in enumerate(tensors)
+                )  # fmt: skip
+                self.graph, self._boxed = _innermost(graph, gm, inner)
+        return graph
+
+
+def _innermost(graph: Callable, gm: torch.fx.GraphModule, inner: list) -> tuple[Callable, bool]:
+    """(Inductor's compiled graph itself, True: a `CompiledFxGraph`, called with a list of its inputs), where
+    AOTAutograd's inference graph takes dynamo's inputs and returns its outputs one for one (no
+    mutations, aliases or extra outputs for its runtime wrapper to handle: then that wrapper and
+    dynamo's `disable` around it only cost time), else (`graph`, the function dynamo calls, False)."""
+
+    def counts(module: torch.fx.GraphModule) -> tuple[int, int]:
+        nodes = list(module.graph.nodes)
+        outputs = nodes[-1].args[0] if nodes and nodes[-1].op == "output" else None
+        n_out = len(outputs) if isinstance(outputs, (tuple, list)) else -1
+        return sum(n.op == "placeholder" for n in nodes), n_out
+
+    if len(inner) != 1 or counts(inner[0][0]) != counts(gm) or not callable(inner[0][1]):
+        return graph, False
+    return inner[0][1], True
+
+
+def _tracing_settings() -> contextlib.ExitStack:
+    """For `DirectlyCalled`'s dynamo calls: floats as constants (`specialize_float`), and no size
+    assumed equal to another that was equal in the first call (`use_duck_shape`): the graph's inputs
+    are then the function's tensors and their sizes, each free. Where a torch lacks a setting, the
+    graph may not fit `_graph_inputs`: dynamo's calls then stay in charge."""
+    from torch._dynamo import config
+    from torch.fx.experimental import _config as shapes
+
+    settings = contextlib.ExitStack()
+    if hasattr(config, "specialize_float"):
+        settings.enter_context(config.patch(specialize_float=True))
+    if hasattr(shapes, "use_duck_shape"):
+        settings.enter_context(shapes.patch(use_duck_shape=False))
+    return settings
+
+
+def _graph_inputs(gm: torch.fx.GraphModule, names: tuple) -> Optional[tuple[tuple, tuple, tuple]]:
+    """For `DirectlyCalled`: per input of dynamo's graph `gm`, (argument index, dimension or -1);
+    per argument of the traced function (`names`), its (dtype, static sizes or None); and the
+    dynamic sizes that are no input of their own because the trace proved them equal to one that is
+    (a bias's size and its output's columns), as (argument, dimension, the input's argument,
+    dimension): checked equal at each call. None where the graph takes something else."""
+    from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+
+    inputs, values, tensors = [], {}, [None] * len(names)
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        source = getattr(arg, "source", None)
+        value = node.meta.get("example_value")
+        if isinstance(source, LocalSource) and source.local_name in names:
+            if not isinstance(value, torch.Tensor):
+                return None
+            index = names.index(source.local_name)
+            tensors[index] = value
+            inputs.append((index, -1))
+        elif (
+            isinstance(source, TensorPropertySource)
+            and source.prop == TensorProperty.SIZE
+            and isinstance(source.base, LocalSource)
+            and source.base.local_name in names
+        ):
+            inputs.append((names.index(source.base.local_name), source.idx))
+            values[str(value)] = inputs[-1]
+        else:
+            return None
+    if any(t is None for t in tensors):
+        return None
+    equal = []
+    for i, t in enumerate(tensors):
+        for d, n in enumerate(t.shape):
+            if not isinstance(n, int) and (i, d) not in inputs:
+                if str(n) not in values:
+                    return None  # a size the graph computes from others: not ours
+                equal.append((i, d, *values[str(n)]))
+    shapes = tuple((t.dtype, tuple(n if isinstance(n, int) else None for n in t.shape)) for t in tensors)
+    return tuple(inputs), shapes, tuple(equal)
 
 
 # ---- autograd engine -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..torch_internals import dispatch_mode_active
+from ..torch_internals import DirectlyCalled, dispatch_mode_active
 from .formats import fp8_dtype, fp8_max
 
 __all__ = [
@@ -239,20 +239,23 @@ class CompiledKernels:
 
     def variant(self, kernel: Callable, key: tuple) -> Callable:
         """`kernel` compiled for one variant `key` (the constants its graph depends on: dtypes,
-        encoding), each its own code object: dynamo keeps 8 graphs per code object (then runs it
-        eagerly), and a process may cast in more variants than that. Shapes are dynamic."""
+        encoding; the values of its arguments after the tensors, bound as their defaults), each its
+        own code object: dynamo keeps 8 graphs per code object (then runs it eagerly), and a process
+        may cast in more variants than that. Shapes are dynamic. Called with the tensors only, the
+        compiled graph directly after the first call (`torch_internals.DirectlyCalled`: no dynamo
+        overhead, which made calls of small tensors cost more than the torch kernels)."""
         compiled = self.compiled.get((kernel, key))
         if compiled is not None:
             return compiled
         name = kernel.__name__ + "_" + "_".join(str(k).replace("torch.", "") for k in key)
         code = kernel.__code__.replace(co_name=name, co_qualname=name)
-        fn = type(kernel)(code, kernel.__globals__, name)
+        fn = type(kernel)(code, kernel.__globals__, name, tuple(key))
         # emulate_precision_casts: a rounding to bf16 inside the kernel is kept (inductor would
         # otherwise compute through it in fp32)
         # benchmark_harness off: inductor would write a benchmark main into the module, reading
         # sys.argv as strings (a script's sys.argv may hold other objects)
         options = {"emulate_precision_casts": True, "benchmark_harness": False}
-        compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
+        compiled = DirectlyCalled(fn, options)
         self.compiled[kernel, key] = compiled
         return compiled
 
@@ -285,7 +288,7 @@ class CompiledKernels:
 
 
 COMPILED_KERNELS = CompiledKernels(_enabled_by_env())
-FUSED_MIN_ELEMENTS = 1 << 16  # below: the eager kernels (no compilation for small tensors)
+FUSED_MIN_ELEMENTS = 1 << 12  # below: the eager kernels (no compilation for small tensors)
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -303,17 +306,18 @@ def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
     )
 
 
-def _kernel(x: torch.Tensor, scale: torch.Tensor, encoding: str, dtype: torch.dtype, transposed: bool,
-            with_amax: bool):  # fmt: skip
-    """What the compiled kernel computes: `cast_operand`'s arithmetic, and max|x|."""
+def _kernel(x: torch.Tensor, scale: torch.Tensor, x_dtype: torch.dtype, dtype: torch.dtype, encoding: str,
+            transposed: bool, with_amax: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """What the compiled kernel computes: `cast_operand`'s values, with `transposed` their transposed
+    copy, with `with_amax` max|x|: a flat tuple of the tensors asked for. The arguments after the
+    tensors are the variant's (`CompiledKernels.variant`): x_dtype, x's dtype, gives each its graph."""
     product = _saturated_product(x, scale.reshape(()), encoding, None)
     if dtype in _FP8_DTYPES:
         values = product.to(dtype)
     else:
         values = _round_to_fp8_grid(product, encoding).copysign_(x).to(dtype)
-    values_t = values.t().contiguous() if transposed else None
-    amax = x.abs().amax().to(torch.float32) if with_amax else None
-    return values, values_t, amax
+    out = (values, values.t().contiguous()) if transposed else (values,)
+    return out + (x.abs().amax().to(torch.float32),) if with_amax else out
 
 
 def _run_fused(
@@ -324,16 +328,17 @@ def _run_fused(
     transposed: bool,
     amax_out: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
-    with_amax = amax_out is not None
-    key = (_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+    """The op's body (and `_fused_cast`'s, inline): the compiled kernel's values and, with
+    `transposed`, their transposed copy; max|x| copied into `amax_out`."""
+    key = (x.dtype, dtype, encoding, transposed, amax_out is not None)
     try:
-        kernel = COMPILED_KERNELS.compiled[key]
+        kernel = COMPILED_KERNELS.compiled[_kernel, key]
     except KeyError:
-        kernel = COMPILED_KERNELS.variant(*key)
-    values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
+        kernel = COMPILED_KERNELS.variant(_kernel, key)
+    out = kernel(x, scale)
     if amax_out is not None:
-        amax_out.copy_(amax)
-    return [values] if values_t is None else [values, values_t]
+        amax_out.copy_(out[-1])
+    return [out[0], out[1]] if transposed else [out[0]]
 
 
 _fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=("amax_out",))
@@ -357,21 +362,20 @@ def _fused_cast(
     this process: the caller casts eagerly)."""
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
-    x = x.detach() if x.requires_grad else x  # (one graph per variant: x without grad)
     try:  # (COMPILED_KERNELS.run, inline: the hot path)
-        if dispatch_mode_active():
+        if dispatch_mode_active():  # (the op's input without grad: it has no autograd formula)
+            x = x.detach() if x.requires_grad else x
             out = _fused_cast_op(x, scale, encoding, dtype, transposed, amax_out)
             return out[0], (out[1] if transposed else None)
-        with_amax = amax_out is not None  # (`_run_fused`, inline)
-        key = (_kernel, (x.dtype, dtype, encoding, transposed, with_amax))
+        key = (x.dtype, dtype, encoding, transposed, amax_out is not None)  # (`_run_fused`, inline)
         try:
-            kernel = COMPILED_KERNELS.compiled[key]
+            kernel = COMPILED_KERNELS.compiled[_kernel, key]
         except KeyError:
-            kernel = COMPILED_KERNELS.variant(*key)
-        values, values_t, amax = kernel(x, scale, encoding, dtype, transposed, with_amax)
+            kernel = COMPILED_KERNELS.variant(_kernel, key)
+        out = kernel(x, scale)
     except Exception as err:
         COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None
     if amax_out is not None:
-        amax_out.copy_(amax)
-    return values, values_t
+        amax_out.copy_(out[-1])
+    return out[0], (out[1] if transposed else None)

@@ -247,17 +247,14 @@ def gemm(
             fast_accum,
         )
         return y if bias is None or fused else y + bias.to(out_dtype)
-    scale = a_scale_inv * b_scale_inv
-    scale = scale[None] if not scale.shape else scale.reshape(1)  # (0-dim scales: a view, no call)
     if bf16_output and a.dtype == torch.float32 and b.dtype == torch.float32:
         y = torch.mm(a, b)  # fp32 operands of the bf16 path: its rounding in the output's one pass
         if (
-            bias is None  # (fused_output_applies's first conditions, inline: no call where they fail)
-            and cast.COMPILED_KERNELS.running
+            cast.COMPILED_KERNELS.running  # (fused_output_applies's first condition, inline)
             and y.shape[0] * y.shape[1] >= FUSED_MIN_ELEMENTS
-            and fused_output_applies(y, scale, bias)
+            and fused_output_applies(y, a_scale_inv, bias)
         ):
-            out = scaled_output(y, scale, out_dtype)
+            out = scaled_output(y, a_scale_inv, b_scale_inv, bias, out_dtype)
             if out is not None:
                 return out
         y = y.to(torch.bfloat16)
@@ -267,9 +264,15 @@ def gemm(
         y = torch.mm(a.float(), b.float()).to(torch.bfloat16)
     else:
         y = torch.mm(a, b if b.dtype == a.dtype else b.to(a.dtype))
+    scale = a_scale_inv * b_scale_inv
+    scale = scale[None] if not scale.shape else scale.reshape(1)  # (0-dim scales: a view, no call)
     # The scale as a 1-element tensor takes part in type promotion (a 0-dim one would not): the
-    # product is computed in fp32 and written in one pass, with the bias added in the same one.
-    y = torch.mul(y, scale) if bias is None else torch.addcmul(bias.to(torch.float32), y, scale)
+    # product is computed in fp32 and written in one pass. The bias is added after it, a rounding of
+    # its own (torch's addcmul would round once where the CPU kernel is built with fused multiply-adds,
+    # and inductor's C++, gemm_output.py, rounds twice: the same bits either way this way).
+    y = torch.mul(y, scale)
+    if bias is not None:
+        y = y.add_(bias)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

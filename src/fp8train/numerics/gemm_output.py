@@ -1,8 +1,10 @@
-"""The emulated bf16 path's output in one pass: the fp32 product rounded to bf16, scaled in fp32, in
-the output dtype, as one compiled kernel for large eager CPU outputs (docs/design.md,
-section 6). Eagerly that is two or three passes (a bf16 copy, the scaling, a conversion); the kernel
-computes the same operations, each rounding as torch's eager kernel does, so the same bits
-(tests/recipes/test_lean_path.py). Used where `cast.py`'s compiled cast is (`fused_output_applies`),
+"""The emulated bf16 path's output in one pass: the fp32 product rounded to bf16, scaled in fp32 by the
+product of the operands' scales, the bias added, in the output dtype, as one compiled kernel for eager
+CPU outputs of `cast.FUSED_MIN_ELEMENTS` or more (docs/design.md, section 6). Eagerly that is three to
+five calls and two or three passes (the scales' product, a bf16 copy, the scaling, the bias, a
+conversion); the kernel computes the same operations, each rounding as torch's eager kernel does, so
+the same bits (tests/recipes/test_lean_path.py). Used where `cast.py`'s compiled cast is
+(`fused_output_applies`), called as `cast.py`'s kernels are (`torch_internals.DirectlyCalled`), and
 registered alike as the custom op `fp8train::scaled_output` where a dispatch mode would see it.
 """
 
@@ -19,52 +21,83 @@ __all__ = ["fused_output_applies", "scaled_output"]
 
 
 def fused_output_applies(y: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether `scaled_output` runs as the compiled kernel for this (large: the caller checks) output."""
+    """Whether `scaled_output` runs as the compiled kernel for this (large: the caller checks) output;
+    `scale` is one of its scales (they live on one device)."""
     return (
         cast.COMPILED_KERNELS.running
         and y.device.type == "cpu"
         and scale.device == y.device
-        and bias is None  # with a bias, inductor's kernel rounds bias + y * scale once (a fused
-        # multiply-add) where torch's addcmul rounds twice: not the same bits
+        and (bias is None or (bias.device == y.device and bias.is_contiguous()))
         and not torch.compiler.is_compiling()
     )
 
 
-def _output_kernel(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype):
-    """`gemm`'s eager epilogue of the bf16 path without a bias: round to bf16, then scale in fp32."""
-    return torch.mul(y.to(torch.bfloat16), scale).to(out_dtype)
+def _output_kernel(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                   y_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[torch.Tensor]:  # fmt: skip
+    """`gemm`'s eager epilogue of the bf16 path without a bias: round to bf16, then scale in fp32 by
+    the product of the scales (one rounding, as eager; as a 1-element tensor, which takes part in
+    type promotion). A 1-tuple: `torch_internals.DirectlyCalled`'s form; y_dtype (y's) is the variant's."""
+    scale = (a_scale_inv * b_scale_inv).reshape(1)
+    return (torch.mul(y.to(torch.bfloat16), scale).to(out_dtype),)
 
 
-def _run(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    key = (_output_kernel, (y.dtype, out_dtype))
-    try:
-        kernel = cast.COMPILED_KERNELS.compiled[key]
-    except KeyError:
-        kernel = cast.COMPILED_KERNELS.variant(*key)
-    return kernel(y, scale, out_dtype)
+def _biased_output_kernel(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                          bias: torch.Tensor, y_dtype: torch.dtype, out_dtype: torch.dtype,
+                          bias_dtype: torch.dtype) -> tuple[torch.Tensor]:  # fmt: skip
+    """With a bias: the scaled product, then the bias added (two roundings, as `gemm`'s eager
+    `mul(...).add_(bias)`; inductor's C++ is compiled without floating-point contraction, so no fused
+    multiply-add rounds them once). bias_dtype (the bias's) is the variant's."""
+    scale = (a_scale_inv * b_scale_inv).reshape(1)
+    return ((torch.mul(y.to(torch.bfloat16), scale) + bias).to(out_dtype),)
+
+
+def _run(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor, bias: Optional[torch.Tensor],
+         out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    compiled = cast.COMPILED_KERNELS.compiled
+    if bias is None:
+        key = (y.dtype, out_dtype)
+        kernel = compiled.get((_output_kernel, key)) or cast.COMPILED_KERNELS.variant(_output_kernel, key)
+        return kernel(y, a_scale_inv, b_scale_inv)[0]
+    key = (y.dtype, out_dtype, bias.dtype)
+    kernel = compiled.get((_biased_output_kernel, key)) or cast.COMPILED_KERNELS.variant(
+        _biased_output_kernel, key
+    )
+    return kernel(y, a_scale_inv, b_scale_inv, bias)[0]
 
 
 _scaled_output_op = torch.library.custom_op("fp8train::scaled_output", _run, mutates_args=())
 
 
 @_scaled_output_op.register_fake
-def _(y, scale, out_dtype):
+def _(y, a_scale_inv, b_scale_inv, bias, out_dtype):
     return torch.empty_like(y, dtype=out_dtype)
 
 
-def scaled_output(y: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """y (the fp32 product of FP8 values) rounded to bf16, times `scale` (1 element, fp32), as
-    `out_dtype`: one pass; None where the compiled kernel cannot run here (`cast.COMPILED_KERNELS.run`:
-    the caller computes it eagerly)."""
+def scaled_output(
+    y: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
+    """y (the fp32 product of FP8 values) rounded to bf16, times a_scale_inv * b_scale_inv (1
+    element each, fp32), plus `bias` if given, as `out_dtype`: one pass, one call; None where the
+    compiled kernel cannot run here (the caller computes it eagerly)."""
     try:  # (cast.COMPILED_KERNELS.run, inline: the hot path)
         if dispatch_mode_active():
-            return _scaled_output_op(y, scale, out_dtype)
-        key = (_output_kernel, (y.dtype, out_dtype))  # (`_run`, inline)
+            return _scaled_output_op(y, a_scale_inv, b_scale_inv, bias, out_dtype)
+        compiled = cast.COMPILED_KERNELS.compiled  # (`_run`, inline: the hot path)
+        if bias is None:
+            try:
+                kernel = compiled[_output_kernel, (y.dtype, out_dtype)]
+            except KeyError:
+                kernel = cast.COMPILED_KERNELS.variant(_output_kernel, (y.dtype, out_dtype))
+            return kernel(y, a_scale_inv, b_scale_inv)[0]
         try:
-            kernel = cast.COMPILED_KERNELS.compiled[key]
+            kernel = compiled[_biased_output_kernel, (y.dtype, out_dtype, bias.dtype)]
         except KeyError:
-            kernel = cast.COMPILED_KERNELS.variant(*key)
-        return kernel(y, scale, out_dtype)
+            kernel = cast.COMPILED_KERNELS.variant(_biased_output_kernel, (y.dtype, out_dtype, bias.dtype))
+        return kernel(y, a_scale_inv, b_scale_inv, bias)[0]
     except Exception as err:
         cast.COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None

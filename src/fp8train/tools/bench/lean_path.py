@@ -84,6 +84,46 @@ def census(widths=(1024, 4096, 1024), tokens: int = 256, more_layers: int = 4, w
     }
 
 
+def gpt_census(layers: int = 12, batch: int = 8) -> dict:
+    """The demo's tiny GPT (hidden 64, ffn 256; `layers` blocks, `batch` sequences of its 32 tokens:
+    operands of 4K-64K elements, where the casts' and outputs' calls, not their passes, cost): aten
+    calls per FP8 GEMM beyond the fp32 step's (`per_op`: by op, over the GEMMs) and fp8train's Python
+    calls per FP8 GEMM, one step (delayed scaling, eager, forward + backward)."""
+    import collections
+    import dataclasses
+
+    from ..models import GPT, MODEL_SIZES
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(MODEL_SIZES["tiny"], layers=layers)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
+    recipe = ft.DelayedScaling(amax_history_len=16)
+
+    def step(fp8: bool) -> None:
+        with ft.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            loss = model.loss(tokens)
+        loss.backward()
+
+    counts = {}
+    for fp8 in (False, True):
+        step(fp8)
+        with StepCensus() as counts[fp8]:
+            step(fp8)
+    with PackageCalls() as calls:
+        step(True)
+    gemms = counts[True].gemms
+    extra = collections.Counter(counts[True].ops)
+    extra.subtract(counts[False].ops)
+    return {
+        "layers": layers,
+        "fp8_gemms": gemms,
+        "extra_aten_calls_per_gemm": (counts[True].calls - counts[False].calls) / gemms,
+        "python_calls_per_gemm": calls.calls / gemms,
+        "per_op": {k: round(v / gemms, 2) for k, v in extra.most_common() if abs(v) >= gemms // 10},
+    }
+
+
 def rows(result: dict) -> list[dict]:
     """The census as table rows."""
     return [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import torch
 
@@ -16,6 +17,7 @@ import fp8train as ft
 
 from ...numerics import cast
 from ...numerics.gemm import bf16_kernel
+from ..timing import interleaved_times, medians
 from .common import interleaved_medians, train_step
 
 
@@ -47,8 +49,12 @@ def _without_compiled_cast(fn):
 
 def gpt_rows(layers: int = 12, batch: int = 8, repeats: int = 12, threads: int = 1) -> list[dict]:
     """The demo's tiny GPT (hidden 64) with `layers` blocks: fp8 (delayed scaling, eager) vs fp32,
-    round-robin; where fp8train's per-call bookkeeping, not the casts, is the FP8 step's cost."""
+    and fp8 with the casts and GEMM outputs as torch's eager kernels (FP8TRAIN_FUSED_CAST=0), round-
+    robin, in thread CPU time at 1 thread (wall time else); where fp8train's per-call costs, not the
+    casts' passes, are the FP8 step's; the fp8 row also has its aten calls per GEMM beyond the fp32
+    step's (`lean_path.gpt_census`)."""
     from ..models import GPT, MODEL_SIZES
+    from .lean_path import gpt_census
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -65,11 +71,17 @@ def gpt_rows(layers: int = 12, batch: int = 8, repeats: int = 12, threads: int =
 
         return fn
 
-    times = interleaved_medians({"fp32": step(False), "fp8": step(True)}, repeats)
+    fns = {"fp32": step(False), "fp8": step(True)}
+    fns["fp8, torch-op casts and outputs"] = _without_compiled_cast(step(True))
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    times = medians(interleaved_times(fns, repeats, warmup_blocks=2, clock=clock))
+    census = gpt_census(layers, batch)
     return [
-        {"config": f"tiny GPT, {layers} layers: {name}", "ms": 1e3 * t, "vs_fp32": t / times["fp32"]}
+        {"config": f"tiny GPT, {layers} layers: {name}", "ms": 1e3 * t, "vs_fp32": t / times["fp32"],
+         "clock": "thread CPU time" if threads == 1 else "wall time",
+         "aten_calls_per_gemm_beyond_fp32": census["extra_aten_calls_per_gemm"] if name == "fp8" else None}
         for name, t in times.items()
-    ]
+    ]  # fmt: skip
 
 
 def run(

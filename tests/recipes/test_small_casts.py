@@ -1,0 +1,149 @@
+"""Small operands on the lean eager path (issue 37, item 3; docs/design.md, section 6, "The lean eager
+path"): casts and GEMM outputs from `cast.FUSED_MIN_ELEMENTS` (4096) elements run as one compiled
+kernel called without dynamo (`torch_internals.DirectlyCalled`), with the eager kernels' bits; counted
+as aten calls per cast and per GEMM (a dispatch-mode counter), not timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cast_gemm import _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
+
+from fp8train.numerics import cast, gemm, gemm_output
+from fp8train.tools.bench import lean_path
+from fp8train.tools.bench.common import StepCensus
+from fp8train.torch_internals import DirectlyCalled
+
+
+def _eager(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with the compiled kernels off (torch's eager kernels), the registry as
+    it was after."""
+    saved = cast.COMPILED_KERNELS.enabled
+    cast.COMPILED_KERNELS.set_enabled(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        cast.COMPILED_KERNELS.set_enabled(saved)
+
+
+def test_a_small_cast_is_one_aten_call() -> None:
+    """A cast of 4096 elements with its amax: one call (the compiled kernel's op) where torch's eager
+    kernels make 15 (aminmax, neg, maximum, copy_, detach, empty_like, mul, clamp_, view, bitwise_and,
+    view, clamp_, add_, sub_, copysign_: measured at 13da088)."""
+    x, scale, amax_out = torch.randn(64, 64) * 30, torch.tensor(2.0), torch.zeros(())
+    cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_out)  # compiles
+    with StepCensus() as census:
+        cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_out)
+    assert census.calls == 1 and census.ops["fused_cast"] == 1, census.ops
+    with StepCensus() as eager:
+        _eager(cast.cast_with_amax, x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_out)
+    assert eager.calls >= 14, eager.ops  # what the compiled kernel replaces
+
+
+def test_tiny_gpt_shapes_aten_calls_per_gemm() -> None:
+    """Four MLP blocks at the tiny GPT's sizes (64-256-64, 256 tokens: operands of 4K-64K elements),
+    FP8 delayed scaling, eager, fwd + bwd, 24 GEMMs: aten calls per FP8 GEMM beyond the fp32 step's
+    (the step's own bookkeeping spread over them). At 13da088: 24.9 (casts under 64K elements and the
+    GEMM outputs in torch's eager kernels), now 10.9."""
+    torch.set_num_threads(1)
+    r = lean_path.census((64, 256) * 4 + (64,), tokens=256, more_layers=1, warmup=1)
+    assert r["extra_aten_calls_per_gemm"] <= 13.0, r["extra_aten_calls_per_gemm"]
+    assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # every operand (before: 0.67), one pass
+
+
+_SLOW = pytest.mark.slow  # (each case compiles its kernels: a few seconds each on 2 cores)
+
+
+@pytest.mark.parametrize("encoding,x_dtype,dtype", [
+    ("e4m3", torch.float32, torch.float32),
+    pytest.param("e5m2", torch.float32, torch.float32, marks=_SLOW),
+    pytest.param("e4m3", torch.bfloat16, torch.float32, marks=_SLOW),
+    pytest.param("e5m2", torch.float32, torch.bfloat16, marks=_SLOW),
+])  # fmt: skip
+def test_direct_calls_give_the_eager_bits_at_any_shape(encoding, x_dtype, dtype) -> None:
+    """One compiled variant serves every shape, called directly after the first (no dynamo): the hard
+    values (every FP8 value, tie, neighbour, NaN, saturation) cast at several shapes, transposed copies
+    and amax included, bit for bit the eager kernels'; shapes the first graph does not cover (a
+    dimension of 1, 3-D) go through dynamo, with the same bits."""
+    hard = _hard_values(encoding).to(x_dtype)
+    calls_before = None
+    for rows, cols in ((64, 96), (72, 64), (2048, 3), (1, 4500)):
+        x = hard[: rows * cols].reshape(rows, cols) * 1.0
+        for scale in (torch.tensor(3.0), torch.tensor(2.0**-7)):
+            amax_out, want_amax = torch.zeros(()), torch.zeros(())
+            values, values_t = cast.cast_with_amax(x, scale, encoding, dtype, transposed=True,
+                                                   amax_out=amax_out)  # fmt: skip
+            want, want_t = _eager(cast.cast_with_amax, x, scale, encoding, dtype, transposed=True,
+                                  amax_out=want_amax)  # fmt: skip
+            assert bool(_same_bits(values, want).all()) and bool(_same_bits(values_t, want_t).all())
+            assert values_t.is_contiguous() and _same_bits(amax_out, want_amax).all()
+        kernel = cast.COMPILED_KERNELS.compiled[cast._kernel, (x_dtype, dtype, encoding, True, True)]
+        if calls_before is None:
+            calls_before = kernel.direct_calls
+    assert kernel.direct_calls >= calls_before + 4  # (64, 96)'s second call on: the graph, directly
+    x3 = hard[: 8 * 16 * 40].reshape(8, 16, 40)
+    got, _ = cast.cast_with_amax(x3, torch.tensor(3.0), encoding, dtype, transposed=False, amax_out=None)
+    want, _ = _eager(cast.cast_with_amax, x3, torch.tensor(3.0), encoding, dtype, transposed=False,
+                     amax_out=None)  # fmt: skip
+    assert bool(_same_bits(got, want).all())
+
+
+@pytest.mark.parametrize("out_dtype,bias_dtype", [
+    (torch.float32, None),
+    (torch.float32, torch.float32),
+    pytest.param(torch.bfloat16, None, marks=_SLOW),
+    pytest.param(torch.bfloat16, torch.bfloat16, marks=_SLOW),
+])  # fmt: skip
+def test_compiled_gemm_output_equals_the_eager_epilogue(out_dtype, bias_dtype) -> None:
+    """The bf16 path's output with fp32 operands (a CPU without bf16 instructions): rounded to bf16,
+    scaled by the product of the two scales, the bias added after, in one call (the scales' product
+    folded in: where eagerly that is up to five calls), bit for bit the eager epilogue's; from 4096
+    output elements (the tiny GPT's smallest GEMM outputs)."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(64, 96, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    b = (torch.randn(96, 64, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    sa, sb = torch.tensor(0.0371), torch.tensor(2.75)
+    bias = None if bias_dtype is None else torch.randn(64, generator=g).to(bias_dtype)
+    assert 64 * 64 >= cast.FUSED_MIN_ELEMENTS and gemm_output.fused_output_applies(a, sa, bias)
+    for _ in range(2):  # the compiling call, then the direct one
+        with StepCensus() as census:
+            got = gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True)
+        want = _eager(gemm.gemm, a, sa, b, sb, out_dtype, bias, bf16_output=True)
+        assert got.dtype == out_dtype and torch.equal(got, want)
+        assert census.ops["scaled_output"] == 1 and census.calls == 2, census.ops  # mm and the output
+    key = (torch.float32, out_dtype) + (() if bias is None else (bias.dtype,))
+    kernel = gemm_output._output_kernel if bias is None else gemm_output._biased_output_kernel
+    assert cast.COMPILED_KERNELS.compiled[kernel, key].direct_calls >= 1  # the second call, directly
+
+
+def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> None:
+    """`DirectlyCalled`: the first call traces; calls whose tensors match the traced graph (dtype,
+    dimensions, dynamic sizes of at least 2) call the graph directly; others go through dynamo, which
+    compiles what they need: the same values either way."""
+
+    def doubled_sum(x, y, scale=2.0):
+        return (x * scale + y.sum(),)
+
+    kernel = DirectlyCalled(doubled_sum, {})
+    x, y = torch.randn(8, 4), torch.randn(3)
+    assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum()) and kernel.direct_calls == 0
+    for shape in ((5, 7), (8, 4)):
+        x = torch.randn(shape)
+        assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum())
+    assert kernel.direct_calls == 2
+    others = ((torch.randn(1, 4), y), (torch.randn(8, 4).double(), y.double()), (torch.randn(2, 3, 4), y))
+    for x, z in others:
+        assert torch.equal(kernel(x, z)[0], x * 2.0 + z.sum())
+    assert kernel.direct_calls == 2  # a size of 1, float64, 3-D: dynamo's calls
+
+    def biased(y, bias):  # the trace proves bias's size equal to y's columns: one input for both
+        return (y + bias,)
+
+    kernel = DirectlyCalled(biased, {})
+    for rows, cols in ((8, 4), (5, 7), (6, 9)):
+        y, bias = torch.randn(rows, cols), torch.randn(cols)
+        assert torch.equal(kernel(y, bias)[0], y + bias)
+    assert kernel.direct_calls == 2
+    with pytest.raises(RuntimeError, match="size of tensor"):  # checked equal: dynamo's call, torch's error
+        kernel(torch.randn(6, 9), torch.randn(8))
+    assert kernel.direct_calls == 2
