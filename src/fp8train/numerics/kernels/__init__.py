@@ -68,8 +68,15 @@ _PER_TENSOR = ("cast_with_amax", "amax_then_cast")
 
 
 def __getattr__(name: str) -> Callable:
-    """`cast_with_amax` and `amax_then_cast`: triton_cast.py's (imported here, on first use)."""
+    """`cast_with_amax` and `amax_then_cast`: triton_cast.py's (imported here, on first use). Without
+    triton an AttributeError, as for any missing attribute (`hasattr` and `getattr` with a default
+    answer, not raise ImportError)."""
     if name in _PER_TENSOR:
+        if not _triton_installed():
+            raise AttributeError(
+                f"{__name__}.{name} is a Triton kernel and triton is not installed: install triton (a "
+                "CUDA machine's torch brings it), or cast with fp8train.numerics.cast (the torch path)"
+            )
         return getattr(_kernels(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
