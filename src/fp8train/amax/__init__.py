@@ -23,14 +23,14 @@ from typing import Optional
 import torch
 
 from . import roles, views
-from .calls import Call, begin_call, current_call
+from ..runtime.calls import Call, begin_call, current_call
 from .gathers import fp8_gathers
 from .membership import check_stage_group, expert_group_error
 from .meta import ScalingMeta, decode_extra_state
-from .plans import recomputation_context_fn
-from .regions import enter_region, exit_region
+from ..runtime.plans import recomputation_context_fn
+from ..runtime.regions import enter_region, exit_region
 from .settings import ENV_ASYNC, settings
-from .state import STATE, Region, RegionSettings
+from ..runtime.state import STATE, Region, RegionSettings
 from .stats import HostMirror
 from .steps import end_step, end_step_on, ending_step, parameters_loaded
 from .storage import update_scaling

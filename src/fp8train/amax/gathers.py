@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..torch_internals import in_backward
 from .roles import WEIGHT, forward_column
-from .state import STATE, Region, RegionSettings
+from ..runtime.state import STATE, Region, RegionSettings
 
 __all__ = ["FP8Gathers", "fp8_gathers"]
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .reduction import Direction
 
 if TYPE_CHECKING:
-    from .state import Region
+    from ..runtime.state import Region
 
 __all__ = ["ScalingMeta", "decode_extra_state"]
 

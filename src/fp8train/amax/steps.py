@@ -26,7 +26,7 @@ import torch
 
 from ..torch_internals import managed_by_fsdp2, version_counter
 from .settings import settings
-from .state import STATE
+from ..runtime.state import STATE
 
 __all__ = ["end_step", "end_step_on", "ending_step", "check_step_open", "parameters_loaded"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .reduction import AmaxGroup, Direction
-from .state import KEPT_REGIONS, STATE
+from ..runtime.state import KEPT_REGIONS, STATE
 from .storage import ScalingStorage
 
 __all__ = [

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..torch_internals import in_backward, in_pipeline_shape_inference
-from .settings import settings as knobs
+from ..amax.settings import settings as knobs
 from .state import STATE, BackwardPass, Region, RegionSettings
 
 __all__ = ["enter_region", "exit_region", "current_backward_pass"]

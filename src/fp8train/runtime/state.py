@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 import torch
 
 from ..torch_internals import at_end_of_backward, current_graph_task
-from .channel import Channel
-from .membership import reduces_across_ranks, world_if_default
-from .reduction import AmaxGroup, Direction
-from .stats import ReductionStats
+from ..amax.channel import Channel
+from ..amax.membership import reduces_across_ranks, world_if_default
+from ..amax.reduction import AmaxGroup, Direction
+from ..amax.stats import ReductionStats
 
 if TYPE_CHECKING:
     from ..recipe import Recipe

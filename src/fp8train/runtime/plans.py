@@ -19,10 +19,10 @@ from ..torch_internals import (
     inside_reentrant_checkpoint,
     pipeline_group_of_caller,
 )
-from .membership import check_amax_group, check_stage_group
+from ..amax.membership import check_amax_group, check_stage_group
 from .regions import current_backward_pass
 from .state import STATE, ForwardPlan, Region, RegionSettings
-from .steps import check_step_open
+from ..amax.steps import check_step_open
 
 __all__ = ["plan_forward", "note_training_output", "CheckpointRecord", "recomputation_context_fn"]
 

@@ -28,7 +28,7 @@ from ..torch_internals import (
     round_precision_casts_as_eager,
 )
 from .plans import note_training_output, plan_forward
-from .roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
+from ..amax.roles import GRAD_OUTPUT, INPUT, WEIGHT, backward_column, forward_column
 from .state import STATE, ForwardPlan, _host_scalar
 
 __all__ = ["Call", "begin_call", "current_call"]

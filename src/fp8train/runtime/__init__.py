@@ -1,0 +1,1 @@
+"""The FP8 runtime of every recipe (docs/design.md, section 3)."""
