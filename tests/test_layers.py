@@ -410,7 +410,7 @@ def test_every_core_module_is_in_exactly_one_layer() -> None:
     stale = [e for e, p in paths.items() if not p.with_suffix(".py").is_file() and not p.is_dir()]
     assert not stale, f"LAYERS names what src/fp8train/ does not hold: {stale}"
     modules = TREE.core_modules()
-    assert len(modules) > 50 and "fp8train.amax.calls" in modules
+    assert len(modules) > 50 and "fp8train.runtime.calls" in modules
     unplaced = []
     for module in modules:
         try:
@@ -418,8 +418,11 @@ def test_every_core_module_is_in_exactly_one_layer() -> None:
         except ValueError as err:
             unplaced.append(str(err))
     assert not unplaced, "\n".join(unplaced)
-    placed = [LAYERS[TREE.layer_of(m)][0] for m in ("fp8train.recipe", "fp8train.amax.calls", "fp8train")]
-    assert placed == ["vocabulary", "amax", "doors and readers"]
+    placed = [
+        LAYERS[TREE.layer_of(m)][0]
+        for m in ("fp8train.recipe", "fp8train.runtime.calls", "fp8train.amax.hooks", "fp8train")
+    ]
+    assert placed == ["vocabulary", "runtime", "amax", "doors and readers"]
     # the longest entry places a module: numerics/ is the numerics layer but for formats.py
     dotted = ("fp8train.numerics.formats", "fp8train.numerics.cast", "fp8train.numerics.kernels.rounding")
     assert [LAYERS[TREE.layer_of(m)][0] for m in dotted] == ["vocabulary", "numerics", "numerics"]
@@ -431,6 +434,43 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(
         map(TREE.arrow_text, upward)
     )
+
+
+RUNTIME = PACKAGE / "runtime"
+# what only a recipe with state knows: delayed scaling's flags, fields and state, by name
+DELAYED_NAMES = {"per_step", "reduces_amax", "amax_group", "fp8_meta", "records_into", "amax_reduction"}
+
+
+def _recipe_knowledge(source: str) -> list[str]:
+    """Delayed scaling's names (attributes or names) and `Any` in `source`, each as "line: name"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = getattr(node, "attr", None) if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if name in DELAYED_NAMES or name == "Any":
+            found.append((node.lineno, node.col_offset, name))
+    return [f"{line}: {name}" for line, _, name in sorted(found)]
+
+
+def test_the_runtime_knows_no_recipe() -> None:
+    """runtime/ (regions, calls, plans, replays, handles, compiled ops) reaches a recipe's state through
+    its hooks only (runtime/hooks.py; docs/design.md, section 3.1): no test of delayed scaling's flags
+    (`per_step`, `reduces_amax`), none of its fields or state, no `Any` where a recipe is meant; and it
+    imports neither amax/ nor quantization/ (the layers, above, say so too)."""
+    offenders = {}
+    for path in sorted(RUNTIME.glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        found = _recipe_knowledge(source)
+        found += [f"import {i.target}" for i in TREE.imports(path, source)
+                  if i.target.startswith(("fp8train.amax", "fp8train.quantization"))]  # fmt: skip
+        if found:
+            offenders[path.name] = found
+    assert not offenders, f"runtime/ knows a recipe: {offenders}"
+    assert len(list(RUNTIME.glob("*.py"))) >= 5
+
+
+def test_the_runtime_rule_sees_delayed_knowledge() -> None:
+    source = "from typing import Any\nif q.reduces_amax and group.recipe.per_step:\n    x: Any = m.fp8_meta\n"
+    assert _recipe_knowledge(source) == ["2: reduces_amax", "2: per_step", "3: Any", "3: fp8_meta"]
 
 
 def test_the_layer_check_sees_an_upward_import() -> None:

@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..runtime import STATE, Region, RegionSettings
 from ..torch_internals import in_backward
 from .roles import WEIGHT, forward_column
-from ..runtime.state import STATE, Region, RegionSettings
 
 __all__ = ["FP8Gathers", "fp8_gathers"]
 
@@ -36,7 +36,7 @@ class FP8Gathers:
         None): the scales its forward will cast with (its call's plan takes the same:
         `ScalingMeta.scales_in`). Raises ValueError where the amax group does not contain the ranks
         FSDP2 shards the weight over (each shard would be cast with its own scale)."""
-        group = self._settings.amax_group  # looked up at the region's entry
+        group = self._settings.state  # the amax group, looked up at the region's entry
         amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
         if len(set(shard_ranks)) > 1 and not set(shard_ranks) <= set(amax_ranks):  # one shard: its own
             raise ValueError(

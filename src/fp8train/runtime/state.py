@@ -1,15 +1,16 @@
-"""What the protocol keeps between calls, and its one owner (docs/design.md, section 3).
+"""What the runtime keeps between calls, and its one owner (docs/design.md, sections 3 and 3.1).
 
 `STATE` is the one process-wide state of fp8train. It is composed of one owner per concern, each
 changed through its own methods only: the region stack (active `fp8_autocast` settings, the
-outermost region, the live regions by serial), the amax groups (and the channel of each process
-group, and the reduction counters), the FP8 modules by handle, each module's current call, the
-running backward pass, the per-step boundary, and the activation recomputations being noted or
-replayed. `STATE.reset()` (tests, benchmarks: `fp8train.inspection.reset`) makes every owner afresh
-but the module handles, which compiled graphs hold.
+outermost region, the live regions by serial), the FP8 modules by handle, each module's current call,
+the running backward pass and the activation recomputations being noted or replayed; and the parts
+that recipes attach (`State.attach`: delayed scaling's amax groups and step boundary, amax/state.py).
+`STATE.reset()` (tests, benchmarks: `fp8train.inspection.reset`) makes every owner afresh and resets
+every part, but the module handles, which compiled graphs hold.
 
 The objects the owners hold are defined here too (a region, a backward pass, a module call's plan),
-so that the protocol's files import this one and it imports none of them.
+so that the runtime's files import this one and it imports none of them. Nothing here knows a
+recipe: what a recipe keeps is reached through its hooks (`RecipeRuntime`, below).
 """
 
 from __future__ import annotations
@@ -18,37 +19,125 @@ import collections
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, ClassVar, Iterator, Optional, Protocol
 
 import torch
 
 from ..torch_internals import at_end_of_backward, current_graph_task
-from ..amax.channel import Channel
-from ..amax.membership import reduces_across_ranks, world_if_default
-from ..amax.reduction import AmaxGroup, Direction
-from ..amax.stats import ReductionStats
 
 if TYPE_CHECKING:
     from ..recipe import Recipe
 
 __all__ = [
-    "STATE", "State", "KEPT_REGIONS", "RecipeQuantization", "RegionSettings", "Region", "BackwardPass",
-    "ForwardPlan", "FrozenScales",
+    "STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "ForwardPlan",
+    "host_scalar", "RecipeRuntime", "RecipeState",
 ]  # fmt: skip
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
 
 
-# ---- what the owners hold -------------------------------------------------------------------------------
-class RecipeQuantization(Protocol):
-    """What the protocol, and the readers of a region's settings, read of a recipe's `Quantization`
-    (quantization/base.py, a layer above: the protocol names the facts here instead of importing it)."""
+# ---- the runtime's contract with a recipe (docs/design.md, section 3.1) ----------------------------------
+# The runtime (regions, calls, plans, recomputation, compiled ops) knows no recipe. At every point
+# where a recipe may keep state it asks the recipe's quantization (`RecipeRuntime`, the base of
+# `quantization.base.Quantization`), and the state objects that quantization hands it (`RecipeState`):
+#
+# - a region is entered: `region_state(settings, region, fp8_group)`, the recipe's state for the
+#   entry, looked up once (delayed scaling: its amax group), kept in the settings pushed;
+# - a module call is planned: `plan_call(module, settings, region, training)`, its `ForwardPlan`, and
+#   under torch.compile `records(settings, training)` (the plan is then made at run time, by the op);
+# - a training call's output is noted: `output_noted(plan, output)`;
+# - a module is recomputed by plain torch.utils.checkpoint: `replays_alike(other)`, whether any of its
+#   pending calls may stand for another;
+# - a region exits: `RecipeState.exited(region, failed)` for each state a training call noted in it
+#   (`Region.note_trained`);
+# - a backward pass ends: `RecipeState.backward_ended(region)` for each state its GEMMs noted
+#   (`BackwardPass.note`);
+# - a compiled GEMM's scales, from the runtime's op: `gemm_scales(plan, gemm_index, ...)`;
+# - readers: `frozen_scales(plan, gemm_index)`, the scales a GEMM casts with, recording nothing.
+#
+# The defaults are a stateless recipe's (each tensor scaled from itself): nothing kept, nothing owed
+# but the backward a training call's region waits for. Delayed scaling's state answers them in
+# `amax/` (`amax.DelayedRuntime`); the step boundary (`fp8train.end_step`) is its own.
+
+
+class RecipeState(Protocol):
+    """What a recipe keeps across regions and backward passes (delayed scaling: an amax group), as the
+    runtime sees it: told when a region that trained it exits and when a backward pass that recorded
+    into it ends."""
+
+    process_group: object  # the ranks that share it (None: this rank alone, or the world)
+    latest_region: Optional[Region]  # stands in for a collected region in a backward pass
+
+    def next_region_index(self) -> int:
+        """The index of its next training region (a region takes one, at its first launch)."""
+
+    def exited(self, region: Region, failed: bool) -> None:
+        """`region`, in which it trained, exited (`failed`: by an exception)."""
+
+    def backward_ended(self, region: Region) -> None:
+        """A backward pass that recorded into it ended; `region`: the first region it recorded for."""
+
+
+class RecipeRuntime:
+    """A recipe's answers to the runtime (its `Quantization` inherits them): the stateless defaults."""
 
     recipe: Recipe
-    kind: str  # a module trains under one kind
-    reduces_amax: bool  # delayed scaling: amax groups, plans with frozen scales
-    casts_before_gather: bool  # FSDP2 weights gathered as FP8 bytes
-    whole_blocks: int  # GEMM dimensions are multiples of it
+    kind: ClassVar[str]  # a module trains under one kind
+
+    def region_state(
+        self, settings: RegionSettings, region: Optional[Region], fp8_group
+    ) -> Optional[RecipeState]:
+        """The recipe's state for a region entry with `settings` in force (active) and `fp8_group`,
+        kept in the settings pushed (`RegionSettings.state`); None: the recipe keeps none. `region`:
+        the outermost region entered or being run (None in a recomputation)."""
+        return None
+
+    def plan_call(
+        self, module: torch.nn.Module, settings: RegionSettings, region: Region, training: bool
+    ) -> Optional[ForwardPlan]:
+        """The plan of an FP8 module's forward call in `region` under `settings` (active); None: in
+        high precision, recording nothing (a stateless recipe records nothing when calibrating)."""
+        return ForwardPlan(True, self) if settings.enabled else None
+
+    def records(self, settings: RegionSettings, training: bool) -> bool:
+        """Whether a compiled call under `settings` (active) records amaxes."""
+        return False
+
+    def output_noted(self, plan: ForwardPlan, output: torch.Tensor) -> None:
+        """An FP8 training call's output (with a graph), whose backward its region (`plan.region`)
+        owes while the graph lives (`Region.note_output`); a recipe whose backward asks the runtime
+        nothing also marks its region's backward as run on the output's node (for plain
+        torch.utils.checkpoint's recomputations to find the regions still pending)."""
+        region, node = plan.region, output.grad_fn
+        region.note_output(node)
+        node.register_hook(lambda *_: STATE.backward.current().note(None, region))
+
+    def replays_alike(self, other: RecipeRuntime) -> bool:
+        """Whether a pending call of `other` may be replayed for one of this recipe (a recomputation
+        that cannot tell its original call apart): true where each tensor is scaled from itself."""
+        return other.recipe == self.recipe
+
+    def gemm_scales(
+        self,
+        plan: ForwardPlan,
+        gemm_index: int,
+        x_amax: Optional[torch.Tensor],
+        w_amax: Optional[torch.Tensor],
+        like: torch.Tensor,
+        fresh: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record GEMM `gemm_index`'s amaxes in `plan`'s call; its scales [[x, w], [x_inv, w_inv]] and
+        the token naming its region to its backward (`fresh`: new tensors, for the compiled op). Only
+        a recipe with state has scales to give."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no scales: its tensors give their own")
+
+    def frozen_scales(self, plan: ForwardPlan, gemm_index: int) -> Optional[torch.Tensor]:
+        """[[x, w], [x_inv, w_inv]] that GEMM `gemm_index` of `plan`'s call casts with, recording
+        nothing (readers: tensor statistics); None where the scales come from the tensors."""
+        return None
+
+
+# ---- what the owners hold -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -58,9 +147,10 @@ class RegionSettings:
     enabled: bool
     calibrating: bool
     recipe: Recipe
-    quantization: RecipeQuantization  # the recipe's Quantization (quantization/)
-    # delayed scaling in an active region: its amax group, looked up once at entry (regions.py); None else
-    amax_group: Optional[AmaxGroup] = None
+    quantization: RecipeRuntime  # the recipe's Quantization (quantization/), reached through its hooks
+    # an active region: the recipe's state for it (delayed scaling: its amax group), looked up once at
+    # entry (`RecipeRuntime.region_state`); None where the recipe keeps none
+    state: Optional[RecipeState] = None
 
     @property
     def active(self) -> bool:
@@ -69,82 +159,50 @@ class RegionSettings:
 
     @property
     def group(self):
-        """The amax group's process group (asked of the amax group, its one owner); None where there is
-        no amax group (no delayed scaling, or an inactive region)."""
-        return None if self.amax_group is None else self.amax_group.process_group
-
-
-class FrozenScales:
-    """A direction's scales frozen for a region (a copy): [scale; scale_inv] as one 2 x N tensor, made
-    in one op, and what every GEMM of the region reads from it, made once for all of them (the lean
-    path, docs/design.md, section 6): each GEMM's [[x, w], [x_inv, w_inv]] block (a view), and each
-    column's scale and scale_inv as 0-dim views (two unbinds for the region, where each cast would
-    select its own)."""
-
-    __slots__ = ("stacked", "scale", "scale_inv", "_columns", "_blocks")
-
-    def __init__(self, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
-        self.stacked = torch.stack([scale, scale_inv])
-        self.scale, self.scale_inv = self.stacked.unbind()
-        self._columns: Optional[tuple[tuple, tuple]] = None
-        self._blocks: dict[int, tuple[torch.Tensor, tuple]] = {}
-
-    def gemm(self, base: int) -> tuple[torch.Tensor, tuple]:
-        """The block [[x, w], [x_inv, w_inv]] of the GEMM whose input's column is `base` (its weight's
-        is base + 1), and its casts' ((x, x_inv), (w, w_inv)), as views of the frozen copy."""
-        try:
-            return self._blocks[base]
-        except KeyError:
-            pass
-        if self._columns is None:
-            self._columns = (self.scale.unbind(), self.scale_inv.unbind())
-        scales, inverses = self._columns
-        block = self.stacked[:, base : base + 2]
-        pairs = ((scales[base], inverses[base]), (scales[base + 1], inverses[base + 1]))
-        self._blocks[base] = block, pairs
-        return block, pairs
+        """The process group of the recipe's state (asked of the state, its one owner); None where there
+        is none (a stateless recipe, or an inactive region)."""
+        return None if self.state is None else self.state.process_group
 
 
 @dataclass
 class ForwardPlan:
     """The plan of one module's forward call (not a GEMM call: calls.Call; not a checkpoint call:
-    plans.CheckpointRecord).
+    plans.Replay).
 
-    How one forward call of an FP8 module runs (made at its first GEMM, calls.py), and what its
-    backward owes the protocol; a training call's plan is noted in its region for recomputation."""
+    How one forward call of an FP8 module runs (made at its first GEMM by its recipe,
+    `RecipeRuntime.plan_call`), and what its backward owes the runtime; a training call's plan is noted
+    in its region for recomputation. A recipe with state extends it (delayed scaling: amax/state.py)."""
 
     fp8: bool
-    quantization: RecipeQuantization  # the recipe's Quantization
+    quantization: RecipeRuntime  # the recipe's Quantization
     region: Optional[Region] = None  # an FP8 training call: the region whose backward it owes
     serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
-    # delayed scaling only (quantization.reduces_amax):
-    scale: Optional[torch.Tensor] = None  # forward scales of the module's group (a frozen snapshot)
-    scale_inv: Optional[torch.Tensor] = None
-    offset: int = 0  # the module's first column in its group's forward storage
-    records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
-    frozen: Optional[FrozenScales] = None  # the region's frozen scales, when scale and scale_inv are its
-    # the latest GEMM's scales as `Call.forward_scales` gave them: (block, its casts' pairs or None,
-    # its (input, weight) columns), for the call's `for_gemm` and `record_amax` (they serve only while
-    # the call's scales are the block given)
+    record: bool = False  # its GEMMs record amaxes (a recipe with state, training or calibrating)
+    # a recipe with state: the latest GEMM's scales as it gave them, (scales, their casts' views
+    # ((x, x_inv), (w, w_inv)) or None, the (x, w) amax slots its casts write or None, what else the
+    # recipe keeps), for the GEMM's `Call.for_gemm` (they serve only while its scales are those given)
     given: Optional[tuple] = None
 
     def replay(self) -> ForwardPlan:
-        """The plan as a recomputation replays it: same scales, no amax recorded, no region held."""
-        return ForwardPlan(
-            self.fp8, self.quantization, None, self.serial, self.scale, self.scale_inv, self.offset,
-            frozen=self.frozen,
-        )  # fmt: skip
+        """The plan as a recomputation replays it: the same casts, nothing recorded, no region held."""
+        return ForwardPlan(self.fp8, self.quantization, None, self.serial)
+
+    def same_as(self, other: ForwardPlan) -> bool:
+        """Whether a recomputation of `other`'s call may take this plan instead (the same casts)."""
+        return self.fp8 == other.fp8
 
 
 class Region:
-    """One outermost fp8_autocast entry: the amax groups it trained, and its forward calls."""
+    """One outermost fp8_autocast entry: the recipe states it trained, and its forward calls."""
 
-    def __init__(self, serial: int, async_op: bool) -> None:
+    def __init__(self, serial: int) -> None:
         self.serial = serial
-        self.async_op = async_op
+        # whether the reductions it launches are asynchronous: set by the first recipe state that needs
+        # to know, at its entry (delayed scaling: NVTE_ASYNC_AMAX_REDUCTION); None: none did
+        self.async_op: Optional[bool] = None
         self.grad_at_entry = torch.is_grad_enabled()
-        self.trained: dict[AmaxGroup, int] = {}  # groups in the order they first trained -> index
-        self.snapshots: dict[Direction, FrozenScales] = {}  # frozen (scale, scale_inv)
+        # recipe states (amax groups) in the order they first trained here -> this region's index in each
+        self.trained: dict[RecipeState, int] = {}
         self._token: Optional[torch.Tensor] = None
         # (device, tokens, out, in) -> (GEMM path, operand dtype) of its training calls, decided at the
         # first (modules/fp8_linear.py): the settings it reads hold for the region
@@ -162,9 +220,9 @@ class Region:
         # no node: no call produced a graph (frozen layers), unless a compiled graph made the calls
         return self.compiled_calls or any(node() is not None for node in self.outputs)
 
-    def note_trained(self, group: AmaxGroup) -> None:
-        """`group` recorded amaxes here for training (once a module is a member: it can launch)."""
-        self.trained.setdefault(group, -1)
+    def note_trained(self, state: RecipeState) -> None:
+        """`state` recorded amaxes here for training: told when the region exits."""
+        self.trained.setdefault(state, -1)
 
     def note_training_call(self, module_id: int, replay: ForwardPlan, compiled: bool = False) -> None:
         """A training call ran (again, when a backward ran inside the region): its backward is owed,
@@ -180,63 +238,49 @@ class Region:
         self.backward_done = True
         self.calls.clear()
 
-    def index_of(self, group: AmaxGroup) -> int:
-        """This region's index among `group`'s training regions (taken by its first launch)."""
-        if self.trained[group] < 0:
-            self.trained[group] = group.next_region_index()
-        return self.trained[group]
-
-    def scales_for(self, direction: Direction) -> FrozenScales:
-        """The scales this region uses for `direction`: finished once, then frozen (a copy)."""
-        snap = self.snapshots[direction] if direction in self.snapshots else None
-        if snap is None or snap.scale.shape[0] != direction.storage.scale.shape[0]:
-            direction.finish()
-            direction.check()
-            snap = FrozenScales(direction.storage.scale, direction.storage.scale_inv)
-            self.snapshots[direction] = snap
-        return snap
+    def index_of(self, state: RecipeState) -> int:
+        """This region's index among `state`'s training regions (taken by its first launch)."""
+        if self.trained[state] < 0:
+            self.trained[state] = state.next_region_index()
+        return self.trained[state]
 
     @property
     def token(self) -> torch.Tensor:
         """Its serial as a host int64 scalar: names the region to the backward of its training calls
         (saved with each; made once)."""
         if self._token is None:
-            self._token = _host_scalar(self.serial)
+            self._token = host_scalar(self.serial)
         return self._token
 
 
-def _host_scalar(value: int) -> torch.Tensor:
+def host_scalar(value: int) -> torch.Tensor:
+    """`value` as a host int64 scalar, marked as host memory by design (never a device wait)."""
     token = torch.tensor(value)
     token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
     return token
 
 
 class BackwardPass:
-    """What one backward pass (an autograd graph task) recorded: launched when the pass ends.
+    """What one backward pass (an autograd graph task) recorded into: told to each when the pass ends.
 
-    Each group's reduction carries the index of the region whose backward recorded into it first in
-    the pass, so a rank that ran a backward its peers did not (or in another order) fails the check.
-    """
+    Each recipe state is told the region whose backward recorded into it first in the pass (delayed
+    scaling's reduction carries its index, so a rank that ran a backward its peers did not, or in
+    another order, fails the check)."""
 
-    def __init__(self, step: StepBoundary) -> None:
-        self.step = step
-        self.groups: dict[AmaxGroup, Region] = {}  # group -> the first region that recorded into it
+    def __init__(self) -> None:
+        self.groups: dict[RecipeState, Region] = {}  # state -> the first region that recorded into it
         self.regions: dict[Region, None] = {}
 
-    def note(self, group: Optional[AmaxGroup], region: Optional[Region]) -> None:
-        if region is None:  # its region was collected: it cannot be named, the group's latest stands in
-            region = group.latest_region
-        if group is not None:  # None: a recipe that reduces nothing
-            self.groups.setdefault(group, region)
+    def note(self, state: Optional[RecipeState], region: Optional[Region]) -> None:
+        if region is None:  # its region was collected: it cannot be named, the state's latest stands in
+            region = state.latest_region
+        if state is not None:  # None: a recipe that keeps nothing
+            self.groups.setdefault(state, region)
         self.regions[region] = None
 
     def end(self) -> None:
-        for group, region in self.groups.items():
-            if group.recipe.per_step:  # kept for the step boundary (steps.py)
-                group.bwd.accumulate()
-                self.step.note_group(group)
-            elif group.bwd.recorded_columns:
-                group.bwd.launch(region.async_op, region.index_of(group))
+        for state, region in self.groups.items():
+            state.backward_ended(region)
         for region in self.regions:
             region.backward_ran()
 
@@ -286,48 +330,8 @@ class RegionStack:
             self.stack = saved
 
 
-class AmaxGroups:
-    """The amax groups, the channel of each process group, and their reduction counters."""
-
-    def __init__(self) -> None:
-        self.groups: dict[tuple, AmaxGroup] = {}
-        self._last: Optional[tuple] = None  # (recipe, process group, its group): `of`'s last answer
-        self.channels: dict[object, Channel] = {}
-        self.stats = ReductionStats()
-
-    def of(self, recipe, process_group) -> AmaxGroup:
-        """The amax group of `recipe` (a DelayedScaling) on `process_group` (None: the world). The last
-        answer is kept for the same two objects (every FP8 call of a region asks it)."""
-        process_group = world_if_default(process_group)
-        last = self._last
-        if last is not None and last[0] is recipe and last[1] is process_group:
-            return last[2]
-        group = self._of(recipe, process_group)
-        self._last = (recipe, process_group, group)
-        return group
-
-    def _of(self, recipe, process_group) -> AmaxGroup:
-        # recipes equal as the header sees them (callables by their code) share a group
-        key = (recipe.key(), recipe.reduce_amax, process_group)
-        group = self.groups.get(key)
-        if group is None:
-            channel = None
-            if reduces_across_ranks(recipe, process_group):
-                channel = self.channels.setdefault(process_group, Channel())
-            group = self.groups[key] = AmaxGroup(recipe, process_group, channel, self.stats)
-        return group
-
-    def synchronize(self) -> None:
-        """Complete every in-flight amax reduction and apply it, then raise any mismatch. No collective."""
-        for group in self.groups.values():
-            group.fwd.finish()
-            group.bwd.finish()
-        for channel in self.channels.values():
-            channel.check(block=True)
-
-
 class ModuleHandles:
-    """FP8 modules by handle: how the protocol's custom ops name them (never reset)."""
+    """FP8 modules by handle: how the runtime's custom ops name them (never reset)."""
 
     def __init__(self) -> None:
         self._count = 0
@@ -368,44 +372,26 @@ class CurrentPlans:
 class BackwardPasses:
     """The running backward pass's record, made (and its end queued) at its first FP8 backward node."""
 
-    def __init__(self, step: StepBoundary) -> None:
-        self._step = step
+    def __init__(self) -> None:
         self._current: Optional[tuple[int, BackwardPass]] = None  # (graph task, what it recorded)
 
     def current(self) -> BackwardPass:
         task = current_graph_task()
         if self._current is None or self._current[0] != task:
-            record = BackwardPass(self._step)
+            record = BackwardPass()
             self._current = (task, record)
             at_end_of_backward(record.end)
         return self._current[1]
 
 
-class StepBoundary:
-    """Per-step amax reduction's boundary: the groups to launch at it, and what detects a missing one."""
+class Replay(Protocol):
+    """A noted fp8train.checkpoint call (plans.CheckpointRecord), as the owners below see it."""
 
-    def __init__(self) -> None:
-        self.groups: dict[AmaxGroup, None] = {}  # per-step groups this rank trained, in that order
-        self.taken = 0  # step boundaries taken
-        self._parameters: dict[int, tuple] = {}  # module id -> its parameters' versions this step
+    stack: tuple[RegionSettings, ...]
 
-    def note_group(self, group: AmaxGroup) -> None:
-        """A per-step group that trained: launched at every step boundary from now on, in the order in
-        which the groups first trained (the same on every rank)."""
-        self.groups.setdefault(group, None)
+    def add(self, module_id: int, plan: ForwardPlan) -> None: ...
 
-    def take(self) -> list[AmaxGroup]:
-        """A boundary: the groups to launch, in order; the next step starts."""
-        self._parameters.clear()
-        self.taken += 1
-        return list(self.groups)
-
-    def same_parameters(self, module_id: int, versions: tuple) -> bool:
-        """Whether a module's parameter versions are those of its first training call of the step."""
-        return self._parameters.setdefault(module_id, versions) == versions
-
-    def parameters_loaded(self, module_id: int) -> None:
-        self._parameters.pop(module_id, None)
+    def next(self, module_id: int) -> Optional[ForwardPlan]: ...
 
 
 class Recomputation:
@@ -413,11 +399,11 @@ class Recomputation:
     the one being recomputed (its plans are replayed)."""
 
     def __init__(self) -> None:
-        self.replaying: Any = None  # the call being recomputed (plans.CheckpointRecord)
-        self.noting: list = []  # calls whose forward is running
+        self.replaying: Optional[Replay] = None  # the call being recomputed
+        self.noting: list[Replay] = []  # calls whose forward is running
 
     @contextlib.contextmanager
-    def noting_into(self, record) -> Iterator[None]:
+    def noting_into(self, record: Replay) -> Iterator[None]:
         self.noting.append(record)
         try:
             yield
@@ -425,7 +411,7 @@ class Recomputation:
             self.noting.remove(record)
 
     @contextlib.contextmanager
-    def replay(self, record, regions: RegionStack) -> Iterator[None]:
+    def replay(self, record: Replay, regions: RegionStack) -> Iterator[None]:
         """While `record` is recomputed: the regions active at the original call, and its noted plans."""
         saved, self.replaying = self.replaying, record
         try:
@@ -435,19 +421,32 @@ class Recomputation:
             self.replaying = saved
 
 
+class Part(Protocol):
+    """A part of the state that a recipe attaches (`State.attach`), reset with the rest."""
+
+    def reset(self) -> None: ...
+
+
 class State:
     def __init__(self) -> None:
         self.handles = ModuleHandles()
+        self._parts: list[Part] = []
         self.reset()
 
+    def attach(self, part: Part) -> Part:
+        """Make `part` (a recipe's state, made once: amax/state.py) part of this state: reset with it."""
+        self._parts.append(part)
+        return part
+
     def reset(self) -> None:
-        """Forget every region, amax group, channel, call plan, counter and boundary; keep the handles."""
+        """Forget every region, call plan, backward pass and recomputation, and reset every attached
+        part (delayed scaling: amax groups, channels, counters, the step boundary); keep the handles."""
         self.regions = RegionStack()
-        self.groups = AmaxGroups()
         self.calls = CurrentPlans()
-        self.step = StepBoundary()
-        self.backward = BackwardPasses(self.step)
+        self.backward = BackwardPasses()
         self.recompute = Recomputation()
+        for part in self._parts:
+            part.reset()
 
 
 STATE = State()
