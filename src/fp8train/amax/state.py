@@ -81,8 +81,8 @@ class DelayedPlan(ForwardPlan):
     def replay(self) -> DelayedPlan:
         """The plan as a recomputation replays it: same scales, no amax recorded, no region held."""
         return DelayedPlan(
-            self.fp8, self.quantization, None, self.serial, False, self.scale, self.scale_inv, self.offset,
-            frozen=self.frozen,
+            self.fp8, self.quantization, serial=self.serial, scale=self.scale, scale_inv=self.scale_inv,
+            offset=self.offset, frozen=self.frozen,
         )  # fmt: skip
 
     def same_as(self, other: ForwardPlan) -> bool:
