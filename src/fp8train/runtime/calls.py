@@ -38,14 +38,16 @@ __all__ = [
 ]  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Call:
     """One GEMM call of an FP8 module (not the module's forward call: state.ForwardPlan; not a
     checkpoint call: plans.CheckpointRecord): how it runs, and what its quantization needs besides
     the tensors.
 
-    Built field by field where it changes (`for_gemm`, `without_tensors`, `with_saved`):
-    dataclasses.replace is not traceable by dynamo in every torch.
+    Eagerly one Call is made per GEMM (`begin_call`) and completed in place (`for_gemm`), and one for
+    its backward (`without_tensors`, completed in place by `with_saved`): the lean path (docs/design.md,
+    section 6). In a compiled graph each step makes a new one, field by field (dynamo traces no
+    mutation of it; dataclasses.replace is not traceable in every torch).
     """
 
     fp8: bool  # the GEMM runs in FP8
@@ -83,15 +85,19 @@ class Call:
     ) -> Call:
         """This call with its GEMM's operand dtype and path, the scales and token `forward_scales` gave,
         and whether the weight's cast takes the weight's amax."""
+        if torch.compiler.is_compiling():  # a graph's call: a new one, no views, no slots
+            return Call(
+                self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
+                operand_dtype, scales, token, None, gemm_path, weight_amax_in_cast,
+            )  # fmt: skip
         plan, pairs, slots = self.plan, None, None
         given = None if plan is None else plan.given
         if given is not None and given[0] is scales:  # the scales as given: their views and slots
             pairs, slots = given[1], given[2]
-        amax_in_cast = self.record and self.fp8 and not torch.compiler.is_compiling()
-        return Call(
-            self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
-            operand_dtype, scales, token, plan, gemm_path, weight_amax_in_cast, pairs, amax_in_cast, slots,
-        )  # fmt: skip
+        self.operand_dtype, self.scales, self.token, self.gemm_path = operand_dtype, scales, token, gemm_path
+        self.weight_amax_in_cast, self.pairs, self.amax_slots = weight_amax_in_cast, pairs, slots
+        self.amax_in_cast = self.record and self.fp8
+        return self
 
     def without_tensors(self) -> Call:
         """What backward keeps on its context (the tensors travel through save_for_backward; the plan,
@@ -102,11 +108,15 @@ class Call:
         )  # fmt: skip
 
     def with_saved(self, module_handle: torch.Tensor, token: Optional[torch.Tensor]) -> Call:
-        """The backward's call: this one's fields with the saved tensors."""
-        return Call(
-            self.fp8, self.record, self.quantization, module_handle, self.gemm_index, self.operand_dtype,
-            None, token, None, self.gemm_path,
-        )  # fmt: skip
+        """The backward's call: this one (`without_tensors`'s) with the saved tensors; eagerly in place
+        (each backward of the node sets the same tensors again)."""
+        if torch.compiler.is_compiling():
+            return Call(
+                self.fp8, self.record, self.quantization, module_handle, self.gemm_index, self.operand_dtype,
+                None, token, None, self.gemm_path,
+            )  # fmt: skip
+        self.module_handle, self.token = module_handle, token
+        return self
 
     # ---- what the call asks of the runtime ------------------------------------------------------------
     def check_recipe_kind(self) -> None:
