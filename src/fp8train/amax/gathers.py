@@ -1,7 +1,9 @@
 """What FSDP2's FP8 weight gathers ask of delayed scaling (fsdp.py; docs/design.md, section 7): the
 region a gather made now is for, the weight scale each shard is cast with before it, and whether a
 weight gathered earlier may serve a call now. One door, `fp8_gathers()`, so that fsdp.py reads no
-protocol state (regions, settings, amax groups, replays, the role layout)."""
+protocol state (regions, settings, amax groups, replays, the role layout). It reads the runtime's
+region stack and replays (`fp8train.runtime`) and the amax group the region's settings hold
+(`RegionSettings.state`, looked up by `DelayedRuntime.region_state`)."""
 
 from __future__ import annotations
 

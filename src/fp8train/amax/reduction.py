@@ -4,7 +4,9 @@ docs/design.md, section 3. `Direction.launch` snapshots the recording slot (doub
 starts one all-reduce over [header | amaxes] on its process group's `Channel` (channel.py: one size
 for every collective on the group, and when to raise); `Direction.finish` is the only code that
 reads a reduced buffer, and it waits on the collective first. When they run is decided by the
-regions (regions.py) and the calls' plans (plans.py).
+runtime telling the group (`AmaxGroup.exited` at a region's exit, `AmaxGroup.backward_ended` at a
+backward pass's end: the hooks of runtime/state.py, section 3.1), by the step boundary
+(`StepBoundary`, steps.py) and by the calls' plans (amax/hooks.py).
 
 The header (header.py) is checked on the device: a reduction whose ranks disagree updates nothing
 and sets a sticky flag, and every rank raises at the same later launch.

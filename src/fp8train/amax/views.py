@@ -1,5 +1,6 @@
 """Reading the protocol's state: the public readers (`synchronize`, `reduction_stats`) and a small
-view of it for tests, telemetry and benchmarks (`fp8train.inspection`; docs/design.md, section 3).
+view of it for tests, telemetry and benchmarks (`fp8train.inspection`; docs/design.md, section 3):
+delayed scaling's amax groups (amax/state.py) and the runtime's regions (`fp8train.runtime`).
 
 The views read the live state through a narrow surface (what a test or a dashboard needs: the
 storage of an amax group's direction, its members, reductions pending and in flight, roles recorded

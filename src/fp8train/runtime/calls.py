@@ -28,7 +28,7 @@ from ..torch_internals import (
     round_precision_casts_as_eager,
 )
 from .plans import plan_forward
-from .state import STATE, ForwardPlan
+from .state import STATE, ForwardPlan, RuntimeModule
 
 if TYPE_CHECKING:
     from .state import RecipeRuntime
@@ -133,7 +133,7 @@ class Call:
             plan.quantization.output_noted(plan, output)
 
 
-def begin_call(module, gemm_index: int) -> Call:
+def begin_call(module: RuntimeModule, gemm_index: int) -> Call:
     """GEMM `gemm_index` of `module`'s current forward call (an FP8Module).
 
     Eager, the module call's plan is made at its first GEMM (and is its current call until the next
@@ -161,7 +161,7 @@ def begin_call(module, gemm_index: int) -> Call:
     return Call(plan.fp8, plan.record, plan.quantization, handle, gemm_index, plan=plan)
 
 
-def current_call(module, gemm_index: int = 0) -> Optional[Call]:
+def current_call(module: RuntimeModule, gemm_index: int = 0) -> Optional[Call]:
     """GEMM `gemm_index` of `module`'s latest eager forward call (readers, after the call); None when
     it ran in high precision or has not run."""
     plan = STATE.calls.of(module)

@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..torch_internals import current_graph_task, inside_reentrant_checkpoint
-from .state import STATE, ForwardPlan, RegionSettings
+from .state import STATE, ForwardPlan, RegionSettings, RuntimeModule
 
 __all__ = ["plan_forward", "CheckpointRecord", "recomputation_context_fn"]
 
 
-def plan_forward(module, training: bool, compiled: bool = False) -> Optional[ForwardPlan]:
+def plan_forward(module: RuntimeModule, training: bool, compiled: bool = False) -> Optional[ForwardPlan]:
     """How `module` (an FP8Module) runs this forward call; None: in high precision, recording nothing.
 
     `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad);
@@ -53,7 +53,7 @@ def plan_forward(module, training: bool, compiled: bool = False) -> Optional[For
     return plan
 
 
-def _recompute_plan(module) -> Optional[ForwardPlan]:
+def _recompute_plan(module: RuntimeModule) -> Optional[ForwardPlan]:
     """The plan of the original forward call, replayed: same scales, no amax, no registration."""
     record = STATE.recompute.replaying
     if record is not None:  # fp8train.checkpoint noted this call's plans and restored its settings

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "ForwardPlan",
-    "host_scalar", "RecipeRuntime", "RecipeState",
+    "host_scalar", "RecipeRuntime", "RecipeState", "RuntimeModule",
 ]  # fmt: skip
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
@@ -58,6 +58,18 @@ KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes t
 # The defaults are a stateless recipe's (each tensor scaled from itself): nothing kept, nothing owed
 # but the backward a training call's region waits for. Delayed scaling's state answers them in
 # `amax/` (`amax.DelayedRuntime`); the step boundary (`fp8train.end_step`) is its own.
+
+
+class RuntimeModule(Protocol):
+    """What the runtime reads of an FP8 module (modules/base.py's `FP8Module`, a layer above): named
+    here, where the runtime calls it, instead of imported."""
+
+    signature: str  # names it in errors
+    recipe_kind: Optional[str]  # the recipe kind it trains under (None: none yet)
+    fp8_handle: torch.Tensor  # how the compiled ops name it (`ModuleHandles.register`)
+
+    def claim_recipe_kind(self, kind: str) -> None:
+        """Train under `kind` from now on; raises where the module trained under another."""
 
 
 class RecipeState(Protocol):
@@ -93,7 +105,7 @@ class RecipeRuntime:
         return None
 
     def plan_call(
-        self, module: torch.nn.Module, settings: RegionSettings, region: Region, training: bool
+        self, module: RuntimeModule, settings: RegionSettings, region: Region, training: bool
     ) -> Optional[ForwardPlan]:
         """The plan of an FP8 module's forward call in `region` under `settings` (active); None: in
         high precision, recording nothing (a stateless recipe records nothing when calibrating)."""
