@@ -50,6 +50,7 @@ METRICS = _load_metrics()
 LAYERS = METRICS.LAYERS
 TREE = METRICS.Tree(REPO)
 AMAX = PACKAGE / "amax"
+RUNTIME = PACKAGE / "runtime"
 TOOLS = PACKAGE / "tools"
 INTEGRATIONS = PACKAGE / "integrations"
 # each integration module and the distributions it may import besides the core, torch and the stdlib
@@ -332,22 +333,22 @@ def test_the_private_api_check_finds_reads() -> None:
     assert found == [(1, "._version"), (2, "._local_tensor"), (5, 'startswith("FSDP")')]
 
 
-def _face_names() -> set[str]:
-    """What amax/__init__.py exports (`__all__`): its names, and the two namespaces it makes part of
-    the face (`roles`, the role layout; `views`, the readers fp8train.inspection names)."""
-    tree = ast.parse((AMAX / "__init__.py").read_text(encoding="utf-8"))
+def _face_names(folder: pathlib.Path = AMAX) -> set[str]:
+    """What `folder`/__init__.py exports (`__all__`): its names, and the namespaces it makes part of
+    the face (amax/: `roles`, the role layout; `views`, the readers fp8train.inspection names; ...)."""
+    tree = ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
             return set(ast.literal_eval(node.value))
-    raise AssertionError("amax/__init__.py has no __all__")
+    raise AssertionError(f"{folder.name}/__init__.py has no __all__")
 
 
-def _past_the_face(path: pathlib.Path, source: str = "") -> list[str]:
-    face = {f"fp8train.amax.{name}" for name in _face_names()}
+def _past_the_face(path: pathlib.Path, source: str = "", folder: pathlib.Path = AMAX) -> list[str]:
+    face = {f"fp8train.{folder.name}.{name}" for name in _face_names(folder)}
     return [
         f"{imp.path}:{imp.line}: {imp.target}"
         for imp in TREE.imports(path, source)
-        if imp.target.startswith("fp8train.amax.") and imp.target not in face
+        if imp.target.startswith(f"fp8train.{folder.name}.") and imp.target not in face
     ]
 
 
@@ -362,6 +363,17 @@ def test_nothing_outside_amax_imports_past_its_face() -> None:
     assert not offenders, "imports past amax's face (export the name from amax/__init__.py):\n" + "\n".join(
         offenders
     )
+
+
+def test_nothing_outside_the_runtime_imports_past_its_face() -> None:
+    """The same rule for runtime/ (docs/design.md, section 3.1): amax/ included, it goes through
+    `fp8train.runtime` only."""
+    files = [p for p in PACKAGE.rglob("*.py") if RUNTIME not in p.parents]
+    files += [p for folder in ("benchmarks", "scripts", "examples") for p in (REPO / folder).rglob("*.py")]
+    offenders = [line for path in files for line in _past_the_face(path, folder=RUNTIME)]
+    assert not offenders, "imports past the runtime's face:\n" + "\n".join(offenders)
+    past = _past_the_face(PACKAGE / "amax" / "hooks.py", "from ..runtime.state import STATE\n", RUNTIME)
+    assert [line.split(": ")[1] for line in past] == ["fp8train.runtime.state"]
 
 
 def test_the_face_check_sees_every_form_of_import() -> None:
@@ -436,7 +448,6 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
     )
 
 
-RUNTIME = PACKAGE / "runtime"
 # what only a recipe with state knows: delayed scaling's flags, fields and state, by name
 DELAYED_NAMES = {"per_step", "reduces_amax", "amax_group", "fp8_meta", "records_into", "amax_reduction"}
 
