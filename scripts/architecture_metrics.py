@@ -31,7 +31,8 @@ What is measured:
     src/fp8train/ are seen; torch and the standard library are transparent (a package function
     called by torch counts as called from the innermost package frame below it). A room is a module
     file; "per file" counts each file of amax/ as its room, "amax as one room" counts amax/ (and,
-    before the move, the files that moved into it) as one. The current room is the room of the
+    before the move, the files that moved into it; after the split of issue 40, runtime/ too) as one,
+    "amax and runtime as two rooms" each folder as one. The current room is the room of the
     innermost package frame (kept while no package frame is on the stack). Counted:
       rooms           the sequence of current rooms, consecutive repeats collapsed ("stays");
       distinct_rooms  how many different rooms the walk enters;
@@ -84,6 +85,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("numerics", ("numerics", "saved", "second_order", "tensor_parallel")),
+    ("runtime", ("runtime",)),
     ("amax", ("amax",)),
     ("quantization", ("quantization",)),
     ("modules and parallel wrappers", ("fsdp", "modules", "comm", "optim", "distributed")),
@@ -523,10 +525,19 @@ def walks(tree: Tree, events: dict[str, list]) -> dict:
 
     def amax_as_one(file: str) -> str:
         module = tree.module_of(tree.package / file)
-        return "amax/" if tree.home(module).split(".")[0] == "amax" else file
+        return "amax/" if tree.home(module).split(".")[0] in ("amax", "runtime") else file
+
+    def folders(file: str) -> str:
+        module = tree.module_of(tree.package / file)
+        top = tree.home(module).split(".")[0]
+        return f"{top}/" if top in ("amax", "runtime") else file
 
     return {
-        walk: {"per file": walk_measures(ev, per_file), "amax as one room": walk_measures(ev, amax_as_one)}
+        walk: {
+            "per file": walk_measures(ev, per_file),
+            "amax as one room": walk_measures(ev, amax_as_one),
+            "amax and runtime as two rooms": walk_measures(ev, folders),
+        }
         for walk, ev in events.items()
     }
 

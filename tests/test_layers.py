@@ -50,6 +50,7 @@ METRICS = _load_metrics()
 LAYERS = METRICS.LAYERS
 TREE = METRICS.Tree(REPO)
 AMAX = PACKAGE / "amax"
+RUNTIME = PACKAGE / "runtime"
 TOOLS = PACKAGE / "tools"
 INTEGRATIONS = PACKAGE / "integrations"
 # each integration module and the distributions it may import besides the core, torch and the stdlib
@@ -332,22 +333,22 @@ def test_the_private_api_check_finds_reads() -> None:
     assert found == [(1, "._version"), (2, "._local_tensor"), (5, 'startswith("FSDP")')]
 
 
-def _face_names() -> set[str]:
-    """What amax/__init__.py exports (`__all__`): its names, and the two namespaces it makes part of
-    the face (`roles`, the role layout; `views`, the readers fp8train.inspection names)."""
-    tree = ast.parse((AMAX / "__init__.py").read_text(encoding="utf-8"))
+def _face_names(folder: pathlib.Path = AMAX) -> set[str]:
+    """What `folder`/__init__.py exports (`__all__`): its names, and the namespaces it makes part of
+    the face (amax/: `roles`, the role layout; `views`, the readers fp8train.inspection names; ...)."""
+    tree = ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
             return set(ast.literal_eval(node.value))
-    raise AssertionError("amax/__init__.py has no __all__")
+    raise AssertionError(f"{folder.name}/__init__.py has no __all__")
 
 
-def _past_the_face(path: pathlib.Path, source: str = "") -> list[str]:
-    face = {f"fp8train.amax.{name}" for name in _face_names()}
+def _past_the_face(path: pathlib.Path, source: str = "", folder: pathlib.Path = AMAX) -> list[str]:
+    face = {f"fp8train.{folder.name}.{name}" for name in _face_names(folder)}
     return [
         f"{imp.path}:{imp.line}: {imp.target}"
         for imp in TREE.imports(path, source)
-        if imp.target.startswith("fp8train.amax.") and imp.target not in face
+        if imp.target.startswith(f"fp8train.{folder.name}.") and imp.target not in face
     ]
 
 
@@ -362,6 +363,17 @@ def test_nothing_outside_amax_imports_past_its_face() -> None:
     assert not offenders, "imports past amax's face (export the name from amax/__init__.py):\n" + "\n".join(
         offenders
     )
+
+
+def test_nothing_outside_the_runtime_imports_past_its_face() -> None:
+    """The same rule for runtime/ (docs/design.md, section 3.1): amax/ included, it goes through
+    `fp8train.runtime` only."""
+    files = [p for p in PACKAGE.rglob("*.py") if RUNTIME not in p.parents]
+    files += [p for folder in ("benchmarks", "scripts", "examples") for p in (REPO / folder).rglob("*.py")]
+    offenders = [line for path in files for line in _past_the_face(path, folder=RUNTIME)]
+    assert not offenders, "imports past the runtime's face:\n" + "\n".join(offenders)
+    past = _past_the_face(PACKAGE / "amax" / "hooks.py", "from ..runtime.state import STATE\n", RUNTIME)
+    assert [line.split(": ")[1] for line in past] == ["fp8train.runtime.state"]
 
 
 def test_the_face_check_sees_every_form_of_import() -> None:
@@ -410,7 +422,7 @@ def test_every_core_module_is_in_exactly_one_layer() -> None:
     stale = [e for e, p in paths.items() if not p.with_suffix(".py").is_file() and not p.is_dir()]
     assert not stale, f"LAYERS names what src/fp8train/ does not hold: {stale}"
     modules = TREE.core_modules()
-    assert len(modules) > 50 and "fp8train.amax.calls" in modules
+    assert len(modules) > 50 and "fp8train.runtime.calls" in modules
     unplaced = []
     for module in modules:
         try:
@@ -418,8 +430,11 @@ def test_every_core_module_is_in_exactly_one_layer() -> None:
         except ValueError as err:
             unplaced.append(str(err))
     assert not unplaced, "\n".join(unplaced)
-    placed = [LAYERS[TREE.layer_of(m)][0] for m in ("fp8train.recipe", "fp8train.amax.calls", "fp8train")]
-    assert placed == ["vocabulary", "amax", "doors and readers"]
+    placed = [
+        LAYERS[TREE.layer_of(m)][0]
+        for m in ("fp8train.recipe", "fp8train.runtime.calls", "fp8train.amax.hooks", "fp8train")
+    ]
+    assert placed == ["vocabulary", "runtime", "amax", "doors and readers"]
     # the longest entry places a module: numerics/ is the numerics layer but for formats.py
     dotted = ("fp8train.numerics.formats", "fp8train.numerics.cast", "fp8train.numerics.kernels.rounding")
     assert [LAYERS[TREE.layer_of(m)][0] for m in dotted] == ["vocabulary", "numerics", "numerics"]
@@ -431,6 +446,42 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(
         map(TREE.arrow_text, upward)
     )
+
+
+# what only a recipe with state knows: delayed scaling's flags, fields and state, by name
+DELAYED_NAMES = {"per_step", "reduces_amax", "amax_group", "fp8_meta", "records_into", "amax_reduction"}
+
+
+def _recipe_knowledge(source: str) -> list[str]:
+    """Delayed scaling's names (attributes or names) and `Any` in `source`, each as "line: name"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = getattr(node, "attr", None) if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if name in DELAYED_NAMES or name == "Any":
+            found.append((node.lineno, node.col_offset, name))
+    return [f"{line}: {name}" for line, _, name in sorted(found)]
+
+
+def test_the_runtime_knows_no_recipe() -> None:
+    """runtime/ (regions, calls, plans, replays, handles, compiled ops) reaches a recipe's state through
+    its hooks only (runtime/hooks.py; docs/design.md, section 3.1): no test of delayed scaling's flags
+    (`per_step`, `reduces_amax`), none of its fields or state, no `Any` where a recipe is meant; and it
+    imports neither amax/ nor quantization/ (the layers, above, say so too)."""
+    offenders = {}
+    for path in sorted(RUNTIME.glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        found = _recipe_knowledge(source)
+        found += [f"import {i.target}" for i in TREE.imports(path, source)
+                  if i.target.startswith(("fp8train.amax", "fp8train.quantization"))]  # fmt: skip
+        if found:
+            offenders[path.name] = found
+    assert not offenders, f"runtime/ knows a recipe: {offenders}"
+    assert len(list(RUNTIME.glob("*.py"))) >= 5
+
+
+def test_the_runtime_rule_sees_delayed_knowledge() -> None:
+    source = "from typing import Any\nif q.reduces_amax and group.recipe.per_step:\n    x: Any = m.fp8_meta\n"
+    assert _recipe_knowledge(source) == ["2: reduces_amax", "2: per_step", "3: Any", "3: fp8_meta"]
 
 
 def test_the_layer_check_sees_an_upward_import() -> None:

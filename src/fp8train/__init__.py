@@ -3,7 +3,6 @@ scaling), with delayed scaling's global amax reduction asynchronous by default a
 construction."""
 
 from . import amax, comm, debug_switches, inspection, pipeline, telemetry
-from .amax import end_step, end_step_on
 from .autocast import autocast, fp8_autocast
 from .checkpoint_files import CheckpointError, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
@@ -42,6 +41,8 @@ from .recompute import checkpoint
 from .tensor_parallel import reduce_sequence_parallel_grads
 
 __version__ = "0.1.0"
+
+end_step, end_step_on = amax.steps.end_step, amax.steps.end_step_on  # the step boundary (amax/steps.py)
 
 __all__ = [
     "amax",

@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from .amax import RegionSettings, enter_region, exit_region
 from .quantization import quantization_of
 from .recipe import DelayedScaling, Recipe
+from .runtime import RegionSettings, enter_region, exit_region
 
 __all__ = ["fp8_autocast", "autocast"]
 

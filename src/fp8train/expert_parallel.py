@@ -43,10 +43,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .amax import current_settings, expert_group_error
+from .amax import membership
 from .autocast import fp8_autocast
 from .comm import wire
 from .modules import FP8Module
+from .runtime import current_settings
 
 __all__ = ["ExpertParallel", "Dispatched", "dispatch", "combine", "mark_experts"]
 
@@ -70,7 +71,7 @@ def _region_error(ep_group, amax_group) -> Optional[str]:
     if settings is None or not settings.active or not settings.quantization.reduces_amax:
         return None
     group = settings.group if amax_group is None else amax_group
-    return expert_group_error("ExpertParallel", group, ep_group, settings.recipe)
+    return membership.expert_group_error("ExpertParallel", group, ep_group, settings.recipe)
 
 
 # ---- the collectives ------------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ class ExpertParallel(torch.nn.Module):
         self.local_experts = num_experts // size
         self.first_expert = dist.get_rank(self.ep_group) * self.local_experts
         named = amax_group is not None
-        error = expert_group_error("ExpertParallel", amax_group, self.ep_group) if named else None
+        error = membership.expert_group_error("ExpertParallel", amax_group, self.ep_group) if named else None
         if error:
             raise ValueError(error)
         mark_experts(experts, self.ep_group)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import amax as protocol
 from . import tensor_parallel
 from .numerics.cast import amax, quantize
+from .runtime import module_of
 from .torch_internals import (
     dtensor_local,
     in_backward,
@@ -36,7 +37,7 @@ from .torch_internals import (
 )
 
 if TYPE_CHECKING:
-    from .amax import Region
+    from .runtime import Region
 
 __all__ = [
     "FSDPFP8Weight",
@@ -372,6 +373,6 @@ def note_gathered_forward(module, gemm_index: int, gather: WeightGather, output:
 
 def gathered_backward_ran(handle: torch.Tensor, gemm_index: int, node) -> None:
     """The backward of the forward whose autograd node is `node` ran: it owes nothing any more."""
-    book = protocol.module_of(handle).fsdp_gathers.get(gemm_index)
+    book = module_of(handle).fsdp_gathers.get(gemm_index)
     if book is not None:
         book.owed = [(ref, gather) for ref, gather in book.owed if ref() is not node]

@@ -24,7 +24,6 @@ from typing import Optional
 
 import torch
 
-from .amax import current_call
 from .debug_switches import SWITCHES
 from .fsdp import GatheredWeight
 from .modules.base import FP8Module
@@ -33,6 +32,7 @@ from .numerics import gemm
 from .quantization import RECIPES, check_recipe, record_of_kind
 from .quantization.base import Quantization
 from .recipe import DelayedScaling, Recipe
+from .runtime import current_call
 from .shape_rule import GEMM_MULTIPLE, why_off
 from .torch_internals import managed_by_fsdp2
 from .user_warnings import warn_user

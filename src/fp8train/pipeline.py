@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .amax import check_stage_group
+from .amax import membership
 from .debug_switches import SWITCHES
 
 __all__ = ["check_stage", "prepare_stage"]
@@ -23,7 +23,7 @@ def check_stage(stage, amax_reduction_group=None) -> None:
     """Raise (on every rank alike) if `amax_reduction_group` (None: the world) holds ranks of other
     stages of `stage`'s pipeline (a torch.distributed.pipelining PipelineStage)."""
     group = dist.group.WORLD if amax_reduction_group is None else amax_reduction_group
-    check_stage_group(f"pipeline stage {stage.stage_index}", group, True, stage.group)
+    membership.check_stage_group(f"pipeline stage {stage.stage_index}", group, True, stage.group)
 
 
 def prepare_stage(stage, recipe=None, amax_reduction_group=None, **kwargs):

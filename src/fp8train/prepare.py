@@ -27,13 +27,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .amax import Region, RegionSettings, enter_region, exit_region
 from .convert import FilterFn, convert_checked
 from .layer_coverage import model_coverage
 from .modules.base import FP8Module
 from .quantization import quantization_of
 from .quantization.base import Quantization
 from .recipe import DelayedScaling, Recipe
+from .runtime import Region, RegionSettings, enter_region, exit_region
 from .user_warnings import UNSET, renamed_argument
 
 __all__ = ["prepare", "is_prepared", "FP8Forward", "first_and_last_linear_filter"]

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch.utils.checkpoint
 
-from .amax import recomputation_context_fn
+from .runtime import recomputation_context_fn
 
 __all__ = ["checkpoint"]
 

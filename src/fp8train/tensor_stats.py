@@ -25,12 +25,12 @@ from typing import Optional
 
 import torch
 
-from .amax import Call, current_call
 from .layer_coverage import gemm_weights
 from .modules.base import FP8Module
 from .numerics.gemm import Operand
 from .quantization import quantization_of
 from .recipe import Recipe
+from .runtime import Call, current_call
 
 __all__ = [
     "kurtosis", "underflow_shares", "block_scale_stats", "relative_error", "GemmStatistics",
@@ -180,7 +180,7 @@ class GemmStatistics:
             _, weight, _, _ = gemm_weights(module)[0]
             w = weight.detach().t() if type(module).__name__ == "Conv1D" else weight.detach()
             with torch.no_grad():
-                scales = call.frozen_scales()
+                scales = call.quantization.frozen_scales(call.plan, call.gemm_index)
                 self._role(name, "input", x, call.quantization, scales)
                 self._role(name, "weight", w, call.quantization, scales)
             if output.requires_grad:

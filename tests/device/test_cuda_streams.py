@@ -17,7 +17,7 @@ import torch
 
 import fp8train
 from fp8train.amax import reduction
-from fp8train.amax.state import STATE
+from fp8train.amax.state import AMAX
 from fp8train.amax.stats import HostMirror, Mark, ReductionStats
 from multirank import run_ranks
 
@@ -231,7 +231,7 @@ def test_cuda_timings_stay_bounded_without_telemetry(simulated_cuda) -> None:
 def test_reduction_stats_without_completing_waits_for_nothing(simulated_cuda) -> None:
     """`reduction_stats(complete=False)` leaves the timings the device has not completed for later;
     the default waits for them."""
-    _reduce(STATE.groups.stats, torch.device("cuda", 0))
+    _reduce(AMAX.stats, torch.device("cuda", 0))
     assert fp8train.reduction_stats(complete=False)["exposed_wait_s"] == 0.0
     assert simulated_cuda.synchronized == 0
     assert fp8train.reduction_stats()["exposed_wait_s"] == pytest.approx(1e-3)

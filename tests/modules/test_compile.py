@@ -407,7 +407,7 @@ def test_fp8_calls_refuse_cuda_graph_capture(monkeypatch) -> None:
     """Where a CUDA graph would capture the protocol's Python (torch.cuda.graph around FP8 modules, or
     a torch whose inductor cannot be told to partition) the call refuses, naming the way out, rather
     than be skipped at every replay. The capture is simulated on the CPU."""
-    from fp8train.amax import calls as ops
+    from fp8train.amax import hooks as ops
 
     # torch's own capture query answered yes (no CUDA graph can be captured on the CPU): a fact, no setting
     monkeypatch.setattr(ops, "capturing_cuda_graph", lambda device: True)

@@ -187,7 +187,7 @@ def test_prepare_trains_hf_experts_in_fp8_one_region_per_call() -> None:
     ids = torch.randint(0, 96, (2, 16))
     model(ids, labels=ids).loss.backward()
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    assert experts and all(fp8train.amax.current_call(e).fp8 for e in experts)
+    assert experts and all(fp8train.runtime.current_call(e).fp8 for e in experts)
     assert all(e.fp8_meta["scaling_fwd"].amax_history[0, 1::3].gt(0).all() for e in experts)
 
 

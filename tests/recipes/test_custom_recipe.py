@@ -276,3 +276,122 @@ def test_a_stateful_recipe_reuses_delayed_scalings_state_and_reduction_through_i
     with pytest.raises(RuntimeError, match="trained with mean_history scaling"):
         with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
             mean(torch.randn(8, 32))
+
+
+# ---- a stateful recipe with a state of its own, through the runtime's hooks (design.md, section 3.1) -------
+class RunningMaxState:
+    """Toy state (a `runtime.RecipeState`): per (module handle, GEMM, role) the running max of every
+    amax seen in earlier regions and backward passes; a region's amaxes apply when the runtime says it
+    exited, a backward pass's when it says it ended (delayed: a step casts with earlier steps' maxima)."""
+
+    process_group = None  # this rank alone
+
+    def __init__(self) -> None:
+        self.maxima: dict[tuple, torch.Tensor] = {}
+        self.pending: dict[tuple, torch.Tensor] = {}
+        self.latest_region = None
+        self.indices = 0
+        self.exits: list[int] = []  # serials of the regions the runtime said exited
+        self.backward_ends = 0
+
+    def next_region_index(self) -> int:
+        self.indices += 1
+        return self.indices - 1
+
+    def _apply(self) -> None:
+        for key, amax in self.pending.items():
+            self.maxima[key] = torch.maximum(self.maxima.get(key, amax), amax)
+        self.pending.clear()
+
+    def exited(self, region, failed: bool) -> None:
+        self.exits.append(region.serial)
+        self.latest_region = region
+        self._apply()
+
+    def backward_ended(self, region) -> None:
+        self.backward_ends += 1
+        self._apply()
+
+    def scale(self, key: tuple, t: torch.Tensor, encoding: str) -> torch.Tensor:
+        """Its scale from earlier maxima (1 before any), and the tensor's amax noted for later."""
+        amax = t.detach().abs().amax().float()
+        self.pending[key] = torch.maximum(self.pending.get(key, amax), amax)
+        seen = self.maxima.get(key)
+        return torch.tensor(1.0) if seen is None else fp8_max(encoding) / seen
+
+
+RUNNING = RunningMaxState()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningMaxScaling:
+    """Toy stateful recipe: each tensor scaled from the running max of its amaxes in earlier steps."""
+
+    fp8_format: Format = Format.HYBRID
+
+
+class RunningMaxQuantization(TensorQuantization):
+    kind = "running_max"
+
+    # the runtime's hooks (runtime.RecipeRuntime): its state for a region, a call's plan
+    def region_state(self, settings, region, fp8_group) -> RunningMaxState:
+        return RUNNING
+
+    def plan_call(self, module, settings, region, training):
+        if settings.enabled and training:
+            region.note_trained(settings.state)  # the region's exit is owed to the state
+        return fp8train.runtime.ForwardPlan(True, self, record=training) if settings.enabled else None
+
+    def call_scales(self, call, x, weight_amax):
+        plan = call.plan  # no scales to hand down; the token names the region to the GEMM's backward
+        token = None if plan is None or plan.region is None else plan.region.token
+        return None, token
+
+    def _key(self, call, role: str) -> tuple:
+        return int(call.module_handle), call.gemm_index, role
+
+    def quantize_weight(self, weight, call) -> WeightOperands:
+        scale = RUNNING.scale(self._key(call, "w"), weight, "e4m3")
+        return WeightOperands.same(self.cast(weight, scale, scale.reciprocal(), "e4m3", call.operand_dtype))
+
+    def quantize_input(self, x2d, call) -> InputOperands:
+        scale = RUNNING.scale(self._key(call, "x"), x2d, "e4m3")
+        operand = self.cast(x2d, scale, scale.reciprocal(), "e4m3", call.operand_dtype)
+        return InputOperands(operand, operand)
+
+    def quantize_grad(self, g2d, call, needs) -> GradOperands:
+        region = fp8train.runtime.STATE.regions.by_serial(int(call.token))
+        fp8train.runtime.STATE.backward.current().note(RUNNING, region)  # the pass's end is owed to it
+        scale = RUNNING.scale(self._key(call, "g"), g2d, self.grad_encoding)
+        return self.grad_operands(g2d, scale, scale.reciprocal(), call)
+
+
+def test_a_stateful_recipe_with_its_own_state_runs_through_the_runtimes_hooks(monkeypatch) -> None:
+    """No edit of the library: the runtime tells the toy's state when each region exits and each
+    backward pass ends, and each step casts with the maxima of the steps before it."""
+    monkeypatch.setenv("FP8TRAIN_GEMM", "fp32")  # the exact emulation: FP8 products summed in fp32
+    fp8train.register_recipe(RunningMaxScaling, RunningMaxQuantization)
+    try:
+        torch.manual_seed(0)
+        module = fp8train.Linear(32, 16)
+        w = module.weight.detach()
+        xs = [torch.randn(8, 32) * scale for scale in (1.0, 4.0, 2.0)]
+        outputs = []
+        for x in xs:
+            with fp8train.fp8_autocast(fp8_recipe=RunningMaxScaling()):
+                y = module(x)
+            y.sum().backward()  # no optimizer step: the weight stays w
+            outputs.append(y.detach())
+    finally:
+        del RECIPES[RunningMaxScaling]
+    assert len(RUNNING.exits) == 3 and RUNNING.backward_ends == 3 and module.recipe_kind == "running_max"
+
+    def quantized(t: torch.Tensor, scale) -> torch.Tensor:
+        q = (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return q.double() / torch.as_tensor(scale).double()
+
+    for step, (x, y) in enumerate(zip(xs, outputs)):
+        x_scale = 1.0 if step == 0 else 448.0 / max(float(v.abs().amax()) for v in xs[:step])
+        w_scale = 1.0 if step == 0 else 448.0 / float(w.abs().amax())
+        expected = quantized(x, x_scale) @ quantized(w, w_scale).T + module.bias.detach().double()
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)

@@ -318,8 +318,8 @@ def test_block_scaled_recipes_say_once_on_cuda_that_their_gemm_is_emulated(monke
     torch.compile)."""
     import warnings
 
-    from fp8train.amax import Call
     from fp8train.quantization import base, block_scaling, mxfp8, nvfp4
+    from fp8train.runtime import Call
 
     seen = []
     for module in (block_scaling, mxfp8, nvfp4):  # spies: which recipes ask (the warning: below, by its seam)

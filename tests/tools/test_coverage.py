@@ -293,7 +293,7 @@ def test_statistics_match_naive_references_on_crafted_tensors() -> None:
     """Kurtosis: +-1 values give exactly 1, a two-point 0/1 mix with p = 1/4 gives
     (1 - 3p(1-p)) / (p(1-p)) = 7/3. Underflow: per-tensor current scaling scales amax 448 to 448 (scale
     1): 2^-12 quantizes to 0 (below half of E4M3's smallest subnormal 2^-9), 2^-8 to a subnormal."""
-    from fp8train.amax import Call
+    from fp8train.runtime import Call
     from fp8train.tensor_stats import GemmStatistics, kurtosis, underflow_shares
 
     assert kurtosis(torch.tensor([1.0, -1.0] * 8)).item() == 1.0
@@ -392,7 +392,7 @@ def test_a_gemm_input_with_outliers_warns_once() -> None:
 def test_block_scale_spread_and_range_against_a_naive_reference() -> None:
     """Block scaling's 1x128 input tiles: a row of all 1s and a row of all 2^-8 (with one 2^-12):
     scale_inv spread log2(1 / 2^-8) = 8 (power-of-2 scales), widest block 2^-8 / 2^-12: 4."""
-    from fp8train.amax import Call
+    from fp8train.runtime import Call
     from fp8train.tensor_stats import block_scale_stats
 
     x = torch.ones(2, 128)

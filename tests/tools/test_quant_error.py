@@ -126,8 +126,8 @@ def test_block_sizes_show_on_tensors_with_outliers() -> None:
 
 
 def _dequantized_input(recipe, x: torch.Tensor) -> torch.Tensor:
-    from fp8train.amax import Call
     from fp8train.quantization import quantization_of
+    from fp8train.runtime import Call
 
     q = quantization_of(recipe)
     return q.quantize_input(x, Call.outside_module(q)).forward.dequantize()
@@ -192,8 +192,8 @@ def test_measuring_does_not_change_training() -> None:
 
     assert losses(True) == losses(False)
     captured = next(iter(_captured_gpt().values()))
-    from fp8train.amax import Call
     from fp8train.quantization import quantization_of
+    from fp8train.runtime import Call
 
     state = torch.get_rng_state()
     q = quantization_of(DEMO_RECIPES["nvfp4"])

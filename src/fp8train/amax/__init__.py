@@ -1,60 +1,37 @@
-"""Delayed scaling's amax protocol, behind this one face (docs/design.md, section 3).
+"""Delayed scaling's state, behind this one face (docs/design.md, sections 3 and 3.1).
 
-Nothing outside `amax/` imports past this file (tests/test_layers.py). What the rest of the package
-asks of the protocol:
+What `amax/` keeps is delayed scaling's: its amax groups (both directions, their storage, the wire
+and channel of each process group, the reductions), the step boundary of per-step groups, the
+`fp8_meta` views of each module's columns and the membership checks. Its recipe owns it through the
+runtime's hooks (`runtime.RecipeRuntime`): `DelayedRuntime`, the base of `DelayedQuantization`, answers
+them (a region's amax group, a call's plan with frozen scales, a GEMM's scales and recorded amaxes,
+a backward's gradient scale, what FSDP2 casts a shard with), and each `AmaxGroup` launches its
+reductions when a region that trained it exits and when a backward pass that recorded into it ends.
+The runtime (regions, calls, plans, replays, handles, compiled ops) is `fp8train.runtime`.
 
-- regions: `enter_region` / `exit_region` with a `RegionSettings` (autocast.py, prepare.py);
-- calls: `begin_call(module, gemm_index)` gives the `Call` each FP8 GEMM hands down (fp8_linear,
-  the recipes); `current_call` reads a module's latest call (coverage, tensor statistics);
-  `recomputation_context_fn` replays calls in fp8train.checkpoint;
-- modules: `register_module` / `module_of` (handles), `ScalingMeta` (fp8_meta) and its checkpoint
-  form, the role layout (`roles`);
-- the step boundary: `end_step`, `end_step_on`, `ending_step`, `parameters_loaded`;
-- the innermost region's settings: `current_settings` (grouped GEMMs, torchtitan);
-- FSDP2's FP8 gathers: `fp8_gathers` (the region, the weight scales, whether a gather serves a call);
-- readers: `views` (fp8train.inspection), `HostMirror` (telemetry), `check_stage_group` (pipeline),
-  `expert_group_error` (expert_parallel);
-- `settings`: the knobs (async switch, initial wire size, verdict lag); `update_scaling`: the fused
-  update (its benchmark).
+Nothing outside `amax/` imports past this file (tests/test_layers.py). Its names:
+
+- `DelayedRuntime`: the hooks (quantization/delayed.py);
+- `ScalingMeta`, `decode_extra_state`, `roles`: a module's `fp8_meta` and its checkpoint form, the
+  role layout (modules/base.py, telemetry);
+- `steps`: the step boundary (`end_step`, `end_step_on`, `ending_step`, `parameters_loaded`);
+- `fp8_gathers`: FSDP2's FP8 gathers (the region, the weight scales, whether a gather serves a call);
+- `membership`: who may share an amax group (`check_stage_group`, pipeline; `expert_group_error`,
+  expert_parallel);
+- readers: `views` (fp8train.inspection), `HostMirror` (telemetry);
+- `settings`: the knobs (async switch and its variable `settings.ENV_ASYNC`, initial wire size,
+  verdict lag); `update_scaling`: the fused update (its benchmark).
 """
 
-from typing import Optional
-
-import torch
-
-from . import roles, views
-from .calls import Call, begin_call, current_call
+from . import membership, roles, steps, views
 from .gathers import fp8_gathers
-from .membership import check_stage_group, expert_group_error
+from .hooks import DelayedRuntime
 from .meta import ScalingMeta, decode_extra_state
-from .plans import recomputation_context_fn
-from .regions import enter_region, exit_region
-from .settings import ENV_ASYNC, settings
-from .state import STATE, Region, RegionSettings
+from .settings import settings
 from .stats import HostMirror
-from .steps import end_step, end_step_on, ending_step, parameters_loaded
 from .storage import update_scaling
 
 __all__ = [
-    "RegionSettings", "Region", "enter_region", "exit_region",
-    "Call", "begin_call", "current_call", "recomputation_context_fn",
-    "register_module", "module_of", "ScalingMeta", "decode_extra_state", "roles",
-    "end_step", "end_step_on", "ending_step", "parameters_loaded",
-    "current_settings", "fp8_gathers",
-    "views", "HostMirror", "check_stage_group", "expert_group_error",
-    "settings", "ENV_ASYNC", "update_scaling",
+    "DelayedRuntime", "ScalingMeta", "decode_extra_state", "roles", "steps", "fp8_gathers", "membership",
+    "views", "HostMirror", "settings", "update_scaling",
 ]  # fmt: skip
-
-
-def register_module(module: torch.nn.Module) -> torch.Tensor:
-    """A new handle for `module` (an FP8Module): how the protocol's custom ops name it."""
-    return STATE.handles.register(module)
-
-
-def module_of(handle: torch.Tensor) -> torch.nn.Module:
-    return STATE.handles.module(handle)
-
-
-def current_settings() -> Optional[RegionSettings]:
-    """The innermost active region's settings (None outside every region)."""
-    return STATE.regions.settings

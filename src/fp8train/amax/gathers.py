@@ -1,7 +1,9 @@
 """What FSDP2's FP8 weight gathers ask of delayed scaling (fsdp.py; docs/design.md, section 7): the
 region a gather made now is for, the weight scale each shard is cast with before it, and whether a
 weight gathered earlier may serve a call now. One door, `fp8_gathers()`, so that fsdp.py reads no
-protocol state (regions, settings, amax groups, replays, the role layout)."""
+protocol state (regions, settings, amax groups, replays, the role layout). It reads the runtime's
+region stack and replays (`fp8train.runtime`) and the amax group the region's settings hold
+(`RegionSettings.state`, looked up by `DelayedRuntime.region_state`)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..runtime import STATE, Region, RegionSettings
 from ..torch_internals import in_backward
 from .roles import WEIGHT, forward_column
-from .state import STATE, Region, RegionSettings
 
 __all__ = ["FP8Gathers", "fp8_gathers"]
 
@@ -36,7 +38,7 @@ class FP8Gathers:
         None): the scales its forward will cast with (its call's plan takes the same:
         `ScalingMeta.scales_in`). Raises ValueError where the amax group does not contain the ranks
         FSDP2 shards the weight over (each shard would be cast with its own scale)."""
-        group = self._settings.amax_group  # looked up at the region's entry
+        group = self._settings.state  # the amax group, looked up at the region's entry
         amax_ranks = dist.get_process_group_ranks(group.process_group) if group.fwd.channel else []
         if len(set(shard_ranks)) > 1 and not set(shard_ranks) <= set(amax_ranks):  # one shard: its own
             raise ValueError(

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from .reduction import Direction
+from .state import frozen_scales
 
 if TYPE_CHECKING:
-    from .state import Region
+    from ..runtime import Region
 
 __all__ = ["ScalingMeta", "decode_extra_state"]
 
@@ -92,7 +93,7 @@ class ScalingMeta:
         region."""
         if self.direction is None:
             return *self.own_scales(next(module.parameters()).device), 0
-        frozen = region.scales_for(self.direction)
+        frozen = frozen_scales(region, self.direction)
         return frozen.scale, frozen.scale_inv, self.offset
 
     def _as_own(self) -> dict:

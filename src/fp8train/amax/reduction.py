@@ -4,7 +4,9 @@ docs/design.md, section 3. `Direction.launch` snapshots the recording slot (doub
 starts one all-reduce over [header | amaxes] on its process group's `Channel` (channel.py: one size
 for every collective on the group, and when to raise); `Direction.finish` is the only code that
 reads a reduced buffer, and it waits on the collective first. When they run is decided by the
-regions (regions.py) and the calls' plans (plans.py).
+runtime telling the group (`AmaxGroup.exited` at a region's exit, `AmaxGroup.backward_ended` at a
+backward pass's end: the hooks of runtime/state.py, section 3.1), by the step boundary
+(`StepBoundary`, steps.py) and by the calls' plans (amax/hooks.py).
 
 The header (header.py) is checked on the device: a reduction whose ranks disagree updates nothing
 and sets a sticky flag, and every rank raises at the same later launch.
@@ -29,9 +31,10 @@ from .storage import ScalingStorage, update_scaling
 
 if TYPE_CHECKING:
     from ..recipe import DelayedScaling
+    from ..runtime import Region
     from .channel import Channel
 
-__all__ = ["AmaxGroup", "Direction", "PendingReduction"]
+__all__ = ["AmaxGroup", "Direction", "PendingReduction", "StepBoundary"]
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Direction:
         self.recipe = recipe
         self.channel = channel  # None: nothing to reduce (one rank, or reduce_amax=False)
         self.stats = stats
+        self.frozen: Optional[tuple] = None  # (region serial, its FrozenScales): state.frozen_scales
         self.encoding = recipe.fp8_format.fwd if name == "fwd" else recipe.fp8_format.bwd
         self.fp8_max = fp8_max(self.encoding)
         self.storage: Optional[ScalingStorage] = None
@@ -299,21 +303,73 @@ class AmaxGroup:
     index of the group's training regions (each group counts its own: other groups never shift it)."""
 
     def __init__(
-        self, recipe: DelayedScaling, process_group, channel: Optional[Channel], stats: ReductionStats
+        self,
+        recipe: DelayedScaling,
+        process_group,
+        channel: Optional[Channel],
+        stats: ReductionStats,
+        step: StepBoundary,
     ) -> None:
         self.recipe = recipe
         self.process_group = process_group
+        self.step = step  # the step boundary that launches a per-step group
         self.fwd = Direction("fwd", recipe, channel, stats)
         self.bwd = Direction("bwd", recipe, channel, stats)
         self.fwd.group = self.bwd.group = self
         self.training_regions = 0  # (per-step reduction: its steps)
         self.latest_region = None  # the latest region that launched its forward reduction
 
-    def note_exit(self, region) -> None:
-        """`region` (state.Region), which trained this group, exits: it launches now."""
+    def exited(self, region: Region, failed: bool) -> None:
+        """`region`, which trained this group, exits: its forward reduction launches now (a per-step
+        group accumulates it for the step boundary, steps.py). A region that raised launches what it
+        owes with its amaxes discarded, so a rank that caught an exception its peers did not have fails
+        their header check instead of pairing other steps."""
+        if failed:
+            self.fwd.discard_recording()
         self.latest_region = region
+        if self.recipe.per_step:  # kept for the step boundary (steps.py)
+            self.fwd.accumulate()
+            self.step.note_group(self)
+        else:
+            self.fwd.launch(region.async_op, region.index_of(self))
+
+    def backward_ended(self, region: Region) -> None:
+        """A backward pass that recorded into this group ended (`region`: the first it recorded for):
+        its backward reduction launches now (a per-step group accumulates it)."""
+        if self.recipe.per_step:  # kept for the step boundary (steps.py)
+            self.bwd.accumulate()
+            self.step.note_group(self)
+        elif self.bwd.recorded_columns:
+            self.bwd.launch(region.async_op, region.index_of(self))
 
     def next_region_index(self) -> int:
         index = self.training_regions
         self.training_regions += 1
         return index
+
+
+class StepBoundary:
+    """Per-step amax reduction's boundary: the groups to launch at it, and what detects a missing one."""
+
+    def __init__(self) -> None:
+        self.groups: dict[AmaxGroup, None] = {}  # per-step groups this rank trained, in that order
+        self.taken = 0  # step boundaries taken
+        self._parameters: dict[int, tuple] = {}  # module id -> its parameters' versions this step
+
+    def note_group(self, group: AmaxGroup) -> None:
+        """A per-step group that trained: launched at every step boundary from now on, in the order in
+        which the groups first trained (the same on every rank)."""
+        self.groups.setdefault(group, None)
+
+    def take(self) -> list[AmaxGroup]:
+        """A boundary: the groups to launch, in order; the next step starts."""
+        self._parameters.clear()
+        self.taken += 1
+        return list(self.groups)
+
+    def same_parameters(self, module_id: int, versions: tuple) -> bool:
+        """Whether a module's parameter versions are those of its first training call of the step."""
+        return self._parameters.setdefault(module_id, versions) == versions
+
+    def parameters_loaded(self, module_id: int) -> None:
+        self._parameters.pop(module_id, None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 __all__ = ["ENV_ASYNC", "Settings", "settings"]
 
@@ -17,6 +17,8 @@ ENV_ASYNC = "NVTE_ASYNC_AMAX_REDUCTION"
 
 @dataclasses.dataclass
 class Settings:
+    ENV_ASYNC: ClassVar[str] = ENV_ASYNC  # the environment variable of the async switch
+
     # Amaxes every collective can carry from the start (16 KiB with the header), so that a model of up
     # to that many roles per direction never needs a blocking size handshake (design.md, section 3: a
     # pipeline stage must not block at its region's exit); more grows the size once, with a handshake.

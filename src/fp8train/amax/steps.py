@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..torch_internals import managed_by_fsdp2, version_counter
+from .reduction import StepBoundary
 from .settings import settings
-from .state import STATE
+from .state import AMAX
 
 __all__ = ["end_step", "end_step_on", "ending_step", "check_step_open", "parameters_loaded"]
 
@@ -37,7 +38,7 @@ def end_step() -> None:
     Collective over each group's ranks, which must all call it at the same point (after the step's
     last backward)."""
     async_op = settings.asynchronous()
-    for group in STATE.step.take():  # in the order they first trained: the same on every rank
+    for group in AMAX.step.take():  # in the order they first trained: the same on every rank
         index = group.next_region_index()
         group.fwd.launch_step(async_op, index)
         group.bwd.launch_step(async_op, index)
@@ -52,9 +53,9 @@ def ending_step(
 
     @functools.wraps(closure)
     def closure_then_boundary(*args: Any, **kwargs: Any) -> Any:
-        boundaries = STATE.step.taken
+        boundaries = AMAX.step.taken
         result = closure(*args, **kwargs)
-        if STATE.step.taken == boundaries:
+        if AMAX.step.taken == boundaries:
             end_step()
         elif marked_itself is not None:
             marked_itself()
@@ -84,14 +85,14 @@ def _versions(module: torch.nn.Module) -> tuple:
     return tuple(version_counter(p) for p in module.parameters(recurse=False) if p.requires_grad)
 
 
-def check_step_open(module: torch.nn.Module) -> None:
+def check_step_open(module: torch.nn.Module, step: StepBoundary) -> None:
     """A training call of `module` in a per-step group: raise if its parameters changed since its first
     call of the step (the optimizer stepped without `end_step()`: every later step would train with
     the first step's scales). Modules FSDP2 manages refill their gathered parameters between
     microbatches, so for them the boundary is the user's to get right (documented)."""
     if managed_by_fsdp2(module):
         return
-    if not STATE.step.same_parameters(id(module), _versions(module)):
+    if not step.same_parameters(id(module), _versions(module)):
         raise RuntimeError(
             f"{module.signature}: DelayedScaling(amax_reduction='step') needs the optimizer step's boundary: "
             "its parameters changed (the optimizer stepped) but fp8train.end_step() was not called, so the "
@@ -103,4 +104,4 @@ def check_step_open(module: torch.nn.Module) -> None:
 def parameters_loaded(module: torch.nn.Module) -> None:
     """`module`'s parameters were loaded from a checkpoint (`load_state_dict`): a change that is not
     an optimizer step, so the open step goes on from the loaded values."""
-    STATE.step.parameters_loaded(id(module))
+    AMAX.step.parameters_loaded(id(module))

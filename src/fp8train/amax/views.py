@@ -1,5 +1,6 @@
 """Reading the protocol's state: the public readers (`synchronize`, `reduction_stats`) and a small
-view of it for tests, telemetry and benchmarks (`fp8train.inspection`; docs/design.md, section 3).
+view of it for tests, telemetry and benchmarks (`fp8train.inspection`; docs/design.md, section 3):
+delayed scaling's amax groups (amax/state.py) and the runtime's regions (`fp8train.runtime`).
 
 The views read the live state through a narrow surface (what a test or a dashboard needs: the
 storage of an amax group's direction, its members, reductions pending and in flight, roles recorded
@@ -12,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..runtime import KEPT_REGIONS, STATE
 from .reduction import AmaxGroup, Direction
-from .state import KEPT_REGIONS, STATE
+from .state import AMAX
 from .storage import ScalingStorage
 
 __all__ = [
@@ -38,7 +40,7 @@ __all__ = [
 # ---- the public readers ----------------------------------------------------------------------------------
 def synchronize() -> None:
     """Complete every in-flight amax reduction and apply it, then raise any mismatch. No collective."""
-    STATE.groups.synchronize()
+    AMAX.synchronize()
 
 
 def reduction_stats(complete: bool = True) -> dict:
@@ -56,17 +58,17 @@ def reduction_stats(complete: bool = True) -> dict:
     """
     if complete:
         synchronize()
-    return STATE.groups.stats.as_dict(wait=complete)
+    return AMAX.stats.as_dict(wait=complete)
 
 
 def reset_reduction_stats() -> None:
     """Start `reduction_stats()` afresh: its counts and times since now (e.g. after warm-up steps)."""
-    STATE.groups.stats.reset()
+    AMAX.stats.reset()
 
 
 def counters() -> dict:
     """The reduction counters as they stand, without waiting for anything (telemetry)."""
-    return STATE.groups.stats.as_dict(wait=False)
+    return AMAX.stats.as_dict(wait=False)
 
 
 # ---- views for tests, telemetry and benchmarks ------------------------------------------------------------
@@ -161,12 +163,12 @@ class AmaxGroupView:
 
 def amax_groups() -> list[AmaxGroupView]:
     """A view of every amax group of this process (one per delayed-scaling recipe and process group)."""
-    return [AmaxGroupView(group) for group in STATE.groups.groups.values()]
+    return [AmaxGroupView(group) for group in AMAX.groups.values()]
 
 
 def amax_group(recipe, process_group=None) -> AmaxGroupView:
     """The amax group of a DelayedScaling `recipe` on `process_group` (None: the world)."""
-    return AmaxGroupView(STATE.groups.of(recipe, process_group))
+    return AmaxGroupView(AMAX.of(recipe, process_group))
 
 
 def live_regions() -> int:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..amax import ending_step
+from ..amax import steps
 from ..autocast import autocast
 from ..convert import FilterFn, convert_to_fp8
 from ..modules.base import FP8Module
@@ -164,7 +164,8 @@ class FP8Precision(_precision.Precision):
         Lightning's closure-then-hooks, rather than inside it.) Returns the closure's result."""
         if not getattr(self.recipe, "per_step", False):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
-        closure = ending_step(functools.partial(self._wrap_closure, model, optimizer, closure), self._marked)
+        wrapped = functools.partial(self._wrap_closure, model, optimizer, closure)
+        closure = steps.ending_step(wrapped, self._marked)
         return optimizer.step(closure=closure, **kwargs)
 
     def _marked(self) -> None:

@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..amax import current_settings
 from ..convert import fp8_compatible
 from ..debug_switches import SWITCHES
 from ..fsdp import wrap_for_fsdp
@@ -36,6 +35,7 @@ from ..modules.grouped_experts import grouped_linear
 from ..prepare import FP8Forward, is_prepared
 from ..quantization import quantization_of
 from ..recipe import DelayedScaling, Format
+from ..runtime import current_settings
 from . import require
 
 _protocols = require("torchtitan.protocols.model", "torchtitan", "fp8train.integrations.torchtitan")

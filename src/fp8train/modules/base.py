@@ -9,9 +9,10 @@ from typing import Optional
 
 import torch
 
-from ..amax import ScalingMeta, decode_extra_state, parameters_loaded, register_module, roles
+from ..amax import ScalingMeta, decode_extra_state, roles, steps
 from ..fsdp import plain_weight
 from ..quantization.base import WeightOperands
+from ..runtime import register_module
 from .sources import CachedWeight
 
 __all__ = ["FP8Module"]
@@ -171,7 +172,7 @@ class FP8Module(torch.nn.Module):
         if state.get("recipe") is not None:  # checked against the run's recipe at its first training call
             self.recipe_kind = state["recipe"]
         self.forget_cached_weights()
-        parameters_loaded(self)  # torch loads a module's parameters before its extra state
+        steps.parameters_loaded(self)  # torch loads a module's parameters before its extra state
         self._weight_cast_scales.update(_cast_scales(state.get("weight_cast_scales", {}), where))
 
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import fsdp, saved, second_order
-from ..amax import Call, begin_call
 from ..fsdp import GatheredWeight
 from ..numerics.gemm import Operand, choose_path, kernel_choice, matmul, operand_dtype
 from ..quantization.base import AMAX_IN_CAST, WeightOperands
+from ..runtime import Call, begin_call
 from ..shape_rule import weight_fits, why_off
 from ..tensor_parallel import TensorParallel, TokenCollective, check_equal_shards, reduce_scatter_tokens
 from ..torch_internals import unsafe_view

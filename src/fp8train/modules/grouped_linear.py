@@ -30,8 +30,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..amax import current_settings
 from ..debug_switches import SWITCHES
+from ..runtime import current_settings
 from ..tensor_parallel import TensorParallel
 from .base import FP8Module
 from .fp8_linear import fp8_linear

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import second_order
-from ..amax import begin_call
 from ..numerics.formats import fp8_max
 from ..quantization.block_scaling import TILE
 from ..quantization.current import scale_from_amax
+from ..runtime import begin_call
 from ..saved import decode_fp8
 from ..tensor_parallel import TensorParallel, mark_sequence_parallel
 from .base import FP8Module

@@ -17,11 +17,11 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..amax import Call
 from ..fsdp import GatheredWeight, WeightGather, is_current_gather
 from ..numerics.cast import amax
 from ..numerics.operand import Operand
 from ..quantization.base import AMAX_IN_CAST, InputOperands, Quantization, WeightOperands
+from ..runtime import Call
 from ..tensor_parallel import TokenCollective, gather_fp8_tokens
 
 __all__ = [

@@ -25,8 +25,8 @@ from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
-from ..amax import Call
 from ..numerics.gemm import Operand, kernel_choice
+from ..runtime import Call, RecipeRuntime
 from ..torch_internals import constant_for_compile
 
 __all__ = [
@@ -61,7 +61,7 @@ class GradOperands(NamedTuple):
     wgrad: Optional[Operand]  # None: the weight gradient is not needed
 
 
-class Quantization:
+class Quantization(RecipeRuntime):
     """How one recipe quantizes a linear layer's operands, and the record of every fact the library
     knows of its kind. Subclasses: one per recipe family, each in its own file, registered with its
     recipe's dataclass (`quantization.register_recipe`, which checks that the record is complete); every
@@ -75,8 +75,9 @@ class Quantization:
       "nvfp4"), else its emulation (`gemm.kernel_choice`, `fp8train info`);
     - `block`: the block its scales cover along a GEMM's reduction dimension, to which operands off it
       are padded (`coverage` says "padded"); None when its scales cover whole tensors;
-    - `reduces_amax`: its scales come from amax histories shared by an amax group (delayed scaling):
-      calls have plans with frozen scales, amaxes are recorded and reduced (amax/);
+    - `reduces_amax`: its scales come from amax histories shared by an amax group (delayed scaling,
+      whose state answers the runtime's hooks: `amax.DelayedRuntime`; a stateless recipe keeps the
+      hooks' defaults, `runtime.RecipeRuntime`);
     - `casts_before_gather`: a tensor's scale is known before the tensor is whole, so sequence-parallel
       inputs and FSDP2 weights are cast on each rank and gathered as FP8 bytes; otherwise they are
       gathered in high precision and quantized whole;

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amax import Call
 from ..numerics import kernels
 from ..numerics.cast import cast_operand
 from ..numerics.formats import fp8_max
 from ..numerics.gemm import Operand
+from ..runtime import Call
 from .base import GradOperands, InputOperands, Quantization, WeightOperands, warn_emulated_on_cuda
 from .current import scale_from_amax
 

@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from ..amax import Call
 from ..numerics import kernels
 from ..numerics.cast import amax
 from ..numerics.formats import FLOAT32_MAX, fp8_dtype, fp8_max
 from ..numerics.operand import Operand
+from ..runtime import Call
 from .base import GradOperands, InputOperands, WeightOperands
 from .per_tensor import TensorQuantization, operand_pair, trains
 

@@ -1,9 +1,9 @@
 """Delayed scaling: each step's scales come from the amax history of earlier steps, which an amax
 group shares and MAX-reduces across its ranks (docs/design.md, sections 1-3).
 
-Its calls go through the protocol, by the methods of the `Call` each GEMM hands down (amax/calls.py):
+Its state is amax/'s, which answers the runtime's hooks (`DelayedRuntime`, amax/hooks.py, its base):
 the call's plan freezes its region's scales, its amaxes are recorded and its backward asks for the
-gradient's scale. The scale of every tensor is
+gradient's scale, through the `Call` each GEMM hands down. The scale of every tensor is
 known before the tensor is cast, so sequence-parallel inputs and FSDP2 weights travel as FP8, and an
 eager cast takes its tensor's amax in the same read (`cast.cast_with_amax`), recorded after the cast.
 """
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..amax import Call
+from ..amax import DelayedRuntime
 from ..amax.roles import INPUT, WEIGHT
 from ..numerics.cast import amax
+from ..runtime import Call
 from .base import AMAX_IN_CAST, GradOperands, InputOperands, WeightOperands
 from .per_tensor import TensorQuantization
 
@@ -27,7 +28,7 @@ def _amax_in_cast(call: Call) -> bool:
     return call.record and call.fp8 and not torch.compiler.is_compiling()
 
 
-class DelayedQuantization(TensorQuantization):
+class DelayedQuantization(DelayedRuntime, TensorQuantization):
     kind = "delayed"
     reduces_amax = True
     casts_before_gather = True
@@ -36,12 +37,13 @@ class DelayedQuantization(TensorQuantization):
         # (_amax_in_cast, inline) x's amax: taken by its cast; the weight's too where it is cast here
         if call.record and call.fp8 and not torch.compiler.is_compiling():
             w_amax = None if weight_amax is None or weight_amax is AMAX_IN_CAST else weight_amax()
-            return call.forward_scales(None, w_amax, x)  # (eagerly only x's device is read: no detach)
+            # (eagerly only x's device is read: no detach)
+            return self.gemm_scales(call.plan, call.gemm_index, None, w_amax, x)
         x_amax = amax(x) if call.record else None
         # (AMAX_IN_CAST reaches here only for calls that record nothing: eager FP8 calls without grad)
         recorded = call.record and weight_amax is not None and weight_amax is not AMAX_IN_CAST
         w_amax = weight_amax() if recorded else None
-        return call.forward_scales(x_amax, w_amax, x.detach())
+        return self.forward_scales(call, x_amax, w_amax, x.detach())
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         # the region's views of this GEMM's scales where the call has them, else selected
@@ -55,7 +57,7 @@ class DelayedQuantization(TensorQuantization):
             weight, scale, scale_inv, "e4m3", call.operand_dtype, w_amax, call
         )
         if w_amax is not None:
-            call.record_amax(WEIGHT, w_amax)
+            self.record_amax(call, WEIGHT, w_amax)
         return WeightOperands(forward, dgrad)
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
@@ -67,16 +69,16 @@ class DelayedQuantization(TensorQuantization):
             x_amax = call.amax_slots[INPUT] if call.amax_slots is not None else _new_amax(x2d)
         forward, wgrad = self.cast_operands(x2d, scale, scale_inv, "e4m3", call.operand_dtype, x_amax, call)
         if x_amax is not None:
-            call.record_amax(INPUT, x_amax)
+            self.record_amax(call, INPUT, x_amax)
         return InputOperands(forward, wgrad)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
-            scale, scale_inv, g_amax, into = call.backward_scale_pair()
+            scale, scale_inv, g_amax, into = self.backward_scale_pair(call)
             operands = self.grad_operands(g2d, scale, scale_inv, call, g_amax, needs[1])
-            call.record_grad_amax(g_amax, into)
+            self.record_grad_amax(call, g_amax, into)
             return operands
-        scales = call.backward_scales(amax(g2d))
+        scales = self.backward_scales(call, amax(g2d))
         return self.grad_operands(g2d, scales[0], scales[1], call, None, needs[1])
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..amax import Call
 from ..numerics import kernels
 from ..numerics.gemm import Operand
 from ..numerics.microscaling import MX_BLOCK, e8m0_to_float, mx_quantize
+from ..runtime import Call
 from .base import (
     GradOperands,
     InputOperands,

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ..amax import Call
 from ..numerics import kernels
 from ..numerics.gemm import Operand
 from ..numerics.microscaling import NVFP4_BLOCK, RHT_SIGNS, nvfp4_quantize, random_hadamard_transform
+from ..runtime import Call
 from .base import (
     GradOperands,
     InputOperands,

@@ -8,11 +8,11 @@ from typing import Optional
 
 import torch
 
-from ..amax import Call
 from ..numerics import kernels
 from ..numerics.cast import cast_with_amax
 from ..numerics.formats import fp8_dtype
 from ..numerics.gemm import Operand
+from ..runtime import Call
 from .base import GradOperands, Quantization, WeightOperands
 
 __all__ = ["TensorQuantization", "trains", "operand_pair"]

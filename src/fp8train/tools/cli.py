@@ -152,7 +152,9 @@ def _info() -> int:
     import torch
 
     from fp8train import __version__
-    from fp8train.amax import ENV_ASYNC, settings
+    from fp8train.amax import settings
+
+    ENV_ASYNC = settings.ENV_ASYNC
     from fp8train.modules.grouped_gemm import grouped_kernel_choice
     from fp8train.numerics.gemm import (
         ENV_FAST_ACCUM,

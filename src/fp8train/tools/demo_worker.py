@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from fp8train.amax import ENV_ASYNC, settings
+from fp8train.amax import settings
 from fp8train.debug_switches import apply_environment
 from fp8train.modules import FP8Module
 from fp8train.numerics.gemm import cpu_bf16_instructions
@@ -265,7 +265,7 @@ def timed_pass(
             continue  # delayed scaling's second run differs only in the reduction mode
         kinds.add(kind)
         if async_mode is not None:
-            os.environ[ENV_ASYNC] = "1" if async_mode else "0"
+            os.environ[settings.ENV_ASYNC] = "1" if async_mode else "0"
         trainers[name] = _Trainer(recipe, cfg, args, device, len(data))
     trainers[BF16_RUN] = _Trainer(None, cfg, args, device, len(data), bf16=True)
     counters = dict.fromkeys(trainers, 0)
@@ -423,7 +423,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     phases = _phases(args)
     for name, recipe, async_mode in phases:
         if async_mode is not None:
-            os.environ[ENV_ASYNC] = "1" if async_mode else "0"
+            os.environ[settings.ENV_ASYNC] = "1" if async_mode else "0"
         results.append(train_phase(name, recipe, cfg, data, args, device, run_dir))
     timing = timed_pass(phases, cfg, data, args, device)
     if rank == 0:

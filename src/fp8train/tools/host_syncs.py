@@ -69,9 +69,9 @@ COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
 HOST_RESIDENT = {
     # The region token: a CPU int64 scalar each forward call hands its backward node to name its
     # region (it passes through compiled graphs), made once per region (`Region.token`), and for
-    # replays and compiled calls at the call (amax/calls.py), all by `_host_scalar`. It stays in host
+    # replays and compiled calls at the call (amax/hooks.py), all by `host_scalar`. It stays in host
     # memory, is never copied to a device, and the backward reads it there.
-    ("lift_fresh", "amax/state.py", "_host_scalar"),
+    ("lift_fresh", "runtime/state.py", "host_scalar"),
 }
 
 Frame = tuple[str, int, str]  # (file relative to the package or its base name, line, function)

@@ -19,12 +19,12 @@ from typing import Optional
 
 import torch
 
-from fp8train.amax import Call
 from fp8train.modules import LayerNormLinear, Linear
 from fp8train.numerics.gemm import Operand
 from fp8train.quantization import quantization_of
 from fp8train.quantization.delayed import DelayedQuantization
 from fp8train.recipe import Recipe
+from fp8train.runtime import Call
 
 __all__ = [
     "ROLES", "Captured", "TensorTap", "DelayedScales", "sample_gemms", "quantization_errors",

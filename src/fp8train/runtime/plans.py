@@ -1,33 +1,25 @@
-"""The plan of each FP8 module call: its precision, delayed scaling's frozen scales and where its
-amaxes go, and what its backward owes its region (docs/design.md, sections 3 and 5).
+"""The plan of each FP8 module call: its precision, what its recipe keeps for it (delayed scaling:
+the frozen scales and where its amaxes go, amax/state.py) and what its backward owes its region
+(docs/design.md, sections 3, 3.1 and 5).
 
-A module call's plan is made at its first GEMM (calls.py) and is the module's current call for the
-rest of the call (`STATE.calls`). Training calls note their plan in their region, so that an
-activation recomputation in backward replays it: same scales, no amax recorded; fp8train.checkpoint
-notes the plans of its function's calls and replays them in order (`recomputation_context_fn`).
+A module call's plan is made at its first GEMM (calls.py) by its recipe (`RecipeRuntime.plan_call`)
+and is the module's current call for the rest of the call (`STATE.calls`). Training calls note their
+plan in their region, so that an activation recomputation in backward replays it: same scales, no
+amax recorded; fp8train.checkpoint notes the plans of its function's calls and replays them in order
+(`recomputation_context_fn`).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
+from ..torch_internals import current_graph_task, inside_reentrant_checkpoint
+from .state import STATE, ForwardPlan, RegionSettings, RuntimeModule
 
-from ..torch_internals import (
-    current_graph_task,
-    ddp_join_that_does_not_throw,
-    inside_reentrant_checkpoint,
-    pipeline_group_of_caller,
-)
-from .membership import check_amax_group, check_stage_group
-from .regions import current_backward_pass
-from .state import STATE, ForwardPlan, Region, RegionSettings
-from .steps import check_step_open
-
-__all__ = ["plan_forward", "note_training_output", "CheckpointRecord", "recomputation_context_fn"]
+__all__ = ["plan_forward", "CheckpointRecord", "recomputation_context_fn"]
 
 
-def plan_forward(module, training: bool, compiled: bool = False) -> Optional[ForwardPlan]:
+def plan_forward(module: RuntimeModule, training: bool, compiled: bool = False) -> Optional[ForwardPlan]:
     """How `module` (an FP8Module) runs this forward call; None: in high precision, recording nothing.
 
     `training`: grad is enabled for the call (given, not read: a compiled graph runs without grad);
@@ -48,12 +40,9 @@ def plan_forward(module, training: bool, compiled: bool = False) -> Optional[For
         module.claim_recipe_kind(quantization.kind)
     if settings.enabled and not training and region.grad_at_entry:
         _refuse_reentrant_checkpoint()
-    if quantization.reduces_amax:
-        plan = _delayed_plan(module, settings, region, training)
-    elif settings.enabled:
-        plan = ForwardPlan(True, quantization)
-    else:
-        return None  # calibrating records amaxes for delayed scaling only
+    plan = quantization.plan_call(module, settings, region, training)
+    if plan is None:
+        return None  # e.g. calibrating, which records amaxes for recipes with state only
     if settings.enabled and training:
         plan.region, plan.serial = region, region.serial
     if training:  # noted for recomputation; the replay holds no region reference and records nothing
@@ -64,52 +53,7 @@ def plan_forward(module, training: bool, compiled: bool = False) -> Optional[For
     return plan
 
 
-def _delayed_plan(module, settings: RegionSettings, region: Region, training: bool) -> ForwardPlan:
-    """Delayed scaling: the module joins its amax group when it first records; the region's frozen
-    scales; amaxes recorded when training or calibrating."""
-    group = settings.amax_group  # looked up once, at the region's entry (regions.py)
-    record = settings.calibrating or training
-    fwd_meta, bwd_meta = module.fp8_meta["scaling_fwd"], module.fp8_meta["scaling_bwd"]
-    if record:
-        if group not in region.trained and group.fwd.channel is not None:
-            _refuse_ddp_join()
-        if fwd_meta.direction is None:
-            reduces = group.fwd.channel is not None
-            check_amax_group(module, group.process_group, reduces)
-            pipeline_group = pipeline_group_of_caller()
-            if pipeline_group is not False:  # inside a torch.distributed.pipelining stage
-                check_stage_group(module.signature, group.process_group, reduces, pipeline_group)
-            device = next(module.parameters()).device
-            fwd_meta.join(group.fwd, module.signature, device)
-            bwd_meta.join(group.bwd, module.signature, device)
-        elif fwd_meta.direction is not group.fwd:
-            raise RuntimeError(
-                f"{module.signature} trains under one recipe and amax group; it was first trained "
-                f"with {fwd_meta.direction.recipe} and is now run with {settings.recipe} (or another "
-                "group). Use the same fp8_recipe and fp8_group for every training region of a module"
-            )
-        if group not in region.trained:
-            region.note_trained(group)  # only once the module is a member: it can launch
-        if training and group.recipe.amax_reduction == "step":  # (recipe.per_step, inline)
-            check_step_open(module)
-    if fwd_meta.direction is None:  # not a member yet: its own scales (ScalingMeta.scales_in)
-        scale, scale_inv, offset = fwd_meta.scales_in(region, module)
-        frozen = None
-    else:  # its group's, frozen for the region, with the views its GEMMs read
-        frozen = region.scales_for(fwd_meta.direction)
-        scale, scale_inv, offset = frozen.scale, frozen.scale_inv, fwd_meta.offset
-    return ForwardPlan(
-        fp8=settings.enabled,
-        quantization=settings.quantization,
-        scale=scale,
-        scale_inv=scale_inv,
-        offset=offset,
-        records_into=group.fwd if record else None,
-        frozen=frozen,
-    )
-
-
-def _recompute_plan(module) -> Optional[ForwardPlan]:
+def _recompute_plan(module: RuntimeModule) -> Optional[ForwardPlan]:
     """The plan of the original forward call, replayed: same scales, no amax, no registration."""
     record = STATE.recompute.replaying
     if record is not None:  # fp8train.checkpoint noted this call's plans and restored its settings
@@ -128,12 +72,12 @@ def _recompute_plan(module) -> Optional[ForwardPlan]:
     if not candidates:
         return None  # no FP8 training call pending: the original forward was high precision
     first = candidates[0].calls[id(module)][0]
-    stateless = not first.quantization.reduces_amax and all(
-        p.quantization.recipe == first.quantization.recipe for r in candidates for p in r.calls[id(module)]
+    alike = all(
+        first.quantization.replays_alike(p.quantization) for r in candidates for p in r.calls[id(module)]
     )  # a recipe that scales each tensor from itself: any pending call of it replays alike
-    plans = candidates[0].calls[id(module)] if len(candidates) == 1 or stateless else ()
+    plans = candidates[0].calls[id(module)] if len(candidates) == 1 or alike else ()
     # backward recomputes later calls first: taking the oldest plan is right only if all are alike
-    if plans and all(p.fp8 == plans[0].fp8 and p.scale is plans[0].scale for p in plans):
+    if plans and all(p.same_as(plans[0]) for p in plans):
         return plans.popleft()
     raise RuntimeError(
         f"{module.signature} is being recomputed during backward, but fp8train cannot tell which "
@@ -159,37 +103,6 @@ def _refuse_reentrant_checkpoint() -> None:
             "calls cannot be matched to their recomputation). Use fp8train.checkpoint(fn, *args) or "
             "torch.utils.checkpoint(fn, *args, use_reentrant=False)"
         )
-
-
-def _refuse_ddp_join() -> None:
-    """Raise inside DistributedDataParallel's join() (uneven inputs) unless it throws on early termination.
-
-    A rank that ran out of data shadows DDP's collectives, not the amax all-reduces, so the others'
-    amax collectives would pair with DDP's (gloo kills the process on the size mismatch; NCCL hangs).
-    Called at the first FP8 call of each region: every rank raises in its first step inside join(),
-    before any rank can have joined.
-    """
-    if ddp_join_that_does_not_throw():
-        raise RuntimeError(
-            "DistributedDataParallel.join() (uneven inputs) cannot be used with a multi-rank FP8 "
-            "amax reduction: a rank that ran out of data would shadow DDP's collectives but not "
-            "fp8train's amax all-reduce, and the other ranks would hang or abort. Use "
-            "join(throw_on_early_termination=True) (every rank stops when one runs out of data), "
-            "give every rank the same number of batches (e.g. DistributedSampler(drop_last=True)), "
-            "or DelayedScaling(reduce_amax=False)"
-        )
-
-
-def note_training_output(plan: Optional[ForwardPlan], output: torch.Tensor) -> None:
-    """An FP8 training call's output: its region owes a backward while this graph lives. Recipes that
-    record nothing in backward get a hook on the node that marks their region's backward as run (for
-    plain torch.utils.checkpoint's recomputations to find the regions still pending)."""
-    if plan is None or plan.region is None or output.grad_fn is None:
-        return
-    region = plan.region
-    region.note_output(output.grad_fn)
-    if not plan.quantization.reduces_amax:
-        output.grad_fn.register_hook(lambda *_: current_backward_pass().note(None, region))
 
 
 # ---- fp8train.checkpoint ---------------------------------------------------------------------------------
