@@ -80,8 +80,10 @@ class DirectlyCalled:
     dynamic size to a graph input, and says which in the placeholders' `grapharg.source` (private:
     `LocalSource` for an argument, `TensorPropertySource(SIZE)` for a size). Later calls whose tensors
     match the traced ones (dtype, dimensions, the sizes dynamo did not make dynamic, at least 2 where
-    it did: it specializes sizes 0 and 1) call the graph with those inputs. What dynamo's guards would
-    check beyond that (layout) the callers fix by their variant key and checks (cast.py), and inductor's
+    it did: it specializes sizes 0 and 1; a graph with a size so specialized in a tensor whose other
+    sizes are dynamic is not kept, the next one compiled is) call the graph with those inputs. What
+    dynamo's guards would check beyond that (layout) the callers fix by their variant key and checks
+    (cast.py), and inductor's
     generated code asserts each input's sizes and strides; a direct call that raises falls back to the
     dynamo call for good. Anything unexpected in the graph (another kind of input, outputs that are
     not `fn`'s flat tuple of tensors) leaves the dynamo call in charge: the same values, slower.
@@ -156,7 +158,9 @@ class DirectlyCalled:
         if self.graph is None and not self._inputs:
             code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
             plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
-            if plan is not None:
+            # a tensor with sizes of both kinds (a 0 or 1 dynamo specialized in a dynamic tensor): its
+            # static ones are not checked per call, so not this graph: the next compiled one
+            if plan is not None and all(None not in s or set(s) == {None} for _, s in plan[1]):
                 inputs, tensors, self._equal = plan
                 self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
                 self._checks = tuple(

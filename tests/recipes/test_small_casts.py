@@ -147,3 +147,19 @@ def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> 
     with pytest.raises(RuntimeError, match="size of tensor"):  # checked equal: dynamo's call, torch's error
         kernel(torch.randn(6, 9), torch.randn(8))
     assert kernel.direct_calls == 2
+
+
+def test_a_first_call_with_a_dimension_of_1_leaves_later_calls_direct() -> None:
+    """A first call with a size of 1 (a one-token batch, a one-output head's weight): dynamo
+    specializes that dimension, so its graph fits no other size there; the direct calls are taken by
+    the graph dynamo compiles for the next shape instead of being given up for good (before: the
+    specialized graph was called for every shape, asserted against, and dropped)."""
+
+    def shifted(x, scale):
+        return (x * scale.reshape(()) + 1.0,)
+
+    kernel, scale = DirectlyCalled(shifted, {}), torch.tensor(2.0)
+    for shape in ((1, 50), (64, 96), (3, 50), (64, 96)):
+        x = torch.randn(shape)
+        assert torch.equal(kernel(x, scale)[0], x * 2.0 + 1.0)
+    assert kernel.direct_calls == 2 and kernel.graph is not None  # (3, 50) and (64, 96)'s second call
