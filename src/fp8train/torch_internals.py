@@ -83,10 +83,10 @@ class DirectlyCalled:
     it did: it specializes sizes 0 and 1; a graph with a size so specialized in a tensor whose other
     sizes are dynamic is not kept, the next one compiled is) call the graph with those inputs. What
     dynamo's guards would check beyond that (layout) the callers fix by their variant key and checks
-    (cast.py), and inductor's
-    generated code asserts each input's sizes and strides; a direct call that raises falls back to the
-    dynamo call for good. Anything unexpected in the graph (another kind of input, outputs that are
-    not `fn`'s flat tuple of tensors) leaves the dynamo call in charge: the same values, slower.
+    (cast.py), and inductor's generated code asserts each input's sizes and strides; a direct call
+    that raises falls back to the dynamo call for good. Anything unexpected in the graph (another
+    kind of input, outputs that are not `fn`'s flat tuple of tensors) leaves the dynamo call in
+    charge: the same values, slower.
 
     `fn` computes no gradients (its graph is an inference graph). It takes tensors (then arguments
     with defaults, constants of the graph) and returns a flat tuple of tensors (no None: the graph
@@ -168,7 +168,8 @@ class DirectlyCalled:
                      tuple(d for d, n in enumerate(sizes) if n is None))
                     for i, (dtype, sizes) in enumerate(tensors)
                 )  # fmt: skip
-                self.graph, self._boxed = _innermost(graph, gm, inner)
+                direct, self._boxed = _innermost(graph, gm, inner)
+                self.graph = direct  # (last: a call from another thread may take it now)
         return graph
 
 

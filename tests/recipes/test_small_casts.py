@@ -163,3 +163,23 @@ def test_a_first_call_with_a_dimension_of_1_leaves_later_calls_direct() -> None:
         x = torch.randn(shape)
         assert torch.equal(kernel(x, scale)[0], x * 2.0 + 1.0)
     assert kernel.direct_calls == 2 and kernel.graph is not None  # (3, 50) and (64, 96)'s second call
+
+
+def test_a_call_from_another_thread_while_the_graph_is_kept_is_direct() -> None:
+    """The backend publishes the graph last, after how to call it: a call from another thread (here:
+    made at the moment `graph` is set) sees a graph it can call, not one called the wrong way, which
+    raised and dropped the direct calls for good."""
+
+    class Observed(DirectlyCalled):
+        seen: list = []
+
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "graph" and value is not None and not self.seen:
+                self.seen.append(self(torch.ones(6, 5))[0])  # (another thread's call, at this moment)
+
+    kernel = Observed(lambda x: (x + 1.0,), {})
+    x = torch.randn(4, 3)
+    assert torch.equal(kernel(x)[0], x + 1.0) and torch.equal(Observed.seen[0], torch.full((6, 5), 2.0))
+    assert torch.equal(kernel(x)[0], x + 1.0)
+    assert kernel.direct_calls == 2 and kernel.graph is not None
