@@ -183,3 +183,42 @@ def test_a_call_from_another_thread_while_the_graph_is_kept_is_direct() -> None:
     assert torch.equal(kernel(x)[0], x + 1.0) and torch.equal(Observed.seen[0], torch.full((6, 5), 2.0))
     assert torch.equal(kernel(x)[0], x + 1.0)
     assert kernel.direct_calls == 2 and kernel.graph is not None
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_operands_under_64k_elements_give_the_eager_bits_in_every_mode(recipe) -> None:
+    """Operands of 6K-12K elements (under the old 64K threshold, over the new 4K one) in a
+    LayerNormMLP, delayed and current per-tensor scaling: under bf16 autocast, with
+    torch.utils.checkpoint (the recomputed forward casts again: the same bits in the replay) and
+    with create_graph=True, outputs and every gradient bit for bit those of torch's eager kernels."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    import fp8train
+
+    def step(module, mode):
+        x = torch.randn(96, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")
+        make = fp8train.DelayedScaling if recipe == "delayed" else fp8train.Float8CurrentScaling
+        with amp, fp8train.fp8_autocast(fp8_recipe=make()):
+            y = checkpoint(module, x, use_reentrant=False) if mode == "checkpoint" else module(x)
+        loss = y.float().square().mean()
+        if mode == "create_graph":
+            (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+            dx.square().sum().backward()
+        else:
+            loss.backward()
+        return [y.detach(), x.grad] + [p.grad for p in module.parameters()]
+
+    torch.manual_seed(0)
+    module = fp8train.LayerNormMLP(64, 128)
+    for mode in ("autocast", "checkpoint", "create_graph"):
+        fused, eager = copy.deepcopy(module), copy.deepcopy(module)
+        for _ in range(2):  # (delayed scaling: the second step casts with the first one's amax)
+            direct = sum(k.direct_calls for k in cast.COMPILED_KERNELS.compiled.values())
+            got = step(fused, mode)
+            direct = sum(k.direct_calls for k in cast.COMPILED_KERNELS.compiled.values()) - direct
+            want = _eager(step, eager, mode)
+        assert direct >= 6, (mode, direct)  # the compiled kernels ran (their direct calls)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), mode
