@@ -156,21 +156,29 @@ class DirectlyCalled:
                 settings.enter_context(functorch_config.patch(enable_autograd_cache=False))
             graph = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.options)
         if self.graph is None and not self._inputs:
-            code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
-            plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
-            # a tensor with sizes of both kinds (a 0 or 1 dynamo specialized in a dynamic tensor): its
-            # static ones are not checked per call, so not this graph: the next compiled one
-            if plan is not None and all(None not in s or set(s) == {None} for _, s in plan[1]):
-                inputs, tensors, self._equal = plan
-                self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
-                self._checks = tuple(
-                    (i, dtype, len(sizes), None if None in sizes else torch.Size(sizes),
-                     tuple(d for d, n in enumerate(sizes) if n is None))
-                    for i, (dtype, sizes) in enumerate(tensors)
-                )  # fmt: skip
-                direct, self._boxed = _innermost(graph, gm, inner)
-                self.graph = direct  # (last: a call from another thread may take it now)
+            try:
+                self._keep(gm, graph, inner)
+            except Exception:  # (private API another torch changed): dynamo's calls stay in charge
+                self._inputs = ()
         return graph
+
+    def _keep(self, gm: torch.fx.GraphModule, graph: Callable, inner: list) -> None:
+        """Keep inductor's graph for direct calls, with how to call it, where `gm` fits."""
+        code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
+        plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
+        # a tensor with sizes of both kinds (a 0 or 1 dynamo specialized in a dynamic tensor): its
+        # static ones are not checked per call, so not this graph: the next compiled one
+        if plan is not None and all(None not in s or set(s) == {None} for _, s in plan[1]):
+            inputs, tensors, equal = plan
+            checks = tuple(
+                (i, dtype, len(sizes), None if None in sizes else torch.Size(sizes),
+                 tuple(d for d, n in enumerate(sizes) if n is None))
+                for i, (dtype, sizes) in enumerate(tensors)
+            )  # fmt: skip
+            direct, boxed = _innermost(graph, gm, inner)
+            self._equal, self._checks, self._boxed = equal, checks, boxed
+            self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
+            self.graph = direct  # (last: a call from another thread may take it now)
 
 
 def _innermost(graph: Callable, gm: torch.fx.GraphModule, inner: list) -> tuple[Callable, bool]:

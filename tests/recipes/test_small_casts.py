@@ -222,3 +222,20 @@ def test_operands_under_64k_elements_give_the_eager_bits_in_every_mode(recipe) -
             want = _eager(step, eager, mode)
         assert direct >= 6, (mode, direct)  # the compiled kernels ran (their direct calls)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), mode
+
+
+def test_a_torch_without_the_graph_introspection_keeps_the_dynamo_call(monkeypatch) -> None:
+    """The placeholders' sources are private dynamo API: on a torch where reading them fails (here:
+    an attribute renamed), the compiled kernel still runs, through dynamo (not a failed compile,
+    which would put every cast on torch's eager kernels for the rest of the process)."""
+    from fp8train import torch_internals
+
+    def renamed(gm, names):
+        raise AttributeError("'GraphArg' object has no attribute 'source'")
+
+    monkeypatch.setattr(torch_internals, "_graph_inputs", renamed)
+    kernel = DirectlyCalled(lambda x: (x * 2.0,), {})
+    for shape in ((4, 3), (5, 7), (5, 7)):
+        x = torch.randn(shape)
+        assert torch.equal(kernel(x)[0], x * 2.0)
+    assert kernel.direct_calls == 0 and kernel.graph is None
