@@ -80,11 +80,13 @@ class DirectlyCalled:
     dynamic size to a graph input, and says which in the placeholders' `grapharg.source` (private:
     `LocalSource` for an argument, `TensorPropertySource(SIZE)` for a size). Later calls whose tensors
     match the traced ones (dtype, dimensions, the sizes dynamo did not make dynamic, at least 2 where
-    it did: it specializes sizes 0 and 1) call the graph with those inputs. What dynamo's guards would
-    check beyond that (layout) the callers fix by their variant key and checks (cast.py), and inductor's
-    generated code asserts each input's sizes and strides; a direct call that raises falls back to the
-    dynamo call for good. Anything unexpected in the graph (another kind of input, outputs that are
-    not `fn`'s flat tuple of tensors) leaves the dynamo call in charge: the same values, slower.
+    it did: it specializes sizes 0 and 1; a graph with a size so specialized in a tensor whose other
+    sizes are dynamic is not kept, the next one compiled is) call the graph with those inputs. What
+    dynamo's guards would check beyond that (layout) the callers fix by their variant key and checks
+    (cast.py), and inductor's generated code asserts each input's sizes and strides; a direct call
+    that raises falls back to the dynamo call for good. Anything unexpected in the graph (another
+    kind of input, outputs that are not `fn`'s flat tuple of tensors) leaves the dynamo call in
+    charge: the same values, slower.
 
     `fn` computes no gradients (its graph is an inference graph). It takes tensors (then arguments
     with defaults, constants of the graph) and returns a flat tuple of tensors (no None: the graph
@@ -154,18 +156,29 @@ class DirectlyCalled:
                 settings.enter_context(functorch_config.patch(enable_autograd_cache=False))
             graph = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.options)
         if self.graph is None and not self._inputs:
-            code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
-            plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
-            if plan is not None:
-                inputs, tensors, self._equal = plan
-                self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
-                self._checks = tuple(
-                    (i, dtype, len(sizes), None if None in sizes else torch.Size(sizes),
-                     tuple(d for d, n in enumerate(sizes) if n is None))
-                    for i, (dtype, sizes) in enumerate(tensors)
-                )  # fmt: skip
-                self.graph, self._boxed = _innermost(graph, gm, inner)
+            try:
+                self._keep(gm, graph, inner)
+            except Exception:  # (private API another torch changed): dynamo's calls stay in charge
+                self._inputs = ()
         return graph
+
+    def _keep(self, gm: torch.fx.GraphModule, graph: Callable, inner: list) -> None:
+        """Keep inductor's graph for direct calls, with how to call it, where `gm` fits."""
+        code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
+        plan = _graph_inputs(gm, code.co_varnames[: code.co_argcount - len(defaults)])
+        # a tensor with sizes of both kinds (a 0 or 1 dynamo specialized in a dynamic tensor): its
+        # static ones are not checked per call, so not this graph: the next compiled one
+        if plan is not None and all(None not in s or set(s) == {None} for _, s in plan[1]):
+            inputs, tensors, equal = plan
+            checks = tuple(
+                (i, dtype, len(sizes), None if None in sizes else torch.Size(sizes),
+                 tuple(d for d, n in enumerate(sizes) if n is None))
+                for i, (dtype, sizes) in enumerate(tensors)
+            )  # fmt: skip
+            direct, boxed = _innermost(graph, gm, inner)
+            self._equal, self._checks, self._boxed = equal, checks, boxed
+            self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
+            self.graph = direct  # (last: a call from another thread may take it now)
 
 
 def _innermost(graph: Callable, gm: torch.fx.GraphModule, inner: list) -> tuple[Callable, bool]:

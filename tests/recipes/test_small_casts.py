@@ -147,3 +147,95 @@ def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> 
     with pytest.raises(RuntimeError, match="size of tensor"):  # checked equal: dynamo's call, torch's error
         kernel(torch.randn(6, 9), torch.randn(8))
     assert kernel.direct_calls == 2
+
+
+def test_a_first_call_with_a_dimension_of_1_leaves_later_calls_direct() -> None:
+    """A first call with a size of 1 (a one-token batch, a one-output head's weight): dynamo
+    specializes that dimension, so its graph fits no other size there; the direct calls are taken by
+    the graph dynamo compiles for the next shape instead of being given up for good (before: the
+    specialized graph was called for every shape, asserted against, and dropped)."""
+
+    def shifted(x, scale):
+        return (x * scale.reshape(()) + 1.0,)
+
+    kernel, scale = DirectlyCalled(shifted, {}), torch.tensor(2.0)
+    for shape in ((1, 50), (64, 96), (3, 50), (64, 96)):
+        x = torch.randn(shape)
+        assert torch.equal(kernel(x, scale)[0], x * 2.0 + 1.0)
+    assert kernel.direct_calls == 2 and kernel.graph is not None  # (3, 50) and (64, 96)'s second call
+
+
+def test_a_call_from_another_thread_while_the_graph_is_kept_is_direct() -> None:
+    """The backend publishes the graph last, after how to call it: a call from another thread (here:
+    made at the moment `graph` is set) sees a graph it can call, not one called the wrong way, which
+    raised and dropped the direct calls for good."""
+
+    class Observed(DirectlyCalled):
+        seen: list = []
+
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "graph" and value is not None and not self.seen:
+                self.seen.append(self(torch.ones(6, 5))[0])  # (another thread's call, at this moment)
+
+    kernel = Observed(lambda x: (x + 1.0,), {})
+    x = torch.randn(4, 3)
+    assert torch.equal(kernel(x)[0], x + 1.0) and torch.equal(Observed.seen[0], torch.full((6, 5), 2.0))
+    assert torch.equal(kernel(x)[0], x + 1.0)
+    assert kernel.direct_calls == 2 and kernel.graph is not None
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_operands_under_64k_elements_give_the_eager_bits_in_every_mode(recipe) -> None:
+    """Operands of 6K-12K elements (under the old 64K threshold, over the new 4K one) in a
+    LayerNormMLP, delayed and current per-tensor scaling: under bf16 autocast, with
+    torch.utils.checkpoint (the recomputed forward casts again: the same bits in the replay) and
+    with create_graph=True, outputs and every gradient bit for bit those of torch's eager kernels."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    import fp8train
+
+    def step(module, mode):
+        x = torch.randn(96, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")
+        make = fp8train.DelayedScaling if recipe == "delayed" else fp8train.Float8CurrentScaling
+        with amp, fp8train.fp8_autocast(fp8_recipe=make()):
+            y = checkpoint(module, x, use_reentrant=False) if mode == "checkpoint" else module(x)
+        loss = y.float().square().mean()
+        if mode == "create_graph":
+            (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+            dx.square().sum().backward()
+        else:
+            loss.backward()
+        return [y.detach(), x.grad] + [p.grad for p in module.parameters()]
+
+    torch.manual_seed(0)
+    module = fp8train.LayerNormMLP(64, 128)
+    for mode in ("autocast", "checkpoint", "create_graph"):
+        fused, eager = copy.deepcopy(module), copy.deepcopy(module)
+        for _ in range(2):  # (delayed scaling: the second step casts with the first one's amax)
+            direct = sum(k.direct_calls for k in cast.COMPILED_KERNELS.compiled.values())
+            got = step(fused, mode)
+            direct = sum(k.direct_calls for k in cast.COMPILED_KERNELS.compiled.values()) - direct
+            want = _eager(step, eager, mode)
+        assert direct >= 6, (mode, direct)  # the compiled kernels ran (their direct calls)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), mode
+
+
+def test_a_torch_without_the_graph_introspection_keeps_the_dynamo_call(monkeypatch) -> None:
+    """The placeholders' sources are private dynamo API: on a torch where reading them fails (here:
+    an attribute renamed), the compiled kernel still runs, through dynamo (not a failed compile,
+    which would put every cast on torch's eager kernels for the rest of the process)."""
+    from fp8train import torch_internals
+
+    def renamed(gm, names):
+        raise AttributeError("'GraphArg' object has no attribute 'source'")
+
+    monkeypatch.setattr(torch_internals, "_graph_inputs", renamed)
+    kernel = DirectlyCalled(lambda x: (x * 2.0,), {})
+    for shape in ((4, 3), (5, 7), (5, 7)):
+        x = torch.randn(shape)
+        assert torch.equal(kernel(x)[0], x * 2.0)
+    assert kernel.direct_calls == 0 and kernel.graph is None
