@@ -52,6 +52,7 @@ __all__ = [
     "foreach_copy",
     "constant_for_compile",
     "DirectlyCalled",
+    "PLAIN_TENSOR_TYPES",
 ]
 
 
@@ -67,6 +68,11 @@ def constant_for_compile(fn: Callable) -> Callable:
     return fn
 
 
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Tensors whose memory is their own: a tensor subclass (FSDP2's gathered weight, a DTensor) may be a
+wrapper without storage of its own, which a compiled kernel called directly would read as memory."""
+
+
 class DirectlyCalled:
     """`fn` compiled by torch.compile (inductor, dynamic shapes, fullgraph, inductor `options`), whose
     compiled graph is then called directly, without dynamo: eager calls of fp8train's small compiled
@@ -79,7 +85,8 @@ class DirectlyCalled:
     graph and how to make its inputs from `fn`'s arguments: dynamo lifts each tensor argument and each
     dynamic size to a graph input, and says which in the placeholders' `grapharg.source` (private:
     `LocalSource` for an argument, `TensorPropertySource(SIZE)` for a size). Later calls whose tensors
-    match the traced ones (dtype, dimensions, the sizes dynamo did not make dynamic, at least 2 where
+    match the traced ones (plain tensors, `PLAIN_TENSOR_TYPES`; dtype, dimensions, the sizes dynamo
+    did not make dynamic, at least 2 where
     it did: it specializes sizes 0 and 1; a graph with a size so specialized in a tensor whose other
     sizes are dynamic is not kept, the next one compiled is) call the graph with those inputs. What
     dynamo's guards would check beyond that (layout) the callers fix by their variant key and checks
@@ -115,7 +122,12 @@ class DirectlyCalled:
             fits = True
             for i, dtype, ndim, static, dynamic in self._checks:
                 arg = args[i]
-                if arg.dtype != dtype or arg.ndim != ndim or (static is not None and arg.shape != static):
+                if (
+                    arg.__class__ not in PLAIN_TENSOR_TYPES  # (a subclass's data is not its own memory)
+                    or arg.dtype != dtype
+                    or arg.ndim != ndim
+                    or (static is not None and arg.shape != static)
+                ):
                     fits = False
                     break
                 for d in dynamic:

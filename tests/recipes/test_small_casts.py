@@ -239,3 +239,43 @@ def test_a_torch_without_the_graph_introspection_keeps_the_dynamo_call(monkeypat
         x = torch.randn(shape)
         assert torch.equal(kernel(x)[0], x * 2.0)
     assert kernel.direct_calls == 0 and kernel.graph is None
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass without memory of its own (as FSDP2's gathered weight, fsdp.GatheredWeight):
+    every op unwraps it."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data_ = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.data_ if isinstance(t, _Wrapper) else t
+
+        tree_map = torch.utils._pytree.tree_map
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_a_tensor_subclass_is_cast_by_its_own_ops_not_read_as_memory() -> None:
+    """A wrapper subclass has no memory of its own: a compiled kernel called directly would read a null
+    or foreign pointer (FSDP2's high-precision gathered weights crashed the process so). Its cast takes
+    torch's ops, with the plain tensor's bits, and the kernel kept for plain tensors serves them after."""
+    x, scale = torch.randn(64, 96) * 30, torch.tensor(2.0)
+    amax_plain, amax_wrapped = torch.zeros(()), torch.zeros(())
+    plain, _ = cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_plain)
+    key = (torch.float32, torch.float32, "e4m3", False, True)
+    kernel = cast.COMPILED_KERNELS.compiled[cast._kernel, key]
+    assert kernel.graph is not None  # kept for direct calls
+    calls = kernel.direct_calls
+    wrapped, _ = cast.cast_with_amax(
+        _Wrapper(x.clone()), scale, "e4m3", torch.float32, transposed=False, amax_out=amax_wrapped
+    )
+    assert kernel.direct_calls == calls  # torch's ops cast it
+    assert bool(_same_bits(wrapped, plain).all()) and bool(_same_bits(amax_wrapped, amax_plain).all())
+    cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=amax_plain)
+    assert kernel.graph is not None and kernel.direct_calls == calls + 1  # plain tensors: still direct

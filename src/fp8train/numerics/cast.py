@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..torch_internals import DirectlyCalled, dispatch_mode_active
+from ..torch_internals import PLAIN_TENSOR_TYPES, DirectlyCalled, dispatch_mode_active
 from .formats import fp8_dtype, fp8_max
 
 __all__ = [
@@ -297,6 +297,7 @@ def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
     runs as the compiled kernel."""
     return (
         COMPILED_KERNELS.running
+        and x.__class__ in PLAIN_TENSOR_TYPES  # (a subclass, e.g. FSDP2's gathered weight: its own ops)
         and x.device.type == "cpu"
         and x.dtype in _FUSED_DTYPES
         and (not scale.shape or scale.numel() == 1)  # a 0-dim scale: no call

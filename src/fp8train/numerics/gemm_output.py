@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..torch_internals import dispatch_mode_active
+from ..torch_internals import PLAIN_TENSOR_TYPES, dispatch_mode_active
 from . import cast
 
 __all__ = ["fused_output_applies", "scaled_output"]
@@ -27,7 +27,10 @@ def fused_output_applies(y: torch.Tensor, scale: torch.Tensor, bias: Optional[to
         cast.COMPILED_KERNELS.running
         and y.device.type == "cpu"
         and scale.device == y.device
-        and (bias is None or (bias.device == y.device and bias.is_contiguous()))
+        and (
+            bias is None
+            or (bias.__class__ in PLAIN_TENSOR_TYPES and bias.device == y.device and bias.is_contiguous())
+        )  # (a subclass, e.g. a DTensor bias: torch's ops)
         and not torch.compiler.is_compiling()
     )
 
