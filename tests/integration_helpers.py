@@ -9,9 +9,11 @@ elementwise MAX of what the ranks sent, and that the ranks sent different values
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,15 @@ from fp8train.tools.data import stdlib_text
 from multirank import AllReduceSpy
 
 SEQ = 32
+
+
+def integration_marks(extra: str, *modules: str) -> list:
+    """A framework test file's marks: multirank, integration, and skipped (not failed) where one of
+    `modules` is missing, naming the extra that installs it; find_spec, so that collecting
+    (-m "not multirank") stays cheap."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    reason = f'needs {missing}: pip install "fp8train[{extra}]"'
+    return [pytest.mark.multirank, pytest.mark.integration, pytest.mark.skipif(bool(missing), reason=reason)]
 
 
 def tiny_llama(seed: int):

@@ -41,18 +41,13 @@ from integration_helpers import (
     assert_same_state,
     assert_trained,
     check_wire,
+    integration_marks,
     set_launcher_env,
     tiny_llama,
 )
 from multirank import run_ranks, run_scenarios, scenario_outcome
 
-# skipped, not failed, without the extra; find_spec, so that collecting (-m "not multirank") stays cheap
-MISSING = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.integration,
-    pytest.mark.skipif(bool(MISSING), reason=f'needs {MISSING}: pip install "fp8train[hf]"'),
-]
+pytestmark = integration_marks("hf", "transformers", "accelerate")
 
 WORLD = 2
 STEPS, ACCUM, BATCH = 12, 2, 4
@@ -168,7 +163,6 @@ def _trainer_resume(seed: int, out_dir: str) -> dict:
 def _example(out_dir: str) -> str:
     """examples/hf_trainer.py's main(), in this rank (torchrun's environment is set), 3 steps."""
     import contextlib
-    import importlib.util
     import io
 
     path = REPO / "examples" / "hf_trainer.py"

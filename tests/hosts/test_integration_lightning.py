@@ -29,7 +29,6 @@ validation loss falls from ~5.7 to ~3.76 nats, a change 17x the bound (0.11 nats
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -46,17 +45,12 @@ from integration_helpers import (
     assert_same_state,
     assert_trained,
     check_wire,
+    integration_marks,
     set_launcher_env,
 )
 from multirank import run_ranks, run_scenarios, scenario_outcome
 
-# skipped, not failed, without the extra; find_spec, so that collecting (-m "not multirank") stays cheap
-MISSING = [m for m in ("lightning",) if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.integration,
-    pytest.mark.skipif(bool(MISSING), reason=f'needs {MISSING}: pip install "fp8train[lightning]"'),
-]
+pytestmark = integration_marks("lightning", "lightning")
 
 WORLD = 2
 STEPS, ACCUM, BATCH = 12, 2, 4
