@@ -147,6 +147,16 @@ def assert_same_state(a: list, b: list, what: str) -> None:
         assert torch.equal(x, y), f"{what}: FP8 module {i // 6} differs"
 
 
+def assert_ends_near_the_run_without_fp8(
+    first: float, final: float, reference: float, tolerance: float
+) -> None:
+    """The FP8 run's loss fell from `first` to `final` (by 0.3 nats at least) and ends within `tolerance`
+    (relative) of the same run's final loss without FP8, `reference`."""
+    assert final < first - 0.3, (first, final)
+    gap = abs(final - reference) / reference
+    assert gap < tolerance, (final, reference, gap)
+
+
 def assert_trained(state: list) -> None:
     """FP8 casts really happened: every module's input and weight histories (the first of the six
     tensors `helpers.fp8_state` holds per module) recorded amaxes."""
