@@ -5,6 +5,7 @@ GEMM (counts from fp8train.tools.bench.lean_path, which `fp8train bench cast` pr
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -122,6 +123,25 @@ def test_compiled_kernels_registry(monkeypatch) -> None:
     assert not off.running and (off.set_enabled(True) or off.running)
 
 
+def _on_a_fresh_stack(fn):
+    """fn() in a new thread: its call stack is as deep under any runner (pytest, an xdist worker, a
+    script), and so are the calls that walk it (fp8_autocast's entry looks up its callers' frames)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as err:  # raised again in the test's thread
+            out["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
 def test_mlp_step_passes_and_calls_per_gemm() -> None:
     """The FP8 MLP block 1024-4096-1024 on 256 tokens (delayed scaling, eager, fwd + bwd): at most 4
     passes over the elements of the operands it casts in all its non-GEMM ops, the model's own
@@ -130,13 +150,14 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds;
     measured now, the same in three runs: 27.8 aten calls, 79.2 and 48.6 Python calls)."""
     torch.set_num_threads(1)
-    r = lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1)
+    r = _on_a_fresh_stack(lambda: lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1))
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
     assert r["extra_aten_calls_per_gemm"] <= 29.5, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
-    # that grow with the stack's depth (pytest's is deep), not with the model
+    # that grow with the stack's depth, not with the model; on the fresh stack 80.5 (on pytest's main
+    # thread 90.2, and 91.8 in an xdist worker)
     assert r["python_calls_per_gemm"] <= 90, r["python_calls_by_function"]
     # 48.6 (the call depth of the suite has moved it by ~2): bounded with that margin, about half of
     # 97, the count before the lean path
