@@ -20,7 +20,7 @@ if [ "$what" = demo ]; then
   python -c "import fp8train, matplotlib, tqdm" 2>/dev/null || pip install -q -e ".[demo]"
   exit 0
 fi
-python -c "import fp8train, numpy, pytest, hypothesis, matplotlib, tqdm, transformers, tensorboard, torchao, accelerate, safetensors, lightning, peft, pdoc, setuptools" 2>/dev/null \
+python -c "import fp8train, numpy, pytest, xdist, hypothesis, matplotlib, tqdm, transformers, tensorboard, torchao, accelerate, safetensors, lightning, peft, pdoc, setuptools" 2>/dev/null \
   || pip install -q -e ".[test,demo]"
 # torchtitan's CPU tests: its model package imports triton even on a CPU-only torch; its own
 # requirements (datasets, wandb, torchdata) serve only its trainer, so the pieces it imports are named

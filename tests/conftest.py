@@ -25,3 +25,15 @@ def fresh_fp8_registry():
     fp8train.reset_reduction_stats()
     yield
     fp8train.inspection.reset()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadfile --no-loadscope-reorder`), where files
+    are handed to the workers in collection order: the files holding a slow or multi-rank test first,
+    so that the many short files fill the end of both workers instead of one long file running alone
+    at the end. A single process (`-n 0`) keeps pytest's order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    marked = ("slow", "multirank")
+    long = {item.path for item in items if any(item.get_closest_marker(m) for m in marked)}
+    items.sort(key=lambda item: item.path not in long)  # stable: each file's own order is kept

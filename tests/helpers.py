@@ -110,3 +110,18 @@ def mse_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x, target, reci
     loss.backward()
     opt.step()
     return loss.detach()
+
+
+def fill_special(t: torch.Tensor, block: int) -> torch.Tensor:
+    """The microscaling tests' special values, written into float32 `t` (at least 40 rows, 4 * block + 2
+    columns) in place: zero blocks, -0.0, +-inf, NaN, a block with both, along rows and columns."""
+    inf, nan = float("inf"), float("nan")
+    t[0, :block] = 0.0
+    t[1, :block] = -0.0
+    t[2, 5], t[3, 7], t[4, 9] = inf, -inf, nan
+    t[5, 1], t[5, 2] = inf, nan
+    t[6, block : 2 * block] = inf
+    t[7, ::3] = -inf
+    t[8:40, 3 * block] = 0.0  # a column of zeros (a zero column-wise block)
+    t[9:20, 4 * block + 1] = nan  # a column with NaNs
+    return t

@@ -9,9 +9,11 @@ elementwise MAX of what the ranks sent, and that the ranks sent different values
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,15 @@ from fp8train.tools.data import stdlib_text
 from multirank import AllReduceSpy
 
 SEQ = 32
+
+
+def integration_marks(extra: str, *modules: str) -> list:
+    """A framework test file's marks: multirank, integration, and skipped (not failed) where one of
+    `modules` is missing, naming the extra that installs it; find_spec, so that collecting
+    (-m "not multirank") stays cheap."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    reason = f'needs {missing}: pip install "fp8train[{extra}]"'
+    return [pytest.mark.multirank, pytest.mark.integration, pytest.mark.skipif(bool(missing), reason=reason)]
 
 
 def tiny_llama(seed: int):
@@ -134,6 +145,16 @@ def assert_same_state(a: list, b: list, what: str) -> None:
     assert len(a) == len(b) and a, what
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"{what}: FP8 module {i // 6} differs"
+
+
+def assert_ends_near_the_run_without_fp8(
+    first: float, final: float, reference: float, tolerance: float
+) -> None:
+    """The FP8 run's loss fell from `first` to `final` (by 0.3 nats at least) and ends within `tolerance`
+    (relative) of the same run's final loss without FP8, `reference`."""
+    assert final < first - 0.3, (first, final)
+    gap = abs(final - reference) / reference
+    assert gap < tolerance, (final, reference, gap)
 
 
 def assert_trained(state: list) -> None:

@@ -18,10 +18,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import fp8train
 from fp8train.tools.ranks import AllReduceSpy, assert_ok, free_port, run_ranks, run_ranks_outcomes
 
 __all__ = [
-    "CollectiveCounter",
+    "CollectiveCounter", "train_fsdp_gathers", "assert_fp8_gathers_bit_for_bit",
     "AllReduceSpy", "assert_ok", "free_port", "run_ranks", "run_ranks_outcomes", "run_scenarios",
     "scenario_outcome",
 ]  # fmt: skip
@@ -81,3 +82,45 @@ class CollectiveCounter:
     def close(self) -> None:
         for name, fn in self._restore:
             setattr(dist, name, fn)
+
+
+def train_fsdp_gathers(
+    shard: Callable[[bool], torch.nn.Module], loss_of: Callable[[torch.nn.Module, int], torch.Tensor]
+) -> dict[bool, dict]:
+    """Inside a rank: for fsdp_fp8_all_gather off, then on, the model `shard(option)` builds and shards
+    (from a fresh registry), trained 3 SGD steps on `loss_of(model, step)` under delayed scaling with its
+    collectives counted: {option: {"steps": a digest per step (loss, full gradients, FP8 state),
+    "gathers": the gathered dtypes}}."""
+    from helpers import digest, fp8_state
+
+    out = {}
+    for option in (False, True):
+        fp8train.inspection.reset()
+        model = shard(option)
+        counter = CollectiveCounter()
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            snapshots = []
+            for step in range(3):
+                with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
+                    loss = loss_of(model, step)
+                loss.backward()
+                grads = [p.grad.full_tensor() for p in model.parameters()]
+                snapshots.append(digest([loss.detach(), grads, fp8_state(model)]))
+                opt.step()
+                opt.zero_grad()
+        finally:
+            counter.close()
+        out[option] = {"steps": snapshots, "gathers": counter.gather_dtypes}
+    return out
+
+
+def assert_fp8_gathers_bit_for_bit(runs: list[dict[bool, dict]]) -> None:
+    """The ranks' `train_fsdp_gathers` results: with FP8 gathers each rank trains bit for bit as with
+    high-precision ones and gathers bytes (uint8) only, the others fp32 only; the ranks' runs differ
+    (per-rank data: a real run)."""
+    for out in runs:
+        assert out[True]["steps"] == out[False]["steps"]
+        assert out[True]["gathers"] and all(d == torch.uint8 for d in out[True]["gathers"])
+        assert all(d == torch.float32 for d in out[False]["gathers"])
+    assert runs[0][True]["steps"][-1] != runs[1][True]["steps"][-1]

@@ -29,7 +29,6 @@ validation loss falls from ~5.7 to ~3.76 nats, a change 17x the bound (0.11 nats
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -43,20 +42,16 @@ from helpers import fp8_state
 from integration_helpers import (
     AmaxWire,
     ByteText,
+    assert_ends_near_the_run_without_fp8,
     assert_same_state,
     assert_trained,
     check_wire,
+    integration_marks,
     set_launcher_env,
 )
 from multirank import run_ranks, run_scenarios, scenario_outcome
 
-# skipped, not failed, without the extra; find_spec, so that collecting (-m "not multirank") stays cheap
-MISSING = [m for m in ("lightning",) if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.integration,
-    pytest.mark.skipif(bool(MISSING), reason=f'needs {MISSING}: pip install "fp8train[lightning]"'),
-]
+pytestmark = integration_marks("lightning", "lightning")
 
 WORLD = 2
 STEPS, ACCUM, BATCH = 12, 2, 4
@@ -261,9 +256,7 @@ def test_lightning_collectives_per_optimizer_step(runs) -> None:
 
 def test_lightning_loss_decreases_and_ends_near_the_run_without_fp8(runs) -> None:
     fp8, ref = scenario_outcome(runs, "fp8")[0], scenario_outcome(runs, "fp32")[0]
-    assert fp8["final"] < fp8["first"] - 0.3, (fp8["first"], fp8["final"])
-    gap = abs(fp8["final"] - ref["final"]) / ref["final"]
-    assert gap < LOSS_TOLERANCE, (fp8["final"], ref["final"], gap)
+    assert_ends_near_the_run_without_fp8(fp8["first"], fp8["final"], ref["final"], LOSS_TOLERANCE)
 
 
 def test_lightning_resumes_a_fresh_module_as_the_uninterrupted_run(runs) -> None:

@@ -16,22 +16,14 @@ first layer saw.
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
 import torch.distributed as dist
 
 import fp8train
-from integration_helpers import AmaxWire, set_launcher_env
+from integration_helpers import AmaxWire, integration_marks, set_launcher_env
 from multirank import run_ranks, run_scenarios, scenario_outcome
 
-MISSING = [m for m in ("lightning",) if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.integration,
-    pytest.mark.skipif(bool(MISSING), reason=f'needs {MISSING}: pip install "fp8train[lightning]"'),
-]
+pytestmark = integration_marks("lightning", "lightning")
 
 WORLD, STEPS, BATCH, HISTORY = 2, 3, 4, 8
 RECIPE = fp8train.DelayedScaling(amax_history_len=HISTORY, amax_reduction="step")

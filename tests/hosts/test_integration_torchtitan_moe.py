@@ -89,11 +89,11 @@ def _fsdp_titan_experts(rank: int, world: int) -> dict:
     fsdp_fp8_all_gather, trained 3 steps on per-rank tokens (an expert empty on rank 0)."""
     from torch.distributed.fsdp import fully_shard
 
-    from helpers import digest, fp8_state
+    from multirank import train_fsdp_gathers
 
     torch.set_num_threads(1)
-    out = {}
-    for option in (False, True):
+
+    def shard(option: bool) -> torch.nn.Module:
         torch.manual_seed(0)
         experts = FP8GroupedExperts.Config(
             dim=DIM, hidden_dim=HIDDEN, num_experts=3, fsdp_fp8_all_gather=option
@@ -102,35 +102,18 @@ def _fsdp_titan_experts(rank: int, world: int) -> dict:
             for p in experts.parameters():
                 p.normal_(0, 0.2)
         fully_shard(experts)
-        from multirank import CollectiveCounter
+        return experts
 
-        counter = CollectiveCounter()
-        try:
-            opt = torch.optim.SGD(experts.parameters(), lr=0.05)
-            steps = []
-            for step in range(3):
-                counts = torch.tensor([4, 0, 6] if rank == 0 else [3, 5, 2])
-                x = torch.randn(10, DIM, generator=torch.Generator().manual_seed(10 * rank + step))
-                with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
-                    loss = experts(x, counts).square().mean()
-                loss.backward()
-                grads = [p.grad.full_tensor() for p in experts.parameters()]
-                steps.append(digest([loss.detach(), grads, fp8_state(experts)]))
-                opt.step()
-                opt.zero_grad()
-        finally:
-            counter.close()
-        out[option] = {"steps": steps, "gathers": counter.gather_dtypes}
-    return out
+    def loss_of(experts: torch.nn.Module, step: int) -> torch.Tensor:
+        counts = torch.tensor([4, 0, 6] if rank == 0 else [3, 5, 2])
+        x = torch.randn(10, DIM, generator=torch.Generator().manual_seed(10 * rank + step))
+        return experts(x, counts).square().mean()
+
+    return train_fsdp_gathers(shard, loss_of)
 
 
 @pytest.mark.multirank
 def test_fsdp2_gathers_torchtitan_experts_in_fp8_bit_for_bit() -> None:
-    from multirank import run_ranks
+    from multirank import assert_fp8_gathers_bit_for_bit, run_ranks
 
-    runs = run_ranks(_fsdp_titan_experts, 2, timeout_s=180, pg_timeout_s=60)
-    for out in runs:
-        assert out[True]["steps"] == out[False]["steps"]
-        assert out[True]["gathers"] and all(d == torch.uint8 for d in out[True]["gathers"])
-        assert all(d == torch.float32 for d in out[False]["gathers"])
-    assert runs[0][True]["steps"][-1] != runs[1][True]["steps"][-1]
+    assert_fp8_gathers_bit_for_bit(run_ranks(_fsdp_titan_experts, 2, timeout_s=180, pg_timeout_s=60))

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -308,6 +309,28 @@ def _corrupt(src: str, dst: str, edit) -> None:
 KEY = "model.layers.1.mlp.up_proj.weight"
 
 
+def _assert_refused_and_nothing_loaded(directory: str, bad: str, message: str, model_cls) -> None:
+    """The checkpoint `bad` (a corrupted copy of `directory`) is refused with `message`, alone and into
+    a model built from its config: that model keeps every value and gains no stored FP8 layer."""
+    from transformers import AutoConfig
+
+    from fp8train.integrations.fp8_checkpoint import BlockFormatError, load_fp8_checkpoint
+
+    with pytest.raises(BlockFormatError, match=re.escape(message)):
+        load_fp8_checkpoint(bad)
+    config = AutoConfig.from_pretrained(directory)
+    del config.quantization_config
+    model = model_cls(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BlockFormatError, match=re.escape(message)):
+        load_fp8_checkpoint(bad, model=model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(
+        isinstance(m, (fp8train.StoredFP8Linear, fp8train.StoredFP8Experts)) for m in model.modules()
+    )
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -362,24 +385,12 @@ KEY = "model.layers.1.mlp.up_proj.weight"
     ],  # fmt: skip
 )
 def test_bad_checkpoint_is_a_clear_error_and_nothing_is_loaded(checkpoint, tmp_path, edit, message) -> None:
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    from fp8train.integrations.fp8_checkpoint import BlockFormatError, load_fp8_checkpoint
+    from transformers import LlamaForCausalLM
 
     directory, _ = checkpoint
     bad = str(tmp_path / "bad")
     _corrupt(directory, bad, edit)
-    with pytest.raises(BlockFormatError, match=__import__("re").escape(message)):
-        load_fp8_checkpoint(bad)
-    config = AutoConfig.from_pretrained(directory)
-    del config.quantization_config
-    model = LlamaForCausalLM(config)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(BlockFormatError):
-        load_fp8_checkpoint(bad, model=model)
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert not any(isinstance(m, fp8train.StoredFP8Linear) for m in model.modules())
+    _assert_refused_and_nothing_loaded(directory, bad, message, LlamaForCausalLM)
 
 
 def test_stored_layer_takes_e8m0_scales_and_refuses_bad_ones_at_construction() -> None:
@@ -976,25 +987,11 @@ EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"
 def test_bad_fused_experts_checkpoint_is_a_clear_error_and_nothing_is_loaded(
     qwen3_moe_checkpoint, tmp_path, edit, message
 ) -> None:
-    from transformers import AutoConfig, Qwen3MoeForCausalLM
-
-    from fp8train.integrations.fp8_checkpoint import BlockFormatError, load_fp8_checkpoint
+    from transformers import Qwen3MoeForCausalLM
 
     bad = str(tmp_path / "bad")
     _corrupt(qwen3_moe_checkpoint, bad, lambda t, c: edit(t))
-    with pytest.raises(BlockFormatError, match=__import__("re").escape(message)):
-        load_fp8_checkpoint(bad)
-    config = AutoConfig.from_pretrained(qwen3_moe_checkpoint)
-    del config.quantization_config
-    model = Qwen3MoeForCausalLM(config)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(BlockFormatError, match=__import__("re").escape(message)):
-        load_fp8_checkpoint(bad, model=model)
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert not any(
-        isinstance(m, (fp8train.StoredFP8Linear, fp8train.StoredFP8Experts)) for m in model.modules()
-    )
+    _assert_refused_and_nothing_loaded(qwen3_moe_checkpoint, bad, message, Qwen3MoeForCausalLM)
 
 
 def test_stored_experts_refuse_an_intermediate_size_off_the_block() -> None:

@@ -14,7 +14,7 @@ import fp8train
 from fp8train.layer_coverage import StepCoverage
 from fp8train.modules.grouped_experts import FusedExperts, grouped_linear
 from helpers import fp8_state
-from multirank import CollectiveCounter, run_ranks
+from multirank import assert_fp8_gathers_bit_for_bit, run_ranks, train_fsdp_gathers
 
 transformers = pytest.importorskip("transformers")
 
@@ -281,38 +281,24 @@ class _ShardedExperts(torch.nn.Module):
 def _fsdp_experts_ranks(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    from helpers import digest
-
     torch.set_num_threads(1)
-    out = {}
-    for option in (False, True):
+
+    def shard(option: bool) -> torch.nn.Module:
         model = _ShardedExperts(option)
         assert isinstance(model.experts, FusedExperts)
         fully_shard(model.up)
         fully_shard(model.experts)
         fully_shard(model)
-        counter = CollectiveCounter()
-        try:
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            snapshots = []
-            for step in range(3):
-                g = torch.Generator().manual_seed(10 * rank + step)
-                x = torch.randn(8, 32, generator=g) * (1 + rank)
-                offs = torch.tensor(
-                    [3, 3, 8] if rank == 0 else [2, 6, 7], dtype=torch.int32
-                )  # an empty expert
-                top_k_index = torch.randint(0, 3 if rank == 0 else 4, (8, 2), generator=g)  # uneven routing
-                with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
-                    loss = model(x, offs, top_k_index, torch.rand(8, 2, generator=g)).square().mean()
-                loss.backward()
-                grads = [p.grad.full_tensor() for p in model.parameters()]
-                snapshots.append(digest([loss.detach(), grads, fp8_state(model)]))
-                opt.step()
-                opt.zero_grad()
-        finally:
-            counter.close()
-        out[option] = {"steps": snapshots, "gathers": counter.gather_dtypes}
-    return out
+        return model
+
+    def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x = torch.randn(8, 32, generator=g) * (1 + rank)
+        offs = torch.tensor([3, 3, 8] if rank == 0 else [2, 6, 7], dtype=torch.int32)  # an empty expert
+        top_k_index = torch.randint(0, 3 if rank == 0 else 4, (8, 2), generator=g)  # uneven routing
+        return model(x, offs, top_k_index, torch.rand(8, 2, generator=g)).square().mean()
+
+    return train_fsdp_gathers(shard, loss_of)
 
 
 @pytest.mark.multirank
@@ -320,12 +306,7 @@ def test_two_ranks_fsdp2_gathers_3d_expert_weights_in_fp8_bit_for_bit() -> None:
     """ExpertsLinear and FusedExperts with fsdp_fp8_all_gather: FSDP2 shards the experts (dim 0, uneven),
     each rank casts its experts with their own GEMMs' delayed scales and gathers bytes; training equals
     the run with high-precision gathers bit for bit (losses, gradients, FP8 state), on both ranks."""
-    runs = run_ranks(_fsdp_experts_ranks, 2, timeout_s=180, pg_timeout_s=60)
-    for out in runs:
-        assert out[True]["steps"] == out[False]["steps"]
-        assert out[True]["gathers"] and all(d == torch.uint8 for d in out[True]["gathers"])
-        assert all(d == torch.float32 for d in out[False]["gathers"])
-    assert runs[0][True]["steps"][-1] != runs[1][True]["steps"][-1]  # per-rank data: a real run
+    assert_fp8_gathers_bit_for_bit(run_ranks(_fsdp_experts_ranks, 2, timeout_s=180, pg_timeout_s=60))
 
 
 # ---- what real jobs do around the loop: meta builds, copies, EMA, double backward, in-place ops ----------

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fp8train
 from helpers import fp8_state
-from multirank import AllReduceSpy, CollectiveCounter, run_ranks
+from multirank import AllReduceSpy, assert_fp8_gathers_bit_for_bit, run_ranks, train_fsdp_gathers
 from reference import E4M3_MAX, E5M2_MAX, RefScaling, amax_of, quantize_ref
 
 RECIPES = {
@@ -327,41 +327,22 @@ class _Experts(torch.nn.Module):
 def _fsdp_ranks(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    from helpers import digest
-
-    out = {}
-    for option in (False, True):
-        fp8train.inspection.reset()
+    def shard(option: bool) -> torch.nn.Module:
         model = _Experts(option)
         fully_shard(model.experts)
         fully_shard(model)
-        counter = CollectiveCounter()
-        try:
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            snapshots = []
-            for step in range(3):
-                x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * rank + step)) * (1 + rank)
-                with fp8train.fp8_autocast(fp8_recipe=fp8train.DelayedScaling(amax_history_len=4)):
-                    loss = model(x).square().mean()
-                loss.backward()
-                grads = [p.grad.full_tensor() for p in model.parameters()]
-                snapshots.append(digest([loss.detach(), grads, fp8_state(model)]))
-                opt.step()
-                opt.zero_grad()
-        finally:
-            counter.close()
-        out[option] = {"steps": snapshots, "gathers": counter.gather_dtypes}
-    return out
+        return model
+
+    def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * rank + step)) * (1 + rank)
+        return model(x).square().mean()
+
+    return train_fsdp_gathers(shard, loss_of)
 
 
 @pytest.mark.multirank
 def test_two_ranks_fsdp2_gathers_every_expert_in_fp8_bit_for_bit() -> None:
-    runs = run_ranks(_fsdp_ranks, 2, timeout_s=120, pg_timeout_s=60)
-    for out in runs:
-        assert out[True]["steps"] == out[False]["steps"]  # FP8 gathers: the same training bit for bit
-        assert out[True]["gathers"] and all(d == torch.uint8 for d in out[True]["gathers"])
-        assert all(d == torch.float32 for d in out[False]["gathers"])
-    assert runs[0][True]["steps"][-1] != runs[1][True]["steps"][-1]  # per-rank data: a real run
+    assert_fp8_gathers_bit_for_bit(run_ranks(_fsdp_ranks, 2, timeout_s=120, pg_timeout_s=60))
 
 
 def test_compiled_grouped_equals_eager_bit_for_bit() -> None:

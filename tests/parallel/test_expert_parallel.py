@@ -146,12 +146,17 @@ def _ep_run(rank, world, singles, recipe, steps, fp8_dispatch, first=0) -> dict:
         with _region(recipe):
             y = layer(x, ids)
         _loss(y, gate, gout).backward()
-        out["y"].append(y.detach())
-        out["dx"].append(x.grad)
-        out["grads"].append(_grads(experts))
-        out["state"].append(_state(experts))
-        experts.zero_grad()
+        _record(out, y, x, experts)
     return out
+
+
+def _record(out: dict, y: torch.Tensor, x: torch.Tensor, experts) -> None:
+    """After a step's backward: its output, input gradient, expert gradients and FP8 state into `out`."""
+    out["y"].append(y.detach())
+    out["dx"].append(x.grad)
+    out["grads"].append(_grads(experts))
+    out["state"].append(_state(experts))
+    experts.zero_grad()
 
 
 def _reference(world, single, recipe, steps, fp8_dispatch, first=0) -> dict:
@@ -176,11 +181,7 @@ def _reference(world, single, recipe, steps, fp8_dispatch, first=0) -> dict:
             ys = experts(rows, [len(w) for w in where])
         y = ys.new_zeros(len(flat), HIDDEN).index_put((torch.cat(where),), ys).view(-1, TOP_K, HIDDEN)
         _loss(y, gate, gout).backward()
-        out["y"].append(y.detach())
-        out["dx"].append(x.grad)
-        out["grads"].append(_grads(experts))
-        out["state"].append(_state(experts))
-        experts.zero_grad()
+        _record(out, y, x, experts)
     return out
 
 

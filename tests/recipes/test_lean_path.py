@@ -5,6 +5,7 @@ GEMM (counts from fp8train.tools.bench.lean_path, which `fp8train bench cast` pr
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -122,26 +123,45 @@ def test_compiled_kernels_registry(monkeypatch) -> None:
     assert not off.running and (off.set_enabled(True) or off.running)
 
 
+def _on_a_fresh_stack(fn):
+    """fn() in a new thread: its call stack is as deep under any runner (pytest, an xdist worker, a
+    script), and so are the calls that walk it (fp8_autocast's entry looks up its callers' frames)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as err:  # raised again in the test's thread
+            out["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
 def test_mlp_step_passes_and_calls_per_gemm() -> None:
     """The FP8 MLP block 1024-4096-1024 on 256 tokens (delayed scaling, eager, fwd + bwd): at most 4
     passes over the elements of the operands it casts in all its non-GEMM ops, the model's own
     included (before: 14.4, measured at 74dd396: the cast's 8, the amax's, the GEMMs' upcasts and
     output scaling); aten calls and fp8train's Python calls per FP8 GEMM bounded (before: 66 aten calls
     beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds;
-    27.8, 79.2 and 48.9 at 13da088; measured now, the same in every run: 26.5 aten calls, 76.2 and
-    45.4 Python calls)."""
+    27.8, 79.2 and 48.9 at 13da088; measured now on a fresh stack, the same in every run: 24.2 aten
+    calls, 77.5 and 45.1 Python calls)."""
     torch.set_num_threads(1)
-    r = lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1)
+    r = _on_a_fresh_stack(lambda: lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1))
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
     # deterministic counts: a margin of one call per layer of the block (2 layers, 6 GEMMs)
-    assert r["extra_aten_calls_per_gemm"] <= 26.5 + 2 / 6, r["extra_aten_calls_per_gemm"]
+    assert r["extra_aten_calls_per_gemm"] <= 24.2 + 2 / 6, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
-    # that grow with the stack's depth (pytest's is deep), not with the model: 76.2 from a script,
-    # 86.8 here
-    assert r["python_calls_per_gemm"] <= 89, r["python_calls_by_function"]
-    # 45.4 (the call depth of the suite has moved it by ~2): bounded with that margin, under half of
+    # that grow with the stack's depth, not with the model; on this fresh stack as from a script
+    # (on pytest's main thread ~10 more, in an xdist worker ~12)
+    assert r["python_calls_per_gemm"] <= 80, r["python_calls_by_function"]
+    # 45.1 (the call depth of the suite has moved it by ~2): bounded with that margin, under half of
     # 97, the count before the lean path
     assert r["python_calls_per_added_gemm"] <= 48, r["python_calls_by_function"]
 

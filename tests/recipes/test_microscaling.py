@@ -17,6 +17,7 @@ from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
 
 import inverses
 from fp8train.numerics import microscaling as ms
+from helpers import fill_special
 from reference import (
     E2M1_GRID,
     E4M3_GRID,
@@ -51,19 +52,6 @@ def _per_element(mask: torch.Tensor, shape: torch.Size, dim: int, block: int, tw
 
 
 # ---- inputs ------------------------------------------------------------------------------------
-
-
-def _fill_special(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Zero blocks, -0.0, +-inf, NaN, a block with both, along rows and columns."""
-    t[0, :block] = 0.0
-    t[1, :block] = -0.0
-    t[2, 5], t[3, 7], t[4, 9] = INF, -INF, NAN
-    t[5, 1], t[5, 2] = INF, NAN
-    t[6, block : 2 * block] = INF
-    t[7, ::3] = -INF
-    t[8:40, 3 * block] = 0.0  # a column of zeros (a zero column-wise block)
-    t[9:20, 4 * block + 1] = NAN  # a column with NaNs
-    return t
 
 
 def _mx_edges(fmax: float, grid: list[float], rows: int, cols: int, block: int) -> torch.Tensor:
@@ -110,7 +98,7 @@ def mx_inputs(encoding: str, block: int = 32) -> dict[str, torch.Tensor]:
     subnormal[32:48] *= 1e-3  # FP8 subnormals next to a large value per block
     subnormal[32:48, ::block] = 1e3
     subnormal[48:] *= 1e-30
-    special = _fill_special(torch.randn(rows, cols, generator=g), block)
+    special = fill_special(torch.randn(rows, cols, generator=g), block)
     return {
         "random": random,
         "outliers": outliers,
@@ -386,7 +374,7 @@ def nvfp4_inputs() -> dict[str, torch.Tensor]:
         "random": torch.randn(rows, cols, generator=g),
         "outliers": outliers,
         "subnormal": subnormal,
-        "special": _fill_special(torch.randn(rows, cols, generator=g), 16),
+        "special": fill_special(torch.randn(rows, cols, generator=g), 16),
         "ties": t,
         "amax_edges": amax_edges,
         "inf_only": inf_only,

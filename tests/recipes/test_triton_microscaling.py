@@ -30,6 +30,7 @@ except ImportError as error:  # CPU builds without triton: the torch path is all
 
 import fp8train
 from fp8train.numerics import microscaling as ms
+from helpers import fill_special
 from reference import E2M1_GRID, E4M3_GRID, E5M2_GRID
 
 INF, NAN = float("inf"), float("nan")
@@ -193,19 +194,6 @@ def test_e8m0_scale_and_multiplier_equal_the_torch_path(encoding: str) -> None:
 # ---- inputs ------------------------------------------------------------------------------------------
 
 
-def _special(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Zero blocks, -0.0, +-inf, NaN, a block with both, along rows and columns (t is float32)."""
-    t[0, :block] = 0.0
-    t[1, :block] = -0.0
-    t[2, 5], t[3, 7], t[4, 9] = INF, -INF, NAN
-    t[5, 1], t[5, 2] = INF, NAN
-    t[6, block : 2 * block] = INF
-    t[7, ::3] = -INF
-    t[8:40, 3 * block] = 0.0
-    t[9:20, 4 * block + 1] = NAN
-    return t
-
-
 def _mx_input(encoding: str, block: int = 32) -> torch.Tensor:
     """[3 * block + 8, 6 * block + 8] (partial last blocks both ways), in bands of rows: random,
     outliers, float32 subnormals and the byte-0 threshold, FP8 subnormals beside a large value, blocks
@@ -236,7 +224,7 @@ def _mx_input(encoding: str, block: int = 32) -> torch.Tensor:
             blk[j % block] = [top, torch.nextafter(top, torch.tensor(INF)), torch.nextafter(top, 0 * top)][
                 r % 3
             ]
-    return _special(x, block)
+    return fill_special(x, block)
 
 
 def _nvfp4_input() -> torch.Tensor:
