@@ -355,11 +355,24 @@ def test_availability_and_bad_input() -> None:
     assert empty[0].shape == (0, 4) and empty[1].shape == (4, 0)
 
 
+def _run_without_triton(code: str) -> None:
+    """`code` in a fresh process with triton hidden (sys.modules['triton'] = None), whether or not
+    triton is installed here; it must exit cleanly."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['triton'] = None\n" + code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_fp8train_imports_and_runs_without_triton() -> None:
     """Triton is a test dependency: with it hidden, fp8train imports, the kernels say they are not
     available and the torch path casts."""
-    code = (
-        "import sys; sys.modules['triton'] = None\n"
+    _run_without_triton(
         "import torch, fp8train\n"
         "from fp8train.numerics import kernels\n"
         "assert not kernels.fused_cast_available('cuda')\n"
@@ -368,11 +381,22 @@ def test_fp8train_imports_and_runs_without_triton() -> None:
         "assert quantize(torch.ones(3), torch.tensor(2.0), 'e4m3').float().tolist() == [2.0] * 3\n"
         "assert 'fp8train.numerics.kernels.triton_cast' not in sys.modules\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+
+
+def test_probing_the_per_tensor_casts_without_triton_answers_and_imports_nothing() -> None:
+    """The kernels' face looks its per-tensor casts up on first use (a module `__getattr__`, PEP 562);
+    without triton a lookup raises AttributeError naming the fix, so `hasattr` and `getattr(...,
+    default)` answer instead of raising ImportError."""
+    _run_without_triton(
+        "import pytest\n"
+        "from fp8train.numerics import kernels\n"
+        "assert not hasattr(kernels, 'cast_with_amax')\n"
+        "assert getattr(kernels, 'amax_then_cast', None) is None\n"
+        "with pytest.raises(AttributeError, match='triton'):\n"
+        "    kernels.cast_with_amax\n"
+        "assert not hasattr(kernels, 'no_such_kernel')\n"
+        "assert 'fp8train.numerics.kernels.triton_cast' not in sys.modules\n"
     )
-    assert result.returncode == 0, result.stderr[-2000:]
 
 
 _COMPILE_FOR_SM90 = r"""
