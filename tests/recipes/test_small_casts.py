@@ -110,10 +110,58 @@ def test_compiled_gemm_output_equals_the_eager_epilogue(out_dtype, bias_dtype) -
             got = gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True)
         want = _eager(gemm.gemm, a, sa, b, sb, out_dtype, bias, bf16_output=True)
         assert got.dtype == out_dtype and torch.equal(got, want)
-        assert census.ops["scaled_output"] == 1 and census.calls == 2, census.ops  # mm and the output
-    key = (torch.float32, out_dtype) + (() if bias is None else (bias.dtype,))
-    kernel = gemm_output._output_kernel if bias is None else gemm_output._biased_output_kernel
+        op = "scaled_output_" if out_dtype == torch.float32 else "scaled_output"  # (in place: fp32)
+        assert census.ops[op] == 1 and census.calls == 2, census.ops  # mm and the output
+    if out_dtype == torch.float32:  # written into the product (gemm_output.py)
+        key = (torch.float32,) + (() if bias is None else (bias.dtype,))
+        kernel = gemm_output._output_kernel_ if bias is None else gemm_output._biased_output_kernel_
+    else:
+        key = (torch.float32, out_dtype) + (() if bias is None else (bias.dtype,))
+        kernel = gemm_output._output_kernel if bias is None else gemm_output._biased_output_kernel
     assert cast.COMPILED_KERNELS.compiled[kernel, key].direct_calls >= 1  # the second call, directly
+
+
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_gemm_output_written_into_the_product_has_the_out_of_place_bits(bias_dtype, monkeypatch) -> None:
+    """Where the output dtype is the product's (fp32), `gemm` writes its epilogue into the fresh
+    product of its torch.mm (no second output-sized buffer: the output's memory is the mm's), with
+    the bits of the out-of-place kernel and of torch's eager epilogue: shapes off 8, one row, a bias
+    of either dtype, called directly after the first call; a bf16 output stays a new tensor."""
+    g = torch.Generator().manual_seed(11)
+    products: list = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: products.append(mm(a, b)) or products[-1])
+    sa, sb = torch.tensor(0.0371), torch.tensor(2.75)
+    for m, k, n in ((67, 40, 123), (1, 24, 4500), (67, 40, 123)):
+        a = (torch.randn(m, k, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        b = (torch.randn(k, n, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            products.clear()
+            got = gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True)
+            assert len(products) == 1
+            in_place = got.data_ptr() == products[0].data_ptr()
+            assert in_place == (out_dtype == torch.float32), (m, n, out_dtype)
+            out_of_place = gemm_output.scaled_output(mm(a, b), sa, sb, bias, out_dtype)
+            eager = _eager(gemm.gemm, a, sa, b, sb, out_dtype, bias, bf16_output=True)
+            assert got.dtype == out_dtype and torch.equal(got, out_of_place) and torch.equal(got, eager)
+            assert bool(_same_bits(got, eager).all())
+    key = (torch.float32,) + (() if bias_dtype is None else (bias_dtype,))
+    kernel = gemm_output._output_kernel_ if bias_dtype is None else gemm_output._biased_output_kernel_
+    assert cast.COMPILED_KERNELS.compiled[kernel, key].direct_calls >= 1  # (67, 123)'s second call
+
+
+def test_gemm_output_written_into_the_product_under_a_dispatch_mode() -> None:
+    """Under a dispatch mode (a counter) the in-place epilogue is the mutating op
+    `fp8train::scaled_output_`: one call beside the mm, the mm's memory returned, the same bits."""
+    g = torch.Generator().manual_seed(12)
+    a = (torch.randn(64, 32, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    b = (torch.randn(32, 80, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    sa, sb, bias = torch.tensor(0.5), torch.tensor(0.125), torch.randn(80, generator=g)
+    with StepCensus() as census:
+        got = gemm.gemm(a, sa, b, sb, torch.float32, bias, bf16_output=True)
+    assert census.ops["scaled_output_"] == 1 and census.calls == 2, census.ops
+    assert torch.equal(got, _eager(gemm.gemm, a, sa, b, sb, torch.float32, bias, bf16_output=True))
 
 
 def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> None:

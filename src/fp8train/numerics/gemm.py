@@ -254,9 +254,11 @@ def gemm(
             and y.shape[0] * y.shape[1] >= FUSED_MIN_ELEMENTS
             and fused_output_applies(y, a_scale_inv, bias)
         ):
-            out = scaled_output(y, a_scale_inv, b_scale_inv, bias, out_dtype)
+            # (y is this call's own: written over where the output dtype is y's, gemm_output.py)
+            out = scaled_output(y, a_scale_inv, b_scale_inv, bias, out_dtype, overwrite=True)
             if out is not None:
                 return out
+            y = torch.mm(a, b)  # (the kernel failed, once per process: y may be written over)
         y = y.to(torch.bfloat16)
     elif (bf16_output and a.dtype == torch.float32) or (
         a.dtype == torch.bfloat16 and bf16_kernel(a.device)[0] == "fp32"

@@ -6,6 +6,14 @@ conversion); the kernel computes the same operations, each rounding as torch's e
 the same bits (tests/recipes/test_lean_path.py). Used where `cast.py`'s compiled cast is
 (`fused_output_applies`), called as `cast.py`'s kernels are (`torch_internals.DirectlyCalled`), and
 registered alike as the custom op `fp8train::scaled_output` where a dispatch mode would see it.
+
+Where the caller owns the product (`gemm`: the fresh result of its torch.mm, held by nothing else) and
+the output dtype is the product's (float32), the kernel writes the output into the product itself
+(`overwrite`; the op `fp8train::scaled_output_`): each element is read, then written, by the same
+iteration of one pointwise loop (inductor's in-place buffer), so the bits are the out-of-place
+kernel's, and the step allocates no second output-sized buffer. A new buffer of 4-16 MB costs more
+than the pass that fills it (its pages are faulted in and zeroed by the OS: measured in
+docs/benchmarks.md, "The lean eager path").
 """
 
 from __future__ import annotations
@@ -54,6 +62,33 @@ def _biased_output_kernel(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_in
     return ((torch.mul(y.to(torch.bfloat16), scale) + bias).to(out_dtype),)
 
 
+def _output_kernel_(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                    y_dtype: torch.dtype) -> tuple:  # fmt: skip
+    """`_output_kernel` written into y (the output dtype is y's): nothing returned."""
+    scale = (a_scale_inv * b_scale_inv).reshape(1)
+    y.copy_(torch.mul(y.to(torch.bfloat16), scale))
+    return ()
+
+
+def _biased_output_kernel_(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                           bias: torch.Tensor, y_dtype: torch.dtype,
+                           bias_dtype: torch.dtype) -> tuple:  # fmt: skip
+    """`_biased_output_kernel` written into y (the output dtype is y's): nothing returned."""
+    scale = (a_scale_inv * b_scale_inv).reshape(1)
+    y.copy_(torch.mul(y.to(torch.bfloat16), scale) + bias)
+    return ()
+
+
+def _run_(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+          bias: Optional[torch.Tensor]) -> None:  # fmt: skip
+    """The in-place op's body: y overwritten with its output."""
+    if bias is None:
+        cast.COMPILED_KERNELS.variant(_output_kernel_, (y.dtype,))(y, a_scale_inv, b_scale_inv)
+    else:
+        key = (y.dtype, bias.dtype)
+        cast.COMPILED_KERNELS.variant(_biased_output_kernel_, key)(y, a_scale_inv, b_scale_inv, bias)
+
+
 def _run(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor, bias: Optional[torch.Tensor],
          out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     compiled = cast.COMPILED_KERNELS.compiled
@@ -69,11 +104,17 @@ def _run(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor, 
 
 
 _scaled_output_op = torch.library.custom_op("fp8train::scaled_output", _run, mutates_args=())
+_scaled_output_inplace_op = torch.library.custom_op("fp8train::scaled_output_", _run_, mutates_args=("y",))
 
 
 @_scaled_output_op.register_fake
 def _(y, a_scale_inv, b_scale_inv, bias, out_dtype):
     return torch.empty_like(y, dtype=out_dtype)
+
+
+@_scaled_output_inplace_op.register_fake
+def _(y, a_scale_inv, b_scale_inv, bias):
+    return None
 
 
 def scaled_output(
@@ -82,14 +123,34 @@ def scaled_output(
     b_scale_inv: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    overwrite: bool = False,
 ) -> Optional[torch.Tensor]:
     """y (the fp32 product of FP8 values) rounded to bf16, times a_scale_inv * b_scale_inv (1
     element each, fp32), plus `bias` if given, as `out_dtype`: one pass, one call; None where the
-    compiled kernel cannot run here (the caller computes it eagerly)."""
+    compiled kernel cannot run here (the caller computes it eagerly). With `overwrite` (the caller
+    holds y's only reference: no view, no autograd record) and `out_dtype` y's dtype, the output is
+    written into y and y returned (no new buffer); y is then unusable after a failure (None)."""
     try:  # (cast.COMPILED_KERNELS.run, inline: the hot path)
+        compiled = cast.COMPILED_KERNELS.compiled  # (`_run` and `_run_`, inline: the hot path)
+        if overwrite and out_dtype == y.dtype:
+            if dispatch_mode_active():
+                _scaled_output_inplace_op(y, a_scale_inv, b_scale_inv, bias)
+                return y
+            if bias is None:
+                try:
+                    kernel = compiled[_output_kernel_, (y.dtype,)]
+                except KeyError:
+                    kernel = cast.COMPILED_KERNELS.variant(_output_kernel_, (y.dtype,))
+                kernel(y, a_scale_inv, b_scale_inv)
+                return y
+            try:
+                kernel = compiled[_biased_output_kernel_, (y.dtype, bias.dtype)]
+            except KeyError:
+                kernel = cast.COMPILED_KERNELS.variant(_biased_output_kernel_, (y.dtype, bias.dtype))
+            kernel(y, a_scale_inv, b_scale_inv, bias)
+            return y
         if dispatch_mode_active():
             return _scaled_output_op(y, a_scale_inv, b_scale_inv, bias, out_dtype)
-        compiled = cast.COMPILED_KERNELS.compiled  # (`_run`, inline: the hot path)
         if bias is None:
             try:
                 kernel = compiled[_output_kernel, (y.dtype, out_dtype)]
