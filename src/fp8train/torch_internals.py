@@ -88,7 +88,8 @@ class DirectlyCalled:
     match the traced ones (plain tensors, `PLAIN_TENSOR_TYPES`; dtype, dimensions, the sizes dynamo
     did not make dynamic, at least 2 where
     it did: it specializes sizes 0 and 1; a graph with a size so specialized in a tensor whose other
-    sizes are dynamic is not kept, the next one compiled is) call the graph with those inputs. What
+    sizes are dynamic is not kept, the next one compiled is) call the graph with those inputs
+    (`_direct_call`: checks written for the one graph, and inductor's `current_callable`). What
     dynamo's guards would check beyond that (layout) the callers fix by their variant key and checks
     (cast.py), and inductor's generated code asserts each input's sizes and strides; a direct call
     that raises falls back to the dynamo call for good. Anything unexpected in the graph (another
@@ -97,54 +98,34 @@ class DirectlyCalled:
 
     `fn` computes no gradients (its graph is an inference graph). It takes tensors (then arguments
     with defaults, constants of the graph) and returns a flat tuple of tensors (no None: the graph
-    drops them). Floats `fn` reads from Python are specialized (dynamo would lift them to inputs);
+    drops them), or writes into a tensor argument (`x.copy_(...)`) and returns (): AOTAutograd keeps
+    an inference graph's input mutations in the graph, where inductor writes them itself (a pointwise
+    update of the input's own buffer, read and written by the same loop), so the direct call does
+    them too. It does not bump the mutated tensor's version counter (AOTAutograd's wrapper would):
+    write only into tensors autograd has not recorded (gemm_output.py: the fresh product of a GEMM).
+    Floats `fn` reads from Python are specialized (dynamo would lift them to inputs);
     sizes are not duck-shaped (dynamo would assume sizes that were equal in the first call equal).
     Checked on torch 2.13 (tests/recipes/test_small_casts.py counts that the direct call runs)."""
 
     def __init__(self, fn: Callable, options: dict) -> None:
         self.fn = fn
         self.options = options
-        self.graph: Optional[Callable] = None  # inductor's compiled graph, once traced and usable
+        # the direct call, once traced and usable: a function of `fn`'s tensors that calls inductor's
+        # compiled graph where they fit it, else returns `_MISSED` (`_direct_call`)
+        self.graph: Optional[Callable] = None
         self.direct_calls = 0  # calls that took the graph directly (tests count them)
-        self._inputs: tuple = ()  # per graph input: (its position, (argument index, dimension or -1))
-        self._n_inputs = 0
-        self._boxed = False  # whether `graph` takes its inputs as one list (inductor's own graph)
-        self._equal: tuple = ()  # (argument, dimension, argument, dimension) of sizes traced equal
-        # per argument: (index, dtype, dimensions, sizes if all static else None, dynamic dimensions)
-        self._checks: tuple = ()
+        self._inputs: tuple = ()  # per graph input: (argument index, dimension or -1), once kept
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
 
     def __call__(self, *args: torch.Tensor):
         graph = self.graph
         if graph is not None:
-            # (no calls, only attributes and subscripts: this is the hot path, counted by
-            # tests/recipes/test_lean_path.py's Python-call census)
-            fits = True
-            for i, dtype, ndim, static, dynamic in self._checks:
-                arg = args[i]
-                if (
-                    arg.__class__ not in PLAIN_TENSOR_TYPES  # (a subclass's data is not its own memory)
-                    or arg.dtype != dtype
-                    or arg.ndim != ndim
-                    or (static is not None and arg.shape != static)
-                ):
-                    fits = False
-                    break
-                for d in dynamic:
-                    if arg.shape[d] < 2:
-                        fits = False
-            for i, d, j, e in self._equal if fits else ():
-                if args[i].shape[d] != args[j].shape[e]:
-                    fits = False
-            if fits:
-                inputs = [None] * self._n_inputs
-                for k, (i, d) in self._inputs:
-                    inputs[k] = args[i] if d < 0 else args[i].shape[d]
-                try:
-                    out = graph(inputs) if self._boxed else graph(*inputs)
-                except Exception:  # (an input the graph asserts against): dynamo's call from now on
-                    self.graph = None
-                else:
+            try:
+                out = graph(*args)
+            except Exception:  # (an input the graph asserts against): dynamo's call from now on
+                self.graph = None
+            else:
+                if out is not _MISSED:
                     self.direct_calls += 1
                     return out
         with _tracing_settings():
@@ -188,16 +169,73 @@ class DirectlyCalled:
                 for i, (dtype, sizes) in enumerate(tensors)
             )  # fmt: skip
             direct, boxed = _innermost(graph, gm, inner)
-            self._equal, self._checks, self._boxed = equal, checks, boxed
-            self._inputs, self._n_inputs = tuple(enumerate(inputs)), len(inputs)
-            self.graph = direct  # (last: a call from another thread may take it now)
+            self._inputs = inputs
+            # (last: a call from another thread may take it now)
+            self.graph = _direct_call(self.fn.__name__, direct, boxed, checks, equal, inputs)
+
+
+_MISSED = object()  # a direct call's answer where the arguments do not fit the graph
+
+
+def _direct_call(name: str, graph: Callable, boxed: bool, checks: tuple, equal: tuple,
+                 inputs: tuple) -> Callable:  # fmt: skip
+    """For `DirectlyCalled`: a function of the traced function's tensors that checks them against the
+    graph (`checks`: per argument, its index, dtype, dimensions, static sizes or None, dynamic
+    dimensions; `equal`: sizes the trace proved equal) and calls `graph` with its inputs (`inputs`),
+    or returns `_MISSED`. Its source is written for the one graph, straight-line (each tensor's shape
+    read once, no loops): about 1 us for three tensors where the loops over `checks` took 5.
+
+    Where `graph` is inductor's compiled graph (`boxed`), it calls the graph's `current_callable`
+    (private: the generated module's `call`, which `CompiledFxGraph.__call__` calls between a
+    profiler label, an autotune-cache bundler's end, which the first call, dynamo's, did, and runtime
+    metrics) unless the profiler is on (then the graph, for its label); a torch whose graph is
+    another class, or has no `current_callable`, gets the graph called as it is."""
+    params = [f"a{i}" for i in range(len(checks))]
+    conds, sizes, bound = [], [], {"P": PLAIN_TENSOR_TYPES, "graph": graph, "MISSED": _MISSED}
+    for i, dtype, ndim, static, dynamic in checks:
+        bound[f"d{i}"] = dtype
+        conds += [f"a{i}.__class__ in P", f"a{i}.dtype is d{i}", f"a{i}.ndim == {ndim}"]
+        if static is not None and ndim:
+            bound[f"z{i}"] = static
+            conds.append(f"a{i}.shape == z{i}")
+        sizes += [f"s{i}[{d}] > 1" for d in dynamic]
+    sizes += [f"s{i}[{d}] == s{j}[{e}]" for i, d, j, e in equal]
+    shaped = sorted({i for i, d in inputs if d >= 0} | {i for i, *_ in equal} | {j for *_, j, _ in equal})
+    args = ", ".join(f"a{i}" if d < 0 else f"s{i}[{d}]" for i, d in inputs)
+    call = f"graph({args})"
+    if boxed:
+        call = f"graph([{args}])"
+        try:
+            from torch._inductor.output_code import CompiledFxGraph
+
+            if (
+                type(graph).__call__ is CompiledFxGraph.__call__
+                and callable(getattr(graph, "current_callable", None))
+                and hasattr(torch.autograd.profiler, "_is_profiler_enabled")
+            ):
+                bound["profiler"] = torch.autograd.profiler
+                call = f"graph.current_callable([{args}]) if not profiler._is_profiler_enabled else {call}"
+        except ImportError:
+            pass
+    lines = [f"def direct({', '.join(params)}):", f"    if {' and '.join(conds) or 'True'}:"]
+    lines += [f"        s{i} = a{i}.shape" for i in shaped]
+    lines += (
+        [f"        if {' and '.join(sizes)}:", f"            return {call}"]
+        if sizes
+        else [f"        return {call}"]
+    )
+    lines.append("    return MISSED")
+    code = compile("\n".join(lines) + "\n", f"{__file__}:<direct call of {name}>", "exec")
+    exec(code, bound)
+    return bound["direct"]
 
 
 def _innermost(graph: Callable, gm: torch.fx.GraphModule, inner: list) -> tuple[Callable, bool]:
     """(Inductor's compiled graph itself, True: a `CompiledFxGraph`, called with a list of its inputs), where
     AOTAutograd's inference graph takes dynamo's inputs and returns its outputs one for one (no
-    mutations, aliases or extra outputs for its runtime wrapper to handle: then that wrapper and
-    dynamo's `disable` around it only cost time), else (`graph`, the function dynamo calls, False)."""
+    aliases, mutations left outside the graph or extra outputs for its runtime wrapper to handle: then
+    that wrapper and dynamo's `disable` around it only cost time, but for the version counter of an
+    input mutated in the graph), else (`graph`, the function dynamo calls, False)."""
 
     def counts(module: torch.fx.GraphModule) -> tuple[int, int]:
         nodes = list(module.graph.nodes)

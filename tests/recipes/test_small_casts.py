@@ -173,7 +173,7 @@ def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> 
         return (x * scale + y.sum(),)
 
     kernel = DirectlyCalled(doubled_sum, {})
-    x, y = torch.randn(8, 4), torch.randn(3)
+    x, y = torch.randn(8, 4), torch.tensor([1.5, -2.25, 0.5])  # (a sum exact in any order)
     assert torch.equal(kernel(x, y)[0], x * 2.0 + y.sum()) and kernel.direct_calls == 0
     for shape in ((5, 7), (8, 4)):
         x = torch.randn(shape)
@@ -195,6 +195,32 @@ def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> 
     with pytest.raises(RuntimeError, match="size of tensor"):  # checked equal: dynamo's call, torch's error
         kernel(torch.randn(6, 9), torch.randn(8))
     assert kernel.direct_calls == 2
+
+
+def test_direct_calls_skip_the_compiled_graphs_wrapper_but_under_the_profiler(monkeypatch) -> None:
+    """A direct call runs inductor's generated code (`current_callable`) without
+    `CompiledFxGraph.__call__`'s wrapper (its autotune and metrics bookkeeping: time on every call),
+    except under torch.profiler, where the wrapper's label names the graph; a function that writes
+    into its argument (`x.copy_`) is called directly too, writing into the argument's own memory."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    wrapped, call = [], CompiledFxGraph.__call__
+    monkeypatch.setattr(CompiledFxGraph, "__call__", lambda g, inputs: wrapped.append(1) or call(g, inputs))
+
+    def halved(x, scale):
+        x.copy_(x * scale.reshape(()) + 0.5)
+        return ()
+
+    kernel, scale = DirectlyCalled(halved, {}), torch.tensor(0.5)
+    for shape in ((8, 5), (7, 9), (7, 9)):
+        x = torch.randn(shape)
+        want, address = x * 0.5 + 0.5, x.data_ptr()
+        assert kernel(x, scale) == () and torch.equal(x, want) and x.data_ptr() == address
+    assert kernel.direct_calls == 2 and len(wrapped) == 1  # (the first call: dynamo's, wrapped)
+    with torch.profiler.profile() as prof:
+        kernel(x, scale)
+    assert kernel.direct_calls == 3 and len(wrapped) == 2
+    assert any("CompiledFxGraph" in e.name for e in prof.events())
 
 
 def test_a_first_call_with_a_dimension_of_1_leaves_later_calls_direct() -> None:
