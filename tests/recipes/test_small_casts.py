@@ -151,6 +151,22 @@ def test_gemm_output_written_into_the_product_has_the_out_of_place_bits(bias_dty
     assert cast.COMPILED_KERNELS.compiled[kernel, key].direct_calls >= 1  # (67, 123)'s second call
 
 
+def test_a_product_autograd_records_is_not_written_over(monkeypatch) -> None:
+    """Operands that require grad (not fp8train's casts, which never do) make a product autograd has
+    recorded: its memory is not written over (the output is a new tensor), the values the same."""
+    products: list = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: products.append(mm(a, b)) or products[-1])
+    a = torch.randn(64, 32).to(torch.float8_e4m3fn).float().requires_grad_()
+    b = torch.randn(32, 80).to(torch.float8_e4m3fn).float()
+    sa, sb = torch.tensor(0.5), torch.tensor(0.125)
+    for _ in range(2):
+        products.clear()
+        got = gemm.gemm(a, sa, b, sb, torch.float32, None, bf16_output=True)
+        assert got.data_ptr() != products[0].data_ptr()
+        assert torch.equal(got, _eager(gemm.gemm, a, sa, b, sb, torch.float32, None, bf16_output=True))
+
+
 def test_gemm_output_written_into_the_product_under_a_dispatch_mode() -> None:
     """Under a dispatch mode (a counter) the in-place epilogue is the mutating op
     `fp8train::scaled_output_`: one call beside the mm, the mm's memory returned, the same bits."""

@@ -254,8 +254,9 @@ def gemm(
             and y.shape[0] * y.shape[1] >= FUSED_MIN_ELEMENTS
             and fused_output_applies(y, a_scale_inv, bias)
         ):
-            # (y is this call's own: written over where the output dtype is y's, gemm_output.py)
-            out = scaled_output(y, a_scale_inv, b_scale_inv, bias, out_dtype, overwrite=True)
+            # (y is this call's own, outside autograd: written over where the output dtype is y's,
+            # gemm_output.py; cast operands never require grad, the check is the proof)
+            out = scaled_output(y, a_scale_inv, b_scale_inv, bias, out_dtype, overwrite=not y.requires_grad)
             if out is not None:
                 return out
             y = torch.mm(a, b)  # (the kernel failed, once per process: y may be written over)
