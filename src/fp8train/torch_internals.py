@@ -103,6 +103,9 @@ class DirectlyCalled:
     update of the input's own buffer, read and written by the same loop), so the direct call does
     them too. It does not bump the mutated tensor's version counter (AOTAutograd's wrapper would):
     write only into tensors autograd has not recorded (gemm_output.py: the fresh product of a GEMM).
+    A direct call that raises is made again through dynamo: sound for such a function because
+    inductor's generated `call` asserts every input before its first kernel runs, and a pointwise
+    kernel does not raise midway (no integer division: its only check after the loop).
     Floats `fn` reads from Python are specialized (dynamo would lift them to inputs);
     sizes are not duck-shaped (dynamo would assume sizes that were equal in the first call equal).
     Checked on torch 2.13 (tests/recipes/test_small_casts.py counts that the direct call runs)."""
