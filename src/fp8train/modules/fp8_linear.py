@@ -26,22 +26,15 @@ __all__ = ["fp8_linear", "parallel_linear"]
 class _LinearFn(torch.autograd.Function):
     """y = x @ weight.T + bias in FP8: x's operands made here by its input source, the weight's given
     (made by its weight source: sources.py), the gradient quantized in backward, all by
-    `call.quantization`. `noted`: the forward used an FSDP2 FP8 gather that its backward settles.
-    `save_fp8`: whether backward keeps emulated operands as FP8 bytes (`saved.saves_fp8_bytes`, decided
-    with the GEMM path: `_gemm_path`); otherwise they are kept as the GEMMs take them, without a call."""
+    `call.quantization`. `given`: what the call hands over besides the tensors that get gradients, in
+    one argument (each argument of `Function.apply` costs a look at it): (w_ops, call, inputs, noted,
+    save_fp8); `noted`: the forward used an FSDP2 FP8 gather that its backward settles; `save_fp8`:
+    whether backward keeps emulated operands as FP8 bytes (`saved.saves_fp8_bytes`, decided with the
+    GEMM path: `_gemm_path`), otherwise they are kept as the GEMMs take them, without a call."""
 
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        weight,
-        bias,
-        w_ops: WeightOperands,
-        call: Call,
-        inputs: InputSource,
-        noted: bool,
-        save_fp8: bool,
-    ):
+    def forward(ctx, x, weight, bias, given: tuple[WeightOperands, Call, InputSource, bool, bool]):
+        w_ops, call, inputs, noted, save_fp8 = given
         x2d = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (2-D: no view to make)
         x_ops = inputs.operands(x2d, call)
         shape = x.shape
@@ -90,32 +83,42 @@ class _LinearFn(torch.autograd.Function):
         grad_bias = g2d.sum(0) if needs_bias else None
         if needs_bias and grad_bias.dtype != ctx.b_dtype:  # (a bias in another dtype than y's)
             grad_bias = grad_bias.to(ctx.b_dtype)
-        grad_x = grad_w = None
-        with torch.no_grad():
-            g_ops = call.quantization.quantize_grad(g2d, call, needs)
-            if ctx.noted and not torch.compiler.is_compiling():
-                fsdp.gathered_backward_ran(call.module_handle, call.gemm_index, ctx)  # owed nothing now
-            if needs[0]:
-                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad", path=call.gemm_path)
-                if ctx.sp_group is not None:  # each rank's tokens: summed over the group
-                    grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
-                if grad_x.shape != ctx.x_shape:  # (x was not 2-D)
-                    grad_x = grad_x.reshape(ctx.x_shape)
-            if needs[1]:
-                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad", path=call.gemm_path)
+        if create_graph:
+            with torch.no_grad():
+                g_ops, grad_x, grad_w = _LinearFn.gemms(ctx, call, g2d, needs, x_wgrad, w_dgrad)
+        else:  # (grad mode is off already: a backward that builds no graph)
+            g_ops, grad_x, grad_w = _LinearFn.gemms(ctx, call, g2d, needs, x_wgrad, w_dgrad)
         if create_graph:  # differentiable, with the same values (second_order.py)
             grad_x, grad_w = second_order.linear_grads(
                 grad_x, grad_w, g2d,
                 g_ops.dgrad.dequantize() if needs[0] else None, weight, w_dgrad.dequantize(),
                 g_ops.wgrad.dequantize() if needs[1] else None, x_wgrad.dequantize(), needs[0],
             )  # fmt: skip
-        return grad_x, grad_w, grad_bias, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None
+
+    @staticmethod
+    def gemms(ctx, call: Call, g2d: torch.Tensor, needs: tuple, x_wgrad: Operand, w_dgrad: Operand):
+        """Backward's quantized gradient and its GEMMs (grad mode off): (g_ops, grad_x, grad_w)."""
+        grad_x = grad_w = None
+        g_ops = call.quantization.quantize_grad(g2d, call, needs)
+        if ctx.noted and not torch.compiler.is_compiling():
+            fsdp.gathered_backward_ran(call.module_handle, call.gemm_index, ctx)  # owed nothing now
+        if needs[0]:
+            grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad", path=call.gemm_path)
+            if ctx.sp_group is not None:  # each rank's tokens: summed over the group
+                grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
+            if grad_x.shape != ctx.x_shape:  # (x was not 2-D)
+                grad_x = grad_x.reshape(ctx.x_shape)
+        if needs[1]:
+            grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad", path=call.gemm_path)
+        return g_ops, grad_x, grad_w
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
     """x's dtype, or torch.autocast's where it is on for x's device (as TransformerEngine's modules):
     the activations after an FP8 GEMM then are what they would be after an autocast GEMM."""
-    device = x.device.type
+    # (CPU and CUDA tensors by attribute: `x.device` makes a device object)
+    device = "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
@@ -189,7 +192,8 @@ def fp8_linear(
         weight = source.linear_weight(weight, x, call)
         return F.linear(x if sp_group is None else TokenCollective.apply(x, sp_group, True), weight, bias)
     x, inputs = (x, LOCAL) if sp_group is None else input_source(x, sp_group, call.quantization)
-    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
+    compiling = torch.compiler.is_compiling()
+    if compiling and torch.is_grad_enabled():  # eager calls checked in their plan
         call.check_recipe_kind()
     scales, token = call.quantization.call_scales(call, x, source.weight_amax)
     if source.cast_scales is not None:  # the weight scale the weight is cast with instead
@@ -208,8 +212,8 @@ def fp8_linear(
     if native:
         grouped.add(weight, bias, w_ops, call)
         return None
-    y = _LinearFn.apply(x, weight, bias, w_ops, call, inputs, source.gather is not None, save_fp8)
-    if not torch.compiler.is_compiling():  # compiled graphs' outputs: the region counts their calls
+    y = _LinearFn.apply(x, weight, bias, (w_ops, call, inputs, source.gather is not None, save_fp8))
+    if not compiling:  # compiled graphs' outputs: the region counts their calls
         call.note_output(y)
     if source.gather is not None:
         fsdp.note_gathered_forward(module, gemm_index, source.gather, y)
