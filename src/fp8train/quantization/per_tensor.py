@@ -38,7 +38,7 @@ class TensorQuantization(Quantization):
     """A recipe with one scale per tensor: each tensor's one operand serves both of its GEMMs."""
 
     kernel = "tensorwise"
-    # whether FP8TRAIN_FUSED_KERNELS is set, read at this object's first cast (one object per
+    # whether FP8TRAIN_FUSED_KERNELS is set, read at this object's first eager cast (one object per
     # fp8_autocast entry: the setting holds for its region and that region's backward); None: not yet.
     # Where it is unset, CPU tensors take the torch path without a call (`kernels.use_fused_kernels`)
     fused_kernels_named: Optional[bool] = None
@@ -78,8 +78,11 @@ class TensorQuantization(Quantization):
         gradient whose wgrad runs (`wgrad`), g.t() (row-major). gemm.py then copies nothing. Else
         `cast_with_amax`'s operand twice (the torch path: gemm.py copies)."""
         named = self.fused_kernels_named
-        if named is None:  # (the region's first cast)
-            named = self.fused_kernels_named = kernels.ENV_FUSED_KERNELS in os.environ
+        if named is None:  # (the region's first eager cast; a traced one leaves it: dynamo would guard
+            # on the value it wrote, and compile again at the next block)
+            named = kernels.ENV_FUSED_KERNELS in os.environ
+            if not torch.compiler.is_compiling():
+                self.fused_kernels_named = named
         # (on the CPU with the default setting, the answer is known without asking: no call)
         if (x.is_cuda or named) and kernels.use_fused_kernels(x):
             amax_out = torch.zeros((), dtype=torch.float32, device=x.device) if with_amax else None
