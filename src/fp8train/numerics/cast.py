@@ -300,7 +300,7 @@ def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
         and x.is_cpu
         and x.dtype in _FUSED_DTYPES
         and scale.is_cpu  # (x's device)
-        and scale.numel() == 1
+        and (scale.ndim == 0 or scale.numel() == 1)  # (0-dim, the recipes' views: no call)
         and x.is_contiguous()
         and not torch.compiler.is_compiling()
     )
