@@ -361,9 +361,9 @@ def _fused_cast(
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
     try:  # (COMPILED_KERNELS.run, inline: the hot path)
-        if dispatch_mode_active():  # (the op's input without grad: it has no autograd formula)
-            x = x.detach() if x.requires_grad else x
-            out = _fused_cast_op(x, scale, encoding, dtype, transposed, with_amax)
+        if dispatch_mode_active():  # (without grad: the op has no autograd formula; no `detach` that
+            with torch.no_grad():  # the eager call does not make either)
+                out = _fused_cast_op(x, scale, encoding, dtype, transposed, with_amax)
         else:
             key = (x.dtype, dtype, encoding, transposed, with_amax)  # (`_run_fused`, inline)
             try:
