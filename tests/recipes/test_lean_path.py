@@ -148,22 +148,22 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     included (before: 14.4, measured at 74dd396: the cast's 8, the amax's, the GEMMs' upcasts and
     output scaling); aten calls and fp8train's Python calls per FP8 GEMM bounded (before: 66 aten calls
     beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds;
-    27.8, 79.2 and 48.9 at 13da088; measured now on a fresh stack, the same in every run: 24.2 aten
-    calls, 77.5 and 45.1 Python calls)."""
+    27.8, 79.2 and 48.9 at 13da088; 24.2, 77.2 and 45.1 at 9b552ce; measured now on a fresh stack, the
+    same in every run: 23.8 aten calls, 75.2 and 42.9 Python calls)."""
     torch.set_num_threads(1)
     r = _on_a_fresh_stack(lambda: lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1))
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
-    # deterministic counts: a margin of one call per layer of the block (2 layers, 6 GEMMs)
-    assert r["extra_aten_calls_per_gemm"] <= 24.2 + 2 / 6, r["extra_aten_calls_per_gemm"]
+    # deterministic counts, bounded where 9b552ce's fail (24.2, 77.2, 45.1): the cast's amax is its
+    # kernel's own output, taken by the record as it is; the per-call settings read once per region
+    assert r["extra_aten_calls_per_gemm"] <= 23.9, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
     # that grow with the stack's depth, not with the model; on this fresh stack as from a script
     # (on pytest's main thread ~10 more, in an xdist worker ~12)
-    assert r["python_calls_per_gemm"] <= 80, r["python_calls_by_function"]
-    # 45.1 (the call depth of the suite has moved it by ~2): bounded with that margin, under half of
-    # 97, the count before the lean path
-    assert r["python_calls_per_added_gemm"] <= 48, r["python_calls_by_function"]
+    assert r["python_calls_per_gemm"] <= 76, r["python_calls_by_function"]
+    # 42.9: under half of 97, the count before the lean path
+    assert r["python_calls_per_added_gemm"] <= 44, r["python_calls_by_function"]
 
 
 _BROKEN_COMPILER = r"""
