@@ -65,13 +65,13 @@ def weight_casts(monkeypatch) -> CastCounter:
     counter = CastCounter()
     real = TensorQuantization.cast_operands
 
-    def counting(x, scale, *args, **kwargs):
+    def counting(self, x, scale, *args, **kwargs):
         if any(x.data_ptr() == w.data_ptr() for w in counter.weights):
             counter.casts.append(float(scale))
-        return real(x, scale, *args, **kwargs)
+        return real(self, x, scale, *args, **kwargs)
 
     # a spy on the per-tensor recipes' cast (`cast` goes through it too): counts, passes on
-    monkeypatch.setattr(TensorQuantization, "cast_operands", staticmethod(counting))
+    monkeypatch.setattr(TensorQuantization, "cast_operands", counting)
     return counter
 
 

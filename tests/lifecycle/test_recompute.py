@@ -56,13 +56,13 @@ def cast_log(monkeypatch) -> list:
     log: list = []
     real = TensorQuantization.cast_operands
 
-    def spy(x, scale, scale_inv, encoding, *args, **kwargs):
+    def spy(self, x, scale, scale_inv, encoding, *args, **kwargs):
         if encoding == "e4m3":
             log.append((in_backward(), float(scale)))
-        return real(x, scale, scale_inv, encoding, *args, **kwargs)
+        return real(self, x, scale, scale_inv, encoding, *args, **kwargs)
 
     # a spy on the per-tensor recipes' cast (`cast` goes through it too): logs the scales, passes on
-    monkeypatch.setattr(TensorQuantization, "cast_operands", staticmethod(spy))
+    monkeypatch.setattr(TensorQuantization, "cast_operands", spy)
     return log
 
 

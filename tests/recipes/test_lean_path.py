@@ -35,20 +35,21 @@ def test_compiled_cast_gives_the_eager_casts_bits(encoding, x_dtype, dtype) -> N
     assert x.numel() >= cast.FUSED_MIN_ELEMENTS and cast._fused_applies(x, torch.tensor(1.0))
     for scale in (3.0, 2.0**-7):
         s = torch.tensor(scale)
-        amax_out = torch.zeros(())
         with StepCensus() as census:
-            values, values_t = cast.cast_with_amax(x, s, encoding, dtype, transposed=True, amax_out=amax_out)
-        assert census.ops["fused_cast"] == 1  # the compiled kernel ran (as its op, under the counter)
+            values, values_t, amax_out = cast.cast_with_amax(
+                x, s, encoding, dtype, transposed=True, with_amax=True
+            )
+        # the compiled kernel ran (as its op, under the counter), the amax its own output: no copy
+        assert census.ops["fused_cast"] == 1 and census.calls == 1, census.ops
         want = cast.cast_operand(x, s, encoding, dtype)
         assert values.dtype == dtype and bool(_same_bits(values, want).all())
         assert values_t.is_contiguous() and bool(_same_bits(values_t, want.t()).all())
         assert amax_out.isnan()  # the hard values hold a NaN
     finite = torch.nan_to_num(x.float(), nan=0.0).to(x_dtype)
-    amax_out = torch.zeros(())
-    values, _ = cast.cast_with_amax(
-        finite, torch.tensor(3.0), encoding, dtype, transposed=False, amax_out=amax_out
+    values, _, amax_out = cast.cast_with_amax(
+        finite, torch.tensor(3.0), encoding, dtype, transposed=False, with_amax=True
     )
-    assert torch.equal(amax_out, cast.amax(finite))
+    assert amax_out.dtype == torch.float32 and torch.equal(amax_out, cast.amax(finite))
     assert bool(_same_bits(values, cast.cast_operand(finite, torch.tensor(3.0), encoding, dtype)).all())
 
 
@@ -57,16 +58,15 @@ def test_cast_seam_on_the_torch_path() -> None:
     written, the transposed copy."""
     x = torch.randn(48, 40) * 30
     x[3, 5] = float("nan")
-    amax_out = torch.zeros(())
-    values, values_t = cast.cast_with_amax(
-        x, torch.tensor(2.0), "e4m3", torch.bfloat16, transposed=True, amax_out=amax_out
+    values, values_t, amax_out = cast.cast_with_amax(
+        x, torch.tensor(2.0), "e4m3", torch.bfloat16, transposed=True, with_amax=True
     )
     want = cast.cast_operand(x, torch.tensor(2.0), "e4m3", torch.bfloat16)
     assert bool(_same_bits(values, want).all()) and bool(_same_bits(values_t, want.t()).all())
     assert amax_out.isnan()
-    values, values_t = cast.cast_with_amax(x, torch.tensor(2.0), "e4m3", torch.float32, transposed=False,
-                                           amax_out=None)  # fmt: skip
-    assert values_t is None and values.dtype == torch.float32
+    values, values_t, amax_out = cast.cast_with_amax(x, torch.tensor(2.0), "e4m3", torch.float32,
+                                                     transposed=False, with_amax=False)  # fmt: skip
+    assert values_t is None and amax_out is None and values.dtype == torch.float32
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -96,7 +96,7 @@ def test_compiled_kernels_registry(monkeypatch) -> None:
     monkeypatch.setattr(cast, "COMPILED_KERNELS", registry)
     x, s = torch.randn(256, 256) * 20, torch.tensor(2.0)
     with StepCensus() as census:
-        values, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
+        values, _, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, with_amax=False)
     assert census.ops["fused_cast"] == 1
     kernel = registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False))
     assert registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False)) is kernel
@@ -115,7 +115,7 @@ def test_compiled_kernels_registry(monkeypatch) -> None:
     assert caught == []  # warned once
     assert not cast._fused_applies(x, s) and not gemm_output.fused_output_applies(x, s, None)
     with StepCensus() as census:
-        again, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
+        again, _, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, with_amax=False)
     assert census.ops["fused_cast"] == 0 and torch.equal(again, values)
     registry.set_enabled(True)  # a failure stays: turning them on again does not bring them back
     assert not registry.running
@@ -148,22 +148,22 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     included (before: 14.4, measured at 74dd396: the cast's 8, the amax's, the GEMMs' upcasts and
     output scaling); aten calls and fp8train's Python calls per FP8 GEMM bounded (before: 66 aten calls
     beyond the fp32 step's; 142 Python calls per GEMM of the step, 97 per GEMM a deeper model adds;
-    27.8, 79.2 and 48.9 at 13da088; measured now on a fresh stack, the same in every run: 24.2 aten
-    calls, 77.5 and 45.1 Python calls)."""
+    27.8, 79.2 and 48.9 at 13da088; 24.2, 77.2 and 45.1 at 9b552ce; measured now on a fresh stack, the
+    same in every run: 23.8 aten calls, 75.2 and 42.9 Python calls)."""
     torch.set_num_threads(1)
     r = _on_a_fresh_stack(lambda: lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1))
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
-    # deterministic counts: a margin of one call per layer of the block (2 layers, 6 GEMMs)
-    assert r["extra_aten_calls_per_gemm"] <= 24.2 + 2 / 6, r["extra_aten_calls_per_gemm"]
+    # deterministic counts, bounded where 9b552ce's fail (24.2, 77.2, 45.1): the cast's amax is its
+    # kernel's own output, taken by the record as it is; the per-call settings read once per region
+    assert r["extra_aten_calls_per_gemm"] <= 23.9, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
     # that grow with the stack's depth, not with the model; on this fresh stack as from a script
     # (on pytest's main thread ~10 more, in an xdist worker ~12)
-    assert r["python_calls_per_gemm"] <= 80, r["python_calls_by_function"]
-    # 45.1 (the call depth of the suite has moved it by ~2): bounded with that margin, under half of
-    # 97, the count before the lean path
-    assert r["python_calls_per_added_gemm"] <= 48, r["python_calls_by_function"]
+    assert r["python_calls_per_gemm"] <= 76, r["python_calls_by_function"]
+    # 42.9: under half of 97, the count before the lean path
+    assert r["python_calls_per_added_gemm"] <= 44, r["python_calls_by_function"]
 
 
 _BROKEN_COMPILER = r"""

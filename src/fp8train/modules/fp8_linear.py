@@ -26,25 +26,34 @@ __all__ = ["fp8_linear", "parallel_linear"]
 class _LinearFn(torch.autograd.Function):
     """y = x @ weight.T + bias in FP8: x's operands made here by its input source, the weight's given
     (made by its weight source: sources.py), the gradient quantized in backward, all by
-    `call.quantization`. `noted`: the forward used an FSDP2 FP8 gather that its backward settles."""
+    `call.quantization`. `given`: what the call hands over besides the tensors that get gradients, in
+    one argument (each argument of `Function.apply` costs a look at it): (w_ops, call, inputs, noted,
+    save_fp8); `noted`: the forward used an FSDP2 FP8 gather that its backward settles; `save_fp8`:
+    whether backward keeps emulated operands as FP8 bytes (`saved.saves_fp8_bytes`, decided with the
+    GEMM path: `_gemm_path`), otherwise they are kept as the GEMMs take them, without a call."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_ops: WeightOperands, call: Call, inputs: InputSource, noted: bool):
+    def forward(ctx, x, weight, bias, given: tuple[WeightOperands, Call, InputSource, bool, bool]):
+        w_ops, call, inputs, noted, save_fp8 = given
         x2d = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # (2-D: no view to make)
         x_ops = inputs.operands(x2d, call)
         shape = x.shape
         if inputs.fp8_group is not None:  # sequence parallel: every rank's tokens, gathered in FP8
             shape = (x_ops.forward.values.shape[0] // x2d.shape[0] * x.shape[0], *x.shape[1:])
         y = matmul(x_ops.forward, w_ops.forward.t(), _output_dtype(x), bias, path=call.gemm_path)
-        formats = call.quantization.e2m1_values, call.quantization.e8m0_scales
-        (x_saved, x_form), (w_saved, w_form) = (
-            saved.pack(x_ops.wgrad, *formats),
-            saved.pack(w_ops.dgrad, *formats),
-        )
+        if save_fp8:
+            formats = call.quantization.e2m1_values, call.quantization.e8m0_scales
+            (x_saved, x_form), (w_saved, w_form) = (
+                saved.pack(x_ops.wgrad, *formats),
+                saved.pack(w_ops.dgrad, *formats),
+            )
+            ctx.forms = x_form, w_form
+        else:  # kept as they are (`saved.unpack` has nothing to do)
+            x_saved, w_saved, ctx.forms = x_ops.wgrad, w_ops.dgrad, None
         # the weight itself only for a double backward (create_graph): a reference, not a copy
         kept = (*x_saved.tensors(), *w_saved.tensors(), weight, call.module_handle, call.token)
         ctx.save_for_backward(*kept)
-        ctx.layouts, ctx.forms = (x_saved.layout, w_saved.layout), (x_form, w_form)
+        ctx.layouts = x_saved.layout, w_saved.layout
         ctx.call, ctx.sp_group = call.without_tensors(), inputs.fp8_group  # its tensors: saved above
         ctx.noted = noted  # a forward of FSDP2's FP8 gather: its backward settles what it owes
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -55,8 +64,11 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         *operands, weight, module_handle, token = ctx.saved_tensors
-        x_wgrad = saved.unpack(Operand.rebuild(operands[:3], ctx.layouts[0]), ctx.forms[0])
-        w_dgrad = saved.unpack(Operand.rebuild(operands[3:], ctx.layouts[1]), ctx.forms[1])
+        x_wgrad = Operand.rebuild(operands[:3], ctx.layouts[0])
+        w_dgrad = Operand.rebuild(operands[3:], ctx.layouts[1])
+        forms = ctx.forms
+        if forms is not None:  # kept as FP8 bytes: the GEMMs' values again
+            x_wgrad, w_dgrad = saved.unpack(x_wgrad, forms[0]), saved.unpack(w_dgrad, forms[1])
         call = ctx.call.with_saved(module_handle, token)
         create_graph = torch.is_grad_enabled()
         if create_graph and (
@@ -68,42 +80,55 @@ class _LinearFn(torch.autograd.Function):
         needs = ctx.needs_input_grad[:2]
         g2d = grad_y if grad_y.ndim == 2 else grad_y.reshape(-1, grad_y.shape[-1])
         needs_bias = ctx.b_dtype is not None and ctx.needs_input_grad[2]
-        grad_bias = g2d.sum(0).to(ctx.b_dtype) if needs_bias else None
-        grad_x = grad_w = None
-        with torch.no_grad():
-            g_ops = call.quantization.quantize_grad(g2d, call, needs)
-            if ctx.noted and not torch.compiler.is_compiling():
-                fsdp.gathered_backward_ran(call.module_handle, call.gemm_index, ctx)  # owed nothing now
-            if needs[0]:
-                grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad", path=call.gemm_path)
-                if ctx.sp_group is not None:  # each rank's tokens: summed over the group
-                    grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
-                if grad_x.shape != ctx.x_shape:  # (x was not 2-D)
-                    grad_x = grad_x.reshape(ctx.x_shape)
-            if needs[1]:
-                grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad", path=call.gemm_path)
+        grad_bias = g2d.sum(0) if needs_bias else None
+        if needs_bias and grad_bias.dtype != ctx.b_dtype:  # (a bias in another dtype than y's)
+            grad_bias = grad_bias.to(ctx.b_dtype)
+        if create_graph:
+            with torch.no_grad():
+                g_ops, grad_x, grad_w = _LinearFn.gemms(ctx, call, g2d, needs, x_wgrad, w_dgrad)
+        else:  # (grad mode is off already: a backward that builds no graph)
+            g_ops, grad_x, grad_w = _LinearFn.gemms(ctx, call, g2d, needs, x_wgrad, w_dgrad)
         if create_graph:  # differentiable, with the same values (second_order.py)
             grad_x, grad_w = second_order.linear_grads(
                 grad_x, grad_w, g2d,
                 g_ops.dgrad.dequantize() if needs[0] else None, weight, w_dgrad.dequantize(),
                 g_ops.wgrad.dequantize() if needs[1] else None, x_wgrad.dequantize(), needs[0],
             )  # fmt: skip
-        return grad_x, grad_w, grad_bias, None, None, None, None
+        return grad_x, grad_w, grad_bias, None
+
+    @staticmethod
+    def gemms(ctx, call: Call, g2d: torch.Tensor, needs: tuple, x_wgrad: Operand, w_dgrad: Operand):
+        """Backward's quantized gradient and its GEMMs (grad mode off): (g_ops, grad_x, grad_w)."""
+        grad_x = grad_w = None
+        g_ops = call.quantization.quantize_grad(g2d, call, needs)
+        if ctx.noted and not torch.compiler.is_compiling():
+            fsdp.gathered_backward_ran(call.module_handle, call.gemm_index, ctx)  # owed nothing now
+        if needs[0]:
+            grad_x = matmul(g_ops.dgrad, w_dgrad, ctx.x_dtype, role="dgrad", path=call.gemm_path)
+            if ctx.sp_group is not None:  # each rank's tokens: summed over the group
+                grad_x = reduce_scatter_tokens(grad_x, ctx.sp_group)
+            if grad_x.shape != ctx.x_shape:  # (x was not 2-D)
+                grad_x = grad_x.reshape(ctx.x_shape)
+        if needs[1]:
+            grad_w = matmul(g_ops.wgrad.t(), x_wgrad, ctx.w_dtype, role="wgrad", path=call.gemm_path)
+        return g_ops, grad_x, grad_w
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
     """x's dtype, or torch.autocast's where it is on for x's device (as TransformerEngine's modules):
     the activations after an FP8 GEMM then are what they would be after an autocast GEMM."""
-    device = x.device.type
+    # (CPU and CUDA tensors by attribute: `x.device` makes a device object)
+    device = "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def _gemm_path(
     x: torch.Tensor, ranks: int, weight: torch.Tensor, call: Call
-) -> tuple[str, torch.dtype, bool]:
+) -> tuple[str, torch.dtype, bool, bool]:
     """The GEMM path (gemm.PATHS) and its operand dtype (`gemm.operand_dtype`): FP8 for torch._scaled_mm
-    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values; and whether the weight's
-    shape fits torch._scaled_mm (`shape_rule.weight_fits`). Decided once per region and shape for a
+    when every GEMM dimension fits it, else bf16 or fp32 holding FP8 values; whether the weight's
+    shape fits torch._scaled_mm (`shape_rule.weight_fits`); and whether backward keeps the operands
+    as FP8 bytes (`saved.saves_fp8_bytes`, FP8TRAIN_SAVE_FP8). Decided once per region and shape for a
     training call (`Region.gemm_paths`: the settings are read at the first call), for `x` (its rows
     times `ranks`, the ranks whose tokens the GEMM multiplies, are the GEMM's tokens).
 
@@ -114,7 +139,12 @@ def _gemm_path(
         return region.gemm_paths[key]
     out_features, in_features = weight.shape
     path = choose_path(weight.device, x.numel() // x.shape[-1] * ranks, in_features, out_features)
-    decided = path, operand_dtype(path, weight.device), weight_fits(out_features, in_features)
+    decided = (
+        path,
+        operand_dtype(path, weight.device),
+        weight_fits(out_features, in_features),
+        saved.saves_fp8_bytes(),
+    )
     if region is not None:
         region.gemm_paths[key] = decided
     return decided
@@ -162,12 +192,13 @@ def fp8_linear(
         weight = source.linear_weight(weight, x, call)
         return F.linear(x if sp_group is None else TokenCollective.apply(x, sp_group, True), weight, bias)
     x, inputs = (x, LOCAL) if sp_group is None else input_source(x, sp_group, call.quantization)
-    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # eager calls checked in their plan
+    compiling = torch.compiler.is_compiling()
+    if compiling and torch.is_grad_enabled():  # eager calls checked in their plan
         call.check_recipe_kind()
     scales, token = call.quantization.call_scales(call, x, source.weight_amax)
     if source.cast_scales is not None:  # the weight scale the weight is cast with instead
         scales = torch.stack([scales[:, 0], source.cast_scales.to(scales.device)], dim=1)
-    path, dtype, fits = _gemm_path(x, inputs.ranks, weight, call)
+    path, dtype, fits, save_fp8 = _gemm_path(x, inputs.ranks, weight, call)
     if not fits:  # the same FP8 numerics on every device (shape_rule.py)
         _warn_if_emulated_for_shape(module, weight, call)
     native = grouped is not None and stored_weight is None and grouped.takes(call, _output_dtype(x))
@@ -181,8 +212,8 @@ def fp8_linear(
     if native:
         grouped.add(weight, bias, w_ops, call)
         return None
-    y = _LinearFn.apply(x, weight, bias, w_ops, call, inputs, source.gather is not None)
-    if not torch.compiler.is_compiling():  # compiled graphs' outputs: the region counts their calls
+    y = _LinearFn.apply(x, weight, bias, (w_ops, call, inputs, source.gather is not None, save_fp8))
+    if not compiling:  # compiled graphs' outputs: the region counts their calls
         call.note_output(y)
     if source.gather is not None:
         fsdp.note_gathered_forward(module, gemm_index, source.gather, y)

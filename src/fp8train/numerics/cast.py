@@ -65,23 +65,22 @@ def cast_with_amax(
     dtype: torch.dtype,
     *,
     transposed: bool,
-    amax_out: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The per-tensor cast every recipe with one scale per tensor goes through: `cast_operand`'s values
-    (saturate(x * scale) rounded to FP8, as `dtype`, x's layout), cast with the scale in force; with
-    `amax_out` (a float32 0-dim tensor) max|x| is written into it (NaN propagates), read in the same
-    pass where the kernel allows (delayed scaling records it for a later step: one read of x); with
-    `transposed` (2-D x) also the values' transposed copy, contiguous (where a later GEMM wants the
-    other layout), else None. Eager CPU casts of large tensors run as one compiled kernel
-    (fused_cast.py); others as torch kernels (`cast_operand`, and `amax` one pass more)."""
-    if COMPILED_KERNELS.running and x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
-        out = _fused_cast(x, scale, encoding, dtype, transposed, amax_out)
+    with_amax: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The per-tensor cast every recipe with one scale per tensor goes through: (values, values_t,
+    amax). `cast_operand`'s values (saturate(x * scale) rounded to FP8, as `dtype`, x's layout), cast
+    with the scale in force; with `transposed` (2-D x) also the values' transposed copy, contiguous
+    (where a later GEMM wants the other layout), else None; with `with_amax` max|x| as a new float32
+    0-dim tensor (NaN propagates), read in the same pass where the kernel allows (delayed scaling
+    records it for a later step: one read of x, and the record takes this tensor as it is: no copy
+    into a slot first), else None. Eager CPU casts of large tensors run as one compiled kernel
+    (below); others as torch kernels (`cast_operand`, and `amax` one pass more)."""
+    if x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
+        out = _fused_cast(x, scale, encoding, dtype, transposed, with_amax)
         if out is not None:
             return out
-    if amax_out is not None:
-        amax_out.copy_(amax(x))
     values = cast_operand(x, scale, encoding, dtype)
-    return values, (values.t().contiguous() if transposed else None)
+    return values, (values.t().contiguous() if transposed else None), (amax(x) if with_amax else None)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tensor:
@@ -294,14 +293,14 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether the cast of `x` (of FUSED_MIN_ELEMENTS elements or more: the caller checks) by `scale`
-    runs as the compiled kernel."""
+    runs as the compiled kernel (the cheapest tests first: attributes, not calls)."""
     return (
         COMPILED_KERNELS.running
         and x.__class__ in PLAIN_TENSOR_TYPES  # (a subclass, e.g. FSDP2's gathered weight: its own ops)
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.dtype in _FUSED_DTYPES
-        and (not scale.shape or scale.numel() == 1)  # a 0-dim scale: no call
-        and scale.device == x.device
+        and scale.is_cpu  # (x's device)
+        and (scale.ndim == 0 or scale.numel() == 1)  # (0-dim, the recipes' views: no call)
         and x.is_contiguous()
         and not torch.compiler.is_compiling()
     )
@@ -327,28 +326,26 @@ def _run_fused(
     encoding: str,
     dtype: torch.dtype,
     transposed: bool,
-    amax_out: Optional[torch.Tensor],
+    with_amax: bool,
 ) -> list[torch.Tensor]:
-    """The op's body (and `_fused_cast`'s, inline): the compiled kernel's values and, with
-    `transposed`, their transposed copy; max|x| copied into `amax_out`."""
-    key = (x.dtype, dtype, encoding, transposed, amax_out is not None)
+    """The op's body (and `_fused_cast`'s, inline): the compiled kernel's values, with `transposed`
+    their transposed copy, with `with_amax` max|x| (new tensors, in that order)."""
+    key = (x.dtype, dtype, encoding, transposed, with_amax)
     try:
         kernel = COMPILED_KERNELS.compiled[_kernel, key]
     except KeyError:
         kernel = COMPILED_KERNELS.variant(_kernel, key)
-    out = kernel(x, scale)
-    if amax_out is not None:
-        amax_out.copy_(out[-1])
-    return [out[0], out[1]] if transposed else [out[0]]
+    return list(kernel(x, scale))
 
 
-_fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=("amax_out",))
+_fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=())
 
 
 @_fused_cast_op.register_fake
-def _(x, scale, encoding, dtype, transposed, amax_out):
+def _(x, scale, encoding, dtype, transposed, with_amax):
     values = torch.empty_like(x, dtype=dtype)
-    return [values] if not transposed else [values, values.t().contiguous()]
+    out = [values, values.t().contiguous()] if transposed else [values]
+    return out + [x.new_empty((), dtype=torch.float32)] if with_amax else out
 
 
 def _fused_cast(
@@ -357,26 +354,24 @@ def _fused_cast(
     encoding: str,
     dtype: torch.dtype,
     transposed: bool,
-    amax_out: Optional[torch.Tensor],
-) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    with_amax: bool,
+) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
     """`cast_with_amax` by the compiled kernel; None if it cannot compile here (then never again in
-    this process: the caller casts eagerly)."""
+    this process: the caller casts eagerly). The amax is the kernel's own output (a new tensor)."""
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
     try:  # (COMPILED_KERNELS.run, inline: the hot path)
-        if dispatch_mode_active():  # (the op's input without grad: it has no autograd formula)
-            x = x.detach() if x.requires_grad else x
-            out = _fused_cast_op(x, scale, encoding, dtype, transposed, amax_out)
-            return out[0], (out[1] if transposed else None)
-        key = (x.dtype, dtype, encoding, transposed, amax_out is not None)  # (`_run_fused`, inline)
-        try:
-            kernel = COMPILED_KERNELS.compiled[_kernel, key]
-        except KeyError:
-            kernel = COMPILED_KERNELS.variant(_kernel, key)
-        out = kernel(x, scale)
+        if dispatch_mode_active():  # (without grad: the op has no autograd formula; no `detach` that
+            with torch.no_grad():  # the eager call does not make either)
+                out = _fused_cast_op(x, scale, encoding, dtype, transposed, with_amax)
+        else:
+            key = (x.dtype, dtype, encoding, transposed, with_amax)  # (`_run_fused`, inline)
+            try:
+                kernel = COMPILED_KERNELS.compiled[_kernel, key]
+            except KeyError:
+                kernel = COMPILED_KERNELS.variant(_kernel, key)
+            out = kernel(x, scale)
     except Exception as err:
         COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None
-    if amax_out is not None:
-        amax_out.copy_(out[-1])
-    return out[0], (out[1] if transposed else None)
+    return out[0], (out[1] if transposed else None), (out[-1] if with_amax else None)

@@ -50,13 +50,11 @@ class DelayedQuantization(DelayedRuntime, TensorQuantization):
         scale, scale_inv = (
             call.pairs[WEIGHT] if call.pairs is not None else (call.scales[0, 1], call.scales[1, 1])
         )
-        w_amax = None
-        if call.weight_amax_in_cast and call.amax_in_cast:  # where its cast writes the weight's amax
-            w_amax = call.amax_slots[WEIGHT] if call.amax_slots is not None else _new_amax(weight)
-        forward, dgrad = self.cast_operands(
-            weight, scale, scale_inv, "e4m3", call.operand_dtype, w_amax, call
+        with_amax = call.weight_amax_in_cast and call.amax_in_cast  # its cast takes the weight's amax
+        forward, dgrad, w_amax = self.cast_operands(
+            weight, scale, scale_inv, "e4m3", call.operand_dtype, with_amax, call
         )
-        if w_amax is not None:
+        if with_amax:  # the cast's own amax tensor, recorded as it is
             self.record_amax(call, WEIGHT, w_amax)
         return WeightOperands(forward, dgrad)
 
@@ -64,24 +62,19 @@ class DelayedQuantization(DelayedRuntime, TensorQuantization):
         scale, scale_inv = (
             call.pairs[INPUT] if call.pairs is not None else (call.scales[0, 0], call.scales[1, 0])
         )
-        x_amax = None
-        if call.amax_in_cast:  # where its cast writes x's amax
-            x_amax = call.amax_slots[INPUT] if call.amax_slots is not None else _new_amax(x2d)
-        forward, wgrad = self.cast_operands(x2d, scale, scale_inv, "e4m3", call.operand_dtype, x_amax, call)
-        if x_amax is not None:
+        with_amax = call.amax_in_cast  # its cast takes x's amax
+        forward, wgrad, x_amax = self.cast_operands(
+            x2d, scale, scale_inv, "e4m3", call.operand_dtype, with_amax, call
+        )
+        if with_amax:
             self.record_amax(call, INPUT, x_amax)
         return InputOperands(forward, wgrad)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
-            scale, scale_inv, g_amax, into = self.backward_scale_pair(call)
-            operands = self.grad_operands(g2d, scale, scale_inv, call, g_amax, needs[1])
+            scale, scale_inv, _, into = self.backward_scale_pair(call)
+            operands, g_amax = self.grad_cast(g2d, scale, scale_inv, call, True, needs[1])
             self.record_grad_amax(call, g_amax, into)
             return operands
         scales = self.backward_scales(call, amax(g2d))
-        return self.grad_operands(g2d, scales[0], scales[1], call, None, needs[1])
-
-
-def _new_amax(x: torch.Tensor) -> torch.Tensor:
-    """Where a cast writes its tensor's amax, for the call to record (where the call has no slot)."""
-    return torch.empty((), dtype=torch.float32, device=x.device)
+        return self.grad_operands(g2d, scales[0], scales[1], call, needs[1])

@@ -38,9 +38,13 @@ class TensorQuantization(Quantization):
     """A recipe with one scale per tensor: each tensor's one operand serves both of its GEMMs."""
 
     kernel = "tensorwise"
+    # whether FP8TRAIN_FUSED_KERNELS is set, read at this object's first eager cast (one object per
+    # fp8_autocast entry: the setting holds for its region and that region's backward); None: not yet.
+    # Where it is unset, CPU tensors take the torch path without a call (`kernels.use_fused_kernels`)
+    fused_kernels_named: Optional[bool] = None
 
-    @staticmethod
     def cast(
+        self,
         x: torch.Tensor,
         scale: torch.Tensor,
         scale_inv: torch.Tensor,
@@ -49,38 +53,47 @@ class TensorQuantization(Quantization):
         amax_out: Optional[torch.Tensor] = None,
     ) -> Operand:
         """x's operand (`cast.cast_with_amax`, or its fused kernel where `kernels.use_fused_kernels`:
-        the same bits; its amax into `amax_out` when given, in the same read)."""
-        return TensorQuantization.cast_operands(x, scale, scale_inv, encoding, dtype, amax_out)[0]
+        the same bits; its amax copied into `amax_out` when given, taken in the same read)."""
+        operand, _, x_amax = self.cast_operands(x, scale, scale_inv, encoding, dtype, amax_out is not None)
+        if amax_out is not None:
+            amax_out.copy_(x_amax)
+        return operand
 
-    @staticmethod
     def cast_operands(
+        self,
         x: torch.Tensor,
         scale: torch.Tensor,
         scale_inv: torch.Tensor,
         encoding: str,
         dtype: torch.dtype,
-        amax_out: Optional[torch.Tensor] = None,
+        with_amax: bool = False,
         call: Optional[Call] = None,
         wgrad: bool = False,
-    ) -> tuple[Operand, Operand]:
-        """(x's operand, the operand of the GEMM that takes x in the other layout). Where the fused
-        kernel casts x to FP8 (torch._scaled_mm's path) for a GEMM that takes x so, the second is its
-        transposed copy, written in the same pass and stored as x.t() (`Operand.transposed`): for the
-        forward casts of a training `call` (`trains`), w for dgrad (column-major) and x for wgrad
-        (column-major); for a gradient whose wgrad runs (`wgrad`), g.t() (row-major). gemm.py then
-        copies nothing. Else `cast`'s operand twice (the torch path: gemm.py copies)."""
+    ) -> tuple[Operand, Operand, Optional[torch.Tensor]]:
+        """(x's operand, the operand of the GEMM that takes x in the other layout, max|x| as a new
+        float32 0-dim tensor where `with_amax`, else None). Where the fused kernel casts x to FP8
+        (torch._scaled_mm's path) for a GEMM that takes x so, the second is its transposed copy,
+        written in the same pass and stored as x.t() (`Operand.transposed`): for the forward casts of
+        a training `call` (`trains`), w for dgrad (column-major) and x for wgrad (column-major); for a
+        gradient whose wgrad runs (`wgrad`), g.t() (row-major). gemm.py then copies nothing. Else
+        `cast_with_amax`'s operand twice (the torch path: gemm.py copies)."""
+        named = self.fused_kernels_named
+        if named is None:  # (the region's first eager cast; a traced one leaves it: dynamo would guard
+            # on the value it wrote, and compile again at the next block)
+            named = kernels.ENV_FUSED_KERNELS in os.environ
+            if not torch.compiler.is_compiling():
+                self.fused_kernels_named = named
         # (on the CPU with the default setting, the answer is known without asking: no call)
-        if (x.is_cuda or kernels.ENV_FUSED_KERNELS in os.environ) and kernels.use_fused_kernels(x):
-            if amax_out is not None:
-                amax_out.zero_()  # the kernel maxes into it
+        if (x.is_cuda or named) and kernels.use_fused_kernels(x):
+            amax_out = torch.zeros((), dtype=torch.float32, device=x.device) if with_amax else None
             transposed = dtype.itemsize == 1 and (wgrad or trains(call))
             values, values_t = kernels.cast_with_amax(
                 x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out
-            )
-            return operand_pair(values, values_t, scale_inv)
-        values, _ = cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
+            )  # (the kernel maxes into amax_out)
+            return (*operand_pair(values, values_t, scale_inv), amax_out)
+        values, _, x_amax = cast_with_amax(x, scale, encoding, dtype, transposed=False, with_amax=with_amax)
         operand = Operand(values, scale_inv)
-        return operand, operand
+        return operand, operand, x_amax
 
     def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
         # FP8 values convert exactly between the operand dtypes of the GEMM paths; in the same dtype
@@ -96,14 +109,27 @@ class TensorQuantization(Quantization):
         scale: torch.Tensor,
         scale_inv: torch.Tensor,
         call: Call,
-        amax_out: Optional[torch.Tensor] = None,
         wgrad: bool = True,
     ) -> GradOperands:
         """The gradient cast once for both backward GEMMs: FP8 in the gradient encoding's dtype for
-        the hardware GEMM, else in the emulation's operand dtype (its amax into `amax_out` if given).
-        Where the wgrad GEMM runs (`wgrad`), the fused kernel writes its transposed copy for it in the
-        same pass (`cast_operands`)."""
+        the hardware GEMM, else in the emulation's operand dtype. Where the wgrad GEMM runs (`wgrad`),
+        the fused kernel writes its transposed copy for it in the same pass (`cast_operands`)."""
+        return self.grad_cast(g2d, scale, scale_inv, call, False, wgrad)[0]
+
+    def grad_cast(
+        self,
+        g2d: torch.Tensor,
+        scale: torch.Tensor,
+        scale_inv: torch.Tensor,
+        call: Call,
+        with_amax: bool,
+        wgrad: bool,
+    ) -> tuple[GradOperands, Optional[torch.Tensor]]:
+        """`grad_operands`'s operands, and the gradient's amax taken by the cast where `with_amax`
+        (a new float32 0-dim tensor; else None)."""
         encoding = self.grad_encoding
         dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
-        operands = self.cast_operands(g2d, scale, scale_inv, encoding, dtype, amax_out, None, wgrad)
-        return GradOperands(*operands)
+        dgrad, wgrad_operand, g_amax = self.cast_operands(
+            g2d, scale, scale_inv, encoding, dtype, with_amax, None, wgrad
+        )
+        return GradOperands(dgrad, wgrad_operand), g_amax

@@ -50,11 +50,10 @@ def _per_tensor_cast(impl):
         yield
         return
 
-    def seam(x, scale, encoding, dtype, *, transposed, amax_out):
-        if amax_out is not None:
-            amax_out.copy_(cast.amax(x))
+    def seam(x, scale, encoding, dtype, *, transposed, with_amax):
+        x_amax = cast.amax(x) if with_amax else None
         values = impl(x, scale, encoding, dtype)
-        return values, (values.t().contiguous() if transposed else None)
+        return values, (values.t().contiguous() if transposed else None), x_amax
 
     saved = per_tensor.cast_with_amax
     per_tensor.cast_with_amax = seam
