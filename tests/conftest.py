@@ -8,6 +8,7 @@ that care about the thread count set it themselves (test_cast_gemm reads it); su
 tests start get OMP_NUM_THREADS unless it is set."""
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -27,13 +28,35 @@ def fresh_fp8_registry():
     fp8train.inspection.reset()
 
 
+# The files that take longest, longest first: each took 2-7 minutes of one worker in the whole suite
+# on a loaded 2-core machine (pytest --durations, summed per file; test_gpu_check.py estimated after
+# its dry run stopped compiling the CPU cast in every section).
+LONGEST_FIRST = (
+    "parallel/test_tensor_parallel.py",
+    "recipes/test_current_block_scaling.py",
+    "parallel/test_fsdp_fp8.py",
+    "parallel/test_pipeline.py",
+    "tools/test_gpu_check.py",
+    "parallel/test_expert_parallel.py",
+    "tools/test_bench.py",
+    "tools/test_demo_cli.py",
+    "modules/test_compile.py",
+    "parallel/test_user_patterns_multirank.py",
+    "recipes/test_lean_path.py",
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadfile --no-loadscope-reorder`), where files
-    are handed to the workers in collection order: the files holding a slow or multi-rank test first,
-    so that the many short files fill the end of both workers instead of one long file running alone
-    at the end. A single process (`-n 0`) keeps pytest's order."""
+    are handed to the workers in collection order: the longest files first (LONGEST_FIRST), then the
+    other files holding a slow or multi-rank test, so that the many short files fill the end of both
+    workers instead of one long file running alone at the end (longest first: the two workers end
+    close together). A single process (`-n 0`) keeps pytest's order."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     marked = ("slow", "multirank")
     long = {item.path for item in items if any(item.get_closest_marker(m) for m in marked)}
-    items.sort(key=lambda item: item.path not in long)  # stable: each file's own order is kept
+    tests = pathlib.Path(__file__).parent
+    first = {tests / name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    # stable: each file's own order is kept
+    items.sort(key=lambda item: first.get(item.path, len(first) + (item.path not in long)))

@@ -4,11 +4,16 @@ Each rank body trains the same model, from the same weights and per-rank data, t
 option and FSDP2 with it. The two runs must be bitwise equal (losses, parameters, gradients, FP8 state)
 because the cast is elementwise with the same scale, whether it runs before or after the gather. The
 collective FSDP2 gathers with is wrapped to count the bytes, and the amax all-reduces are counted too.
+
+The 2-rank scenarios share one set of ranks (`two_ranks`; those under FP8TRAIN_GEMM=scaled_mm another,
+`two_ranks_scaled_mm`): each scenario starts from a fresh registry and builds its own model, so they are
+independent, and a set of ranks starts once instead of once per test (a start costs seconds on a
+loaded 2-core machine). A barrier after each scenario keeps the ranks in step should one fail.
 """
 
 from __future__ import annotations
 
-import tempfile
+import os
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ import torch.distributed as dist
 
 import fp8train
 from helpers import digest, fp8_state
-from multirank import CollectiveCounter, run_ranks
+from multirank import CollectiveCounter, run_ranks, run_scenarios, scenario_outcome
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 
@@ -155,11 +160,45 @@ def _check_bytes(results: list[dict], world: int, itemsize: int, limit: float) -
         assert r[True]["all_reduces"] == r[False]["all_reduces"], "the option changed the collective count"
 
 
+def _scenarios(rank: int, world: int, names: list[str], directory: str) -> dict:
+    """Inside a rank: the named scenarios of SCENARIOS in turn, each from a fresh registry."""
+
+    def run_one(name: str):
+        fp8train.inspection.reset()
+        try:
+            return SCENARIOS[name](rank, world, os.path.join(directory, name))
+        finally:
+            dist.barrier()  # the next scenario starts together on every rank, whatever this one did
+
+    return run_scenarios(names, run_one)
+
+
+def _shared_ranks(tmp_path_factory, names: list[str], env: dict | None = None) -> list[dict]:
+    """One set of 2 ranks running `names`; each test reads its own with scenario_outcome."""
+    directory = str(tmp_path_factory.mktemp("fsdp-fp8"))
+    return run_ranks(_scenarios, 2, names, directory, env=env, timeout_s=600, pg_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return _shared_ranks(tmp_path_factory, [n for n in SCENARIOS if n not in SCALED_MM])
+
+
+@pytest.fixture(scope="module")
+def two_ranks_scaled_mm(tmp_path_factory) -> list[dict]:
+    return _shared_ranks(tmp_path_factory, list(SCALED_MM), env={"FP8TRAIN_GEMM": "scaled_mm"})
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 3])
-def test_fp8_all_gather_is_bitwise_equal_with_fewer_bytes_and_no_added_collective(world: int) -> None:
+def test_fp8_all_gather_is_bitwise_equal_with_fewer_bytes_and_no_added_collective(
+    world: int, request
+) -> None:
     """Dim-0 sizes 21 and 32 do not divide by 3 (uneven shards, padded gathers)."""
-    results = run_ranks(_both, world, None)
+    if world == 2:
+        results = scenario_outcome(request.getfixturevalue("two_ranks"), "plain")
+    else:
+        results = run_ranks(_both, world, None)
     _check_equal(results)
     _check_bytes(results, world, itemsize=4, limit=0.30)
 
@@ -173,26 +212,26 @@ def test_one_rank_needs_no_reduction() -> None:
 
 
 @pytest.mark.multirank
-def test_fp8_all_gather_with_bf16_mixed_precision() -> None:
-    results = run_ranks(_both, 2, torch.bfloat16)
+def test_fp8_all_gather_with_bf16_mixed_precision(two_ranks) -> None:
+    results = scenario_outcome(two_ranks, "bf16")
     _check_equal(results)
     _check_bytes(results, 2, itemsize=2, limit=0.55)
 
 
+PATTERNS = {
+    "eval-between-steps": {"eval_every": 1},  # gathers switch FP8 -> FP8 without grad -> param dtype -> FP8
+    "fp8-disabled": {"enabled": False},
+    "grad-accumulation": {"accumulate": 2},
+    "fsdp-accumulation": {"accumulate": 3, "fsdp_accumulation": True},
+    "recompute": {"recompute": True},
+}
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "scenario",
-    [
-        {"eval_every": 1},  # gathers switch FP8 -> FP8 without grad -> parameter dtype -> FP8
-        {"enabled": False},
-        {"accumulate": 2},
-        {"accumulate": 3, "fsdp_accumulation": True},
-        {"recompute": True},
-    ],
-    ids=["eval-between-steps", "fp8-disabled", "grad-accumulation", "fsdp-accumulation", "recompute"],
-)
-def test_fp8_all_gather_is_bitwise_equal_in_training_patterns(scenario: dict) -> None:
-    results = run_ranks(_both, 2, None, scenario)
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_fp8_all_gather_is_bitwise_equal_in_training_patterns(pattern: str, two_ranks) -> None:
+    scenario = PATTERNS[pattern]
+    results = scenario_outcome(two_ranks, pattern)
     _check_equal(results)
     uint8 = [dtype == torch.uint8 for _, dtype in results[0][True]["gathers"]]
     if scenario.get("enabled") is False:
@@ -233,18 +272,17 @@ def _resume(rank: int, world: int, path: str, load_option: bool) -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("load_option", [True, False], ids=["into-fp8-gather", "into-plain"])
-def test_distributed_checkpoint_resume_with_fp8_all_gather(load_option: bool) -> None:
+@pytest.mark.parametrize("load_into", ["into-fp8-gather", "into-plain"])
+def test_distributed_checkpoint_resume_with_fp8_all_gather(load_into: str, two_ranks) -> None:
     """A checkpoint saved with the option loads with or without it: the saved weights are plain."""
-    with tempfile.TemporaryDirectory() as path:
-        results = run_ranks(_resume, 2, path, load_option)
+    results = scenario_outcome(two_ranks, f"resume-{load_into}")
     for r in results:
         assert digest(r["resumed"]) == digest(r["whole"]), "resuming changed the training"
 
 
 @pytest.mark.multirank
-def test_converted_model_gathers_fp8_including_transposed_conv1d() -> None:
-    results = run_ranks(_both, 2, None, None, _converted)
+def test_converted_model_gathers_fp8_including_transposed_conv1d(two_ranks) -> None:
+    results = scenario_outcome(two_ranks, "converted")
     _check_equal(results)
     assert all(dtype == torch.uint8 for _, dtype in results[0][True]["gathers"])
 
@@ -290,17 +328,17 @@ def _misuses(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.multirank
-def test_misuses_of_fp8_gathered_weights_are_refused_on_every_rank() -> None:
-    for messages in run_ranks(_misuses, 2):
+def test_misuses_of_fp8_gathered_weights_are_refused_on_every_rank(two_ranks) -> None:
+    for messages in scenario_outcome(two_ranks, "misuses"):
         assert len(messages) == 2, messages
         assert "before the backward of its previous training forward" in messages[0]
         assert "holds gathered in FP8 (fsdp_fp8_all_gather): only its FP8 module can use it" in messages[1]
 
 
 @pytest.mark.multirank
-def test_fp8_all_gather_without_reshard_after_forward() -> None:
+def test_fp8_all_gather_without_reshard_after_forward(two_ranks) -> None:
     """Weights stay gathered from forward to backward: no re-gather, the forward's FP8 values serve."""
-    results = run_ranks(_both, 2, None, None, _model, False)
+    results = scenario_outcome(two_ranks, "no-reshard")
     _check_equal(results)
     gathers = results[0][True]["gathers"]
     assert len(gathers) == 4 * 4 and all(dtype == torch.uint8 for _, dtype in gathers)
@@ -319,12 +357,10 @@ def _model16(option: bool) -> torch.nn.Module:
 
 
 @pytest.mark.multirank
-def test_real_fp8_operands_alias_the_gather_buffer_and_stay_bitwise_equal() -> None:
+def test_real_fp8_operands_alias_the_gather_buffer_and_stay_bitwise_equal(two_ranks_scaled_mm) -> None:
     """FP8TRAIN_GEMM=scaled_mm: the forward saves FSDP2's gathered FP8 buffer itself for backward,
     which the backward re-gather must refill with the same values."""
-    results = run_ranks(
-        _both, 2, None, {"rows": 16, "eval_every": 1}, _model16, env={"FP8TRAIN_GEMM": "scaled_mm"}
-    )
+    results = scenario_outcome(two_ranks_scaled_mm, "real-fp8-operands")
     _check_equal(results)
 
 
@@ -351,10 +387,10 @@ def _out_of_order(rank: int, world: int, pattern: str) -> str:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("pattern", ["eval-in-region", "two-in-region"])
-def test_owed_backward_is_tracked_per_forward(pattern: str) -> None:
+def test_owed_backward_is_tracked_per_forward(pattern: str, two_ranks_scaled_mm) -> None:
     """Another gather in the same region, or the backward of another forward, does not settle the
     debt of a forward whose backward has not run."""
-    for message in run_ranks(_out_of_order, 2, pattern, env={"FP8TRAIN_GEMM": "scaled_mm"}):
+    for message in scenario_outcome(two_ranks_scaled_mm, f"owed-{pattern}"):
         assert "before the backward of its previous training forward" in message, message
 
 
@@ -376,9 +412,9 @@ def _unreduced(rank: int, world: int, which: str) -> str:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("which", ["no-reduction", "own-group"])
-def test_amax_group_must_contain_the_sharding_group(which: str) -> None:
+def test_amax_group_must_contain_the_sharding_group(which: str, two_ranks) -> None:
     """Else each rank would cast its shard with its own scale: refused on every rank."""
-    for message in run_ranks(_unreduced, 2, which):
+    for message in scenario_outcome(two_ranks, f"unreduced-{which}"):
         assert "the amax group reduces over" in message, message
 
 
@@ -399,14 +435,42 @@ def _microbatches_in_flight(rank: int, world: int, option: bool) -> dict:
 
 
 @pytest.mark.multirank
-def test_fp8_all_gather_refuses_several_microbatches_in_flight_with_the_reason() -> None:
+def test_fp8_all_gather_refuses_several_microbatches_in_flight_with_the_reason(two_ranks) -> None:
     """The backward re-gather must reproduce the FP8 weight its forward used; a later microbatch's
     forward (another region: other scales) would replace it. Refused on every rank, naming the fix;
     the same schedule without the option trains."""
-    refused = run_ranks(_microbatches_in_flight, 2, True)
+    refused = scenario_outcome(two_ranks, "microbatches-fp8-gather")
     for r in refused:
         assert (
             r["error"] is not None and "several" in r["error"] and "microbatches in flight" in r["error"]
         ), r
         assert "without it" in r["error"]  # the fix: build the module without fsdp_fp8_all_gather
-    assert all(r["error"] is None for r in run_ranks(_microbatches_in_flight, 2, False))
+    assert all(r["error"] is None for r in scenario_outcome(two_ranks, "microbatches-plain"))
+
+
+def _pattern(kwargs: dict):
+    return lambda rank, world, _: _both(rank, world, None, kwargs)
+
+
+# The 2-rank scenarios, by name: rank body(rank, world, a folder of its own). Those in SCALED_MM run on
+# ranks with FP8TRAIN_GEMM=scaled_mm (read when the ranks start), the rest on ranks without it.
+SCENARIOS = {
+    "plain": lambda rank, world, _: _both(rank, world, None),
+    "bf16": lambda rank, world, _: _both(rank, world, torch.bfloat16),
+    **{name: _pattern(kwargs) for name, kwargs in PATTERNS.items()},
+    "resume-into-fp8-gather": lambda rank, world, path: _resume(rank, world, path, True),
+    "resume-into-plain": lambda rank, world, path: _resume(rank, world, path, False),
+    "converted": lambda rank, world, _: _both(rank, world, None, None, _converted),
+    "misuses": lambda rank, world, _: _misuses(rank, world),
+    "no-reshard": lambda rank, world, _: _both(rank, world, None, None, _model, False),
+    "unreduced-no-reduction": lambda rank, world, _: _unreduced(rank, world, "no-reduction"),
+    "unreduced-own-group": lambda rank, world, _: _unreduced(rank, world, "own-group"),
+    "microbatches-fp8-gather": lambda rank, world, _: _microbatches_in_flight(rank, world, True),
+    "microbatches-plain": lambda rank, world, _: _microbatches_in_flight(rank, world, False),
+    "real-fp8-operands": lambda rank, world, _: _both(
+        rank, world, None, {"rows": 16, "eval_every": 1}, _model16
+    ),
+    "owed-eval-in-region": lambda rank, world, _: _out_of_order(rank, world, "eval-in-region"),
+    "owed-two-in-region": lambda rank, world, _: _out_of_order(rank, world, "two-in-region"),
+}
+SCALED_MM = ("real-fp8-operands", "owed-eval-in-region", "owed-two-in-region")

@@ -7,12 +7,15 @@ data (the concatenation of the data-parallel batches): outputs, input and weight
 agree within FP8 tolerance (`FP8TRAIN_GEMM=fp32`: FP8 products are exact, so only a value that the
 order of a sum moves across an FP8 rounding midpoint differs), the amaxes the TP run reduced must be
 the reference's, and every rank must hold bit-identical FP8 state.
+
+The tests' rank bodies are independent scenarios (each builds its own groups and model from a fresh
+registry): those on the same number of ranks under the same environment share one set of ranks (the
+module fixtures below), which starts once instead of once per test.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 import fp8train
 from helpers import REPO, digest, fp8_state
-from multirank import run_ranks
+from multirank import run_ranks, run_scenarios, scenario_outcome
 
 pytestmark = pytest.mark.multirank
 
@@ -132,10 +135,50 @@ def _step_against_reference(rank: int, world: int, sp: bool, steps: int = 3) -> 
     return {"errors": errors, "amax_agree": amax_agree, "state": digest(fp8_state(inner))}
 
 
+def _scenarios(rank: int, world: int, names: list[str], directory: str) -> dict:
+    """Inside a rank: the named scenarios of SCENARIOS in turn, each from a fresh registry."""
+
+    def run_one(name: str):
+        fp8train.inspection.reset()
+        try:
+            return SCENARIOS[name](rank, world, os.path.join(directory, name))
+        finally:
+            dist.barrier()  # the next scenario starts together on every rank, whatever this one did
+
+    return run_scenarios(names, run_one)
+
+
+def _shared_ranks(tmp_path_factory, world: int, env: dict | None) -> list[dict]:
+    """One set of `world` ranks running the scenarios SHARED gives that size and environment."""
+    directory = tmp_path_factory.mktemp("tensor-parallel")
+    names = SHARED[world, env is not None]
+    for name in names:
+        os.mkdir(directory / name)
+    return run_ranks(_scenarios, world, names, str(directory), env=env, timeout_s=600, pg_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return _shared_ranks(tmp_path_factory, 2, None)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_fp32_gemm(tmp_path_factory) -> list[dict]:
+    return _shared_ranks(tmp_path_factory, 2, FP32_GEMM)
+
+
+@pytest.fixture(scope="module")
+def four_ranks_fp32_gemm(tmp_path_factory) -> list[dict]:
+    return _shared_ranks(tmp_path_factory, 4, FP32_GEMM)
+
+
 @pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2xdp2"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
-def test_each_step_matches_a_single_process_reference_with_the_whole_weights(world: int, sp: bool) -> None:
-    results = run_ranks(_step_against_reference, world, sp, env=FP32_GEMM)
+def test_each_step_matches_a_single_process_reference_with_the_whole_weights(
+    world: int, sp: bool, request
+) -> None:
+    ranks = request.getfixturevalue("two_ranks_fp32_gemm" if world == 2 else "four_ranks_fp32_gemm")
+    results = scenario_outcome(ranks, f"step-against-reference-{'sp' if sp else 'tp'}")
     for r in results:
         # fp32 GEMMs agree to ~1e-7; a gradient that lands that close to an FP8 rounding midpoint
         # rounds to the neighbour (E5M2: 2**-3 apart) and moves the tensors it feeds by up to ~1e-2
@@ -183,18 +226,25 @@ def _errors_against_float64(rank: int, world: int, recipe) -> dict:
     return {n: (error(whole[n], exact_run[n]), error(single_run[n], exact_run[n])) for n in exact_run}
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [None, fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()],
-    ids=["fp8-off", "current", "block"],
-)
-def test_sequence_parallel_with_other_recipes_is_as_accurate_as_one_process(recipe) -> None:
+OTHER_RECIPES = [None, fp8train.Float8CurrentScaling(), fp8train.Float8BlockScaling()]
+
+
+def _recipe_id(recipe) -> str:
+    return {None: "fp8-off", fp8train.Float8CurrentScaling: "current", fp8train.Float8BlockScaling: "block"}[
+        None if recipe is None else type(recipe)
+    ]
+
+
+@pytest.mark.parametrize("recipe", OTHER_RECIPES, ids=_recipe_id)
+def test_sequence_parallel_with_other_recipes_is_as_accurate_as_one_process(
+    recipe, two_ranks_fp32_gemm
+) -> None:
     """Current and block scaling cast where a tensor is whole: sequence-parallel inputs are gathered
     in high precision first. Weights and row inputs are cast per shard with their own scales (no
     reduction), so the TP run's FP8 values differ from one process's, but not its accuracy: every
     output and gradient is as close to float64 as the single-process run's (this 5-GEMM block's
     E5M2 gradients are ~20% off float64 either way)."""
-    results = run_ranks(_errors_against_float64, 2, recipe, env=FP32_GEMM)
+    results = scenario_outcome(two_ranks_fp32_gemm, f"errors-against-float64-{_recipe_id(recipe)}")
     assert results[0] == results[1]  # every rank holds the same whole tensors
     for name, (tp, one) in results[0].items():
         if recipe is None:  # high precision: the same up to fp32 summation order
@@ -275,9 +325,9 @@ def _train_tp(
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
-def test_collectives_per_step_and_fp8_input_gathers(sp: bool) -> None:
+def test_collectives_per_step_and_fp8_input_gathers(sp: bool, two_ranks) -> None:
     """Steady steps: the TP collectives of the block plus one amax all-reduce per direction."""
-    counts = run_ranks(_train_tp, 2, sp, 3, None, 0, False, 1, True)[0]["counts"]
+    counts = scenario_outcome(two_ranks, f"collectives-{'sp' if sp else 'tp'}")[0]["counts"]
     steady = counts[-1]
     kinds = [name for name, _ in steady]
     if sp:  # 3 column GEMMs gather their input (FP8 bytes), 3 row GEMMs reduce-scatter: and back
@@ -290,9 +340,9 @@ def test_collectives_per_step_and_fp8_input_gathers(sp: bool) -> None:
     assert counts[1] == steady  # the same every step after the first (which settles the layout)
 
 
-def test_loss_follows_a_free_running_single_process_reference() -> None:
+def test_loss_follows_a_free_running_single_process_reference(two_ranks) -> None:
     """Bitwise equality ends within a few steps (FP8 rounding); the loss curve stays within 5%."""
-    tp = run_ranks(_train_tp, 2, True, 12)
+    tp = scenario_outcome(two_ranks, "free-running")
     ref = _block()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref_losses = []
@@ -323,8 +373,12 @@ def _amax_group_check(rank: int, world: int, which: str) -> str:
 
 
 @pytest.mark.parametrize("world,which", [(4, "dp-group"), (2, "no-reduction")])
-def test_an_amax_group_without_the_tp_group_is_refused_on_every_rank(world: int, which: str) -> None:
-    for message in run_ranks(_amax_group_check, world, which):
+def test_an_amax_group_without_the_tp_group_is_refused_on_every_rank(world: int, which: str, request) -> None:
+    if world == 2:
+        messages = scenario_outcome(request.getfixturevalue("two_ranks"), f"amax-group-{which}")
+    else:
+        messages = run_ranks(_amax_group_check, world, which)
+    for message in messages:
         assert "tp_group" in message and "different scales" in message, message
 
 
@@ -349,8 +403,8 @@ def _construction_errors(rank: int, world: int) -> list[str]:
     return messages
 
 
-def test_bad_tensor_parallel_arguments_raise_clear_errors() -> None:
-    messages = run_ranks(_construction_errors, 2)[0]
+def test_bad_tensor_parallel_arguments_raise_clear_errors(two_ranks) -> None:
+    messages = scenario_outcome(two_ranks, "construction-errors")[0]
     expected = [
         "out_features=33 does not divide by the tensor-parallel size 2",
         "in_features=33 does not divide",
@@ -377,9 +431,8 @@ def _resume(rank: int, world: int, path: str) -> dict:
     return {"whole": whole, "resumed": {**after, "losses": before["losses"] + after["losses"]}}
 
 
-def test_each_rank_saves_and_resumes_its_shard() -> None:
-    with tempfile.TemporaryDirectory() as path:
-        results = run_ranks(_resume, 2, path)
+def test_each_rank_saves_and_resumes_its_shard(two_ranks) -> None:
+    results = scenario_outcome(two_ranks, "resume")
     for r in results:
         for key in ("losses", "state", "params"):
             assert digest(r["whole"][key]) == digest(r["resumed"][key]), key
@@ -394,8 +447,8 @@ def _recompute_and_accumulate(rank: int, world: int) -> dict:
     }
 
 
-def test_recomputation_is_bitwise_and_accumulation_keeps_ranks_identical() -> None:
-    results = run_ranks(_recompute_and_accumulate, 2)
+def test_recomputation_is_bitwise_and_accumulation_keeps_ranks_identical(two_ranks) -> None:
+    results = scenario_outcome(two_ranks, "recompute-and-accumulate")
     for r in results:
         for key in ("losses", "state", "params"):
             assert digest(r["plain"][key]) == digest(r["recompute"][key]), key
@@ -430,3 +483,32 @@ def test_the_tp_dp_gpt_example_trains_with_identical_scales() -> None:
         "tp reduce_scatter": 8,
         "all_reduce (TP sums, amax, SP grads)": 3,
     }
+
+
+def _errors_with(recipe):
+    return lambda rank, world, _: _errors_against_float64(rank, world, recipe)
+
+
+# The scenarios the fixtures run, by name: rank body(rank, world, a folder of its own).
+SCENARIOS = {
+    "step-against-reference-tp": lambda rank, world, _: _step_against_reference(rank, world, False),
+    "step-against-reference-sp": lambda rank, world, _: _step_against_reference(rank, world, True),
+    **{f"errors-against-float64-{_recipe_id(r)}": _errors_with(r) for r in OTHER_RECIPES},
+    "collectives-tp": lambda rank, world, _: _train_tp(rank, world, False, 3, None, 0, False, 1, True),
+    "collectives-sp": lambda rank, world, _: _train_tp(rank, world, True, 3, None, 0, False, 1, True),
+    "free-running": lambda rank, world, _: _train_tp(rank, world, True, 12),
+    "amax-group-no-reduction": lambda rank, world, _: _amax_group_check(rank, world, "no-reduction"),
+    "construction-errors": lambda rank, world, _: _construction_errors(rank, world),
+    "resume": _resume,
+    "recompute-and-accumulate": lambda rank, world, _: _recompute_and_accumulate(rank, world),
+}
+# the sets of ranks, by (number of ranks, under FP8TRAIN_GEMM=fp32): the scenarios each runs
+SHARED = {
+    (2, True): ["step-against-reference-tp", "step-against-reference-sp"]
+    + [f"errors-against-float64-{_recipe_id(r)}" for r in OTHER_RECIPES],
+    (4, True): ["step-against-reference-tp", "step-against-reference-sp"],  # TP=2 x DP=2
+    (2, False): [
+        "collectives-tp", "collectives-sp", "free-running", "amax-group-no-reduction", "construction-errors",
+        "resume", "recompute-and-accumulate",
+    ],
+}  # fmt: skip
