@@ -40,10 +40,9 @@ class FrozenScales:
     def gemm(self, base: int) -> tuple[torch.Tensor, tuple]:
         """The block [[x, w], [x_inv, w_inv]] of the GEMM whose input's column is `base` (its weight's
         is base + 1), and its casts' ((x, x_inv), (w, w_inv)), as views of the frozen copy."""
-        try:
-            return self._blocks[base]
-        except KeyError:
-            pass
+        got = self._blocks.get(base)  # (each GEMM's first call in a region misses: no exception)
+        if got is not None:
+            return got
         if self._columns is None:
             self._columns = (self.scale.unbind(), self.scale_inv.unbind())
         scales, inverses = self._columns

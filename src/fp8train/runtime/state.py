@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "ForwardPlan",
-    "host_scalar", "RecipeRuntime", "RecipeState", "RuntimeModule",
+    "host_scalar", "host_int", "RecipeRuntime", "RecipeState", "RuntimeModule",
 ]  # fmt: skip
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
@@ -266,10 +266,24 @@ class Region:
 
 
 def host_scalar(value: int) -> torch.Tensor:
-    """`value` as a host int64 scalar, marked as host memory by design (never a device wait)."""
+    """`value` as a host int64 scalar, marked as host memory by design (never a device wait); its
+    value is kept beside it for `host_int`."""
     token = torch.tensor(value)
     token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+    token._fp8train_int = value
     return token
+
+
+def host_int(scalar: torch.Tensor) -> int:
+    """The value of a host int64 scalar: as `host_scalar` (or `ModuleHandles.register`) kept it, while
+    the tensor is unwritten (the lean path: `int()` is an aten call, `_local_scalar_dense`, two per
+    backward GEMM), else `int()` (another tensor: a compiled graph's)."""
+    try:
+        if scalar._version == 0:
+            return scalar._fp8train_int
+    except AttributeError:
+        pass
+    return int(scalar)
 
 
 class BackwardPass:
@@ -358,10 +372,11 @@ class ModuleHandles:
         self._modules[self._count] = module
         handle = torch.tensor(self._count, dtype=torch.int64, device="cpu")
         handle._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+        handle._fp8train_int = self._count  # (`host_int`)
         return handle
 
     def module(self, handle: torch.Tensor) -> torch.nn.Module:
-        return self._modules[int(handle)]
+        return self._modules[host_int(handle)]
 
 
 class CurrentPlans:
