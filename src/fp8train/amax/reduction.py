@@ -288,6 +288,9 @@ class Direction:
             pending = self.pending.popleft()
             if self.channel is not None and self.channel.error is not None:
                 continue  # after a mismatch the collectives may be mispaired: apply nothing more
+            if pending.stream is None:  # (off CUDA: no stream to queue on)
+                self._apply(pending)
+                continue
             with streams.queued_on(pending.buffer.device, pending.stream):
                 self._apply(pending)
 
@@ -295,7 +298,7 @@ class Direction:
         self._wait(pending)
         n = pending.num_roles
         ok = None
-        last = pending.buffer[:n]
+        last = pending.buffer
         if pending.header is not None:
             amaxes = pending.buffer[HEADER_LEN:]
             if pending.extra is not None:
@@ -304,17 +307,14 @@ class Direction:
             ok = self.channel.agrees(pending.buffer[:HEADER_LEN], pending.header, self, pending.index)
         storage = self.storage
         self.stats.updates += 1
+        if last.shape[0] != n:  # (the unreduced snapshot is the amaxes: no slice)
+            last = last[:n]
         self.stats.count_nonfinite(last, ok)
-        update_scaling(
-            storage.history[:, :n],
-            storage.scale[:n],
-            storage.scale_inv[:n],
-            last,
-            self.recipe,
-            self.fp8_max,
-            ok,
-            storage.digest[:n],
-        )
+        state = storage.history, storage.scale, storage.scale_inv, storage.digest
+        if n != storage.num_roles:  # a module joined since the launch: its columns wait (else no slices)
+            state = storage.history[:, :n], storage.scale[:n], storage.scale_inv[:n], storage.digest[:n]
+        history, scale, scale_inv, digest = state
+        update_scaling(history, scale, scale_inv, last, self.recipe, self.fp8_max, ok, digest)
 
     def settle(self, host_point: bool = False) -> None:
         """Complete the reductions before the state is read; issues no collective.

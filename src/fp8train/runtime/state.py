@@ -240,7 +240,10 @@ class Region:
         """A training call ran (again, when a backward ran inside the region): its backward is owed,
         and a recomputation may replay it."""
         self.backward_done = False
-        self.calls.setdefault(module_id, collections.deque()).append(replay)
+        calls = self.calls.get(module_id)
+        if calls is None:  # (no setdefault: it would make a deque at every call)
+            calls = self.calls[module_id] = collections.deque()
+        calls.append(replay)
         self.compiled_calls |= compiled
 
     def note_output(self, node) -> None:
