@@ -137,8 +137,7 @@ class Direction:
         if views is not None and amax is views[4][column] and views[0] is self.storage.recording:
             self.recorded_columns[column] = None  # (`_views_for_casts` checked the graph task)
             return
-        self._check_task(current_graph_task())
-        slot = self._views()[4][column]
+        slot = self._views_for_casts()[4][column]
         torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
         self.recorded_columns[column] = None
 
@@ -162,22 +161,19 @@ class Direction:
         )
 
     def _views_for_casts(self) -> tuple:
-        """`_views`, for casts about to write amaxes in the running graph task (checked now, as
-        `record` checks it: the casts' records take their slots without asking again)."""
-        self._check_task(current_graph_task())
-        views = self._column_views
-        if views is None or views[0] is not self.storage.recording:
-            views = self._views()
-        return views
-
-    def _check_task(self, task: int) -> None:
-        """Amaxes are recorded in autograd graph task `task` now (-1: outside backward)."""
+        """`_views`, for amaxes recorded in the running autograd graph task (-1: outside backward),
+        checked now: the casts' records then take their slots without asking again."""
+        task = current_graph_task()
         if task != self._recording_task:
             if self.recorded_columns:
                 # Left by a backward pass that raised before its end-of-pass launch: those amaxes
                 # belong to no completed step, and folding them into this one would change its scales.
                 self.discard_recording()
             self._recording_task = task
+        views = self._column_views
+        if views is None or views[0] is not self.storage.recording:
+            views = self._views()
+        return views
 
     def discard_recording(self) -> None:
         """Forget amaxes of a region that failed; what is launched for it is then empty."""

@@ -278,15 +278,13 @@ def host_scalar(value: int) -> torch.Tensor:
 
 
 def host_int(scalar: torch.Tensor) -> int:
-    """The value of a host int64 scalar: as `host_scalar` (or `ModuleHandles.register`) kept it, while
-    the tensor is unwritten (the lean path: `int()` is an aten call, `_local_scalar_dense`, two per
-    backward GEMM), else `int()` (another tensor: a compiled graph's)."""
+    """The value of a host int64 scalar: as `host_scalar` (or `ModuleHandles.register`) kept it beside
+    the tensor, which nothing writes (the lean path: `int()` is an aten call, `_local_scalar_dense`,
+    two per backward GEMM), else `int()` (another tensor: a compiled graph's)."""
     try:
-        if scalar._version == 0:
-            return scalar._fp8train_int
+        return scalar._fp8train_int
     except AttributeError:
-        pass
-    return int(scalar)
+        return int(scalar)
 
 
 class BackwardPass:
