@@ -134,7 +134,7 @@ class Direction:
         slot `amax_slots` or `cast_views` gave (the column's own, while it had recorded nothing), it
         is there already: only the column is noted (no aten call)."""
         views = self._column_views
-        if views is not None and amax is views[4][column] and views[0] is self.storage.recording:
+        if views is not None and views[0] is self.storage.recording and amax is views[4][column]:
             self.recorded_columns[column] = None  # (`_views_for_casts` checked the graph task)
             return
         slot = self._views_for_casts()[4][column]
