@@ -386,15 +386,19 @@ class CurrentPlans:
     (coverage, tensor statistics)."""
 
     def __init__(self) -> None:
-        self._plans: weakref.WeakKeyDictionary[torch.nn.Module, Optional[ForwardPlan]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # id(module) -> its plan; an entry leaves when its module is collected (before the id can name
+        # another object), so that a plain dict serves where a WeakKeyDictionary would make a weak
+        # reference at every call (the lean path)
+        self._plans: dict[int, Optional[ForwardPlan]] = {}
 
     def of(self, module: torch.nn.Module) -> Optional[ForwardPlan]:
-        return self._plans.get(module)
+        return self._plans.get(id(module))
 
     def begin(self, module: torch.nn.Module, plan: Optional[ForwardPlan]) -> None:
-        self._plans[module] = plan
+        key = id(module)
+        if key not in self._plans:  # its first call: forgotten with it
+            weakref.finalize(module, self._plans.pop, key, None)
+        self._plans[key] = plan
 
 
 class BackwardPasses:
