@@ -134,18 +134,29 @@ class Direction:
         slot `amax_slots` or `cast_views` gave (the column's own, while it had recorded nothing), it
         is there already: only the column is noted (no aten call)."""
         views = self._column_views
-        if views is not None and views[0] is self.storage.recording and amax is views[4][column]:
-            self.recorded_columns[column] = None  # (`_views_for_casts` checked the graph task)
-            return
-        slot = self._views_for_casts()[4][column]
-        torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
+        if views is None or views[0] is not self.storage.recording:
+            views = self._views()
+        slot = views[4][column]
+        task = current_graph_task()
+        if task != self._recording_task:
+            if self.recorded_columns:
+                # Left by a backward pass that raised before its end-of-pass launch: those amaxes
+                # belong to no completed step, and folding them into this one would change its scales.
+                if amax is slot:  # (written by its cast into the slot about to be cleared)
+                    amax = amax.clone()
+                self.discard_recording()
+            self._recording_task = task
+        if amax is not slot:
+            torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
         self.recorded_columns[column] = None
 
     def cast_views(self, column: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What an eager cast of `column`'s tensor takes, in one call: its scale and scale_inv (views,
         `column_views`) and its amax slot (`amax_slots`)."""
-        views, recorded = self._views_for_casts(), self.recorded_columns
-        slot = views[3][column] if column in recorded else views[4][column]
+        views = self._column_views
+        if views is None or views[0] is not self.storage.recording:
+            views = self._views()
+        slot = views[3][column] if column in self.recorded_columns else views[4][column]
         return views[1][column], views[2][column], slot
 
     def amax_slots(self, x_column: int, w_column: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,26 +165,13 @@ class Direction:
         nothing since the last launch (it holds 0, so the cast's write is the record's MAX: one aten
         call per recorded amax, the cast's), else its scratch slot (`column_views`), which `record`
         MAXes in. Each is good until its column's next record."""
-        views, recorded = self._views_for_casts(), self.recorded_columns
+        views, recorded = self._column_views, self.recorded_columns
+        if views is None or views[0] is not self.storage.recording:
+            views = self._views()
         return (
             views[3][x_column] if x_column in recorded else views[4][x_column],
             views[3][w_column] if w_column in recorded else views[4][w_column],
         )
-
-    def _views_for_casts(self) -> tuple:
-        """`_views`, for amaxes recorded in the running autograd graph task (-1: outside backward),
-        checked now: the casts' records then take their slots without asking again."""
-        task = current_graph_task()
-        if task != self._recording_task:
-            if self.recorded_columns:
-                # Left by a backward pass that raised before its end-of-pass launch: those amaxes
-                # belong to no completed step, and folding them into this one would change its scales.
-                self.discard_recording()
-            self._recording_task = task
-        views = self._column_views
-        if views is None or views[0] is not self.storage.recording:
-            views = self._views()
-        return views
 
     def discard_recording(self) -> None:
         """Forget amaxes of a region that failed; what is launched for it is then empty."""
