@@ -28,6 +28,7 @@ from ..runtime import (
     RegionSettings,
     add_protocol_ops,
     forward_scales_op,
+    host_int,
     host_scalar,
 )
 from ..torch_internals import ddp_join_that_does_not_throw, pipeline_group_of_caller
@@ -149,16 +150,15 @@ def _forward_scales(
     if capturing_cuda_graph(like.device):
         refuse_cuda_graph_capture(like)
     base = forward_column(plan.offset, gemm_index, INPUT)
-    columns = (base, forward_column(plan.offset, gemm_index, WEIGHT))
+    columns = (base, base + WEIGHT)  # (the weight's column follows the input's: `forward_column`)
     slots = None
     if plan.records_into is not None:
         if x_amax is not None:
             plan.records_into.record(base, x_amax)
         if w_amax is not None:
             plan.records_into.record(columns[WEIGHT], w_amax)
-        if not fresh:  # where the eager casts write their amaxes
-            views = plan.records_into.column_views()[2]
-            slots = views[base], views[columns[WEIGHT]]
+        if not fresh:  # where the eager casts write their amaxes (their columns' own slots at first)
+            slots = plan.records_into.amax_slots(base, columns[WEIGHT])
     # the region's token, made once (a replay holds no region: its own)
     token = plan.region.token if plan.region is not None and not fresh else host_scalar(plan.serial)
     if plan.frozen is None or fresh:
@@ -189,12 +189,11 @@ def _backward_scales(
     column = backward_column(meta.offset, gemm_index, GRAD_OUTPUT)
     if g_amax is not None:
         direction.record(column, g_amax)
-    backward, region = STATE.backward.current(), STATE.regions.by_serial(int(token))
+    backward, region = STATE.backward.current(), STATE.regions.by_serial(host_int(token))
     if direction.group not in backward.groups or region not in backward.regions:  # noted once a pass
         backward.note(direction.group, region)
     if pair:
-        scales, inverses, slots = direction.column_views()
-        return scales[column], inverses[column], slots[column], (direction, column)
+        return (*direction.cast_views(column), (direction, column))
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 

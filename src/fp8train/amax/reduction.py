@@ -69,7 +69,9 @@ class Direction:
         self.recipe_key = recipe.key()
         self.header = Header(name, self.recipe_key)
         self._recording_task = -1  # autograd graph task of the amaxes in the recording slot
-        self.recorded_columns: list[int] = []
+        # the columns recorded since the last launch, in the order of their first record (a dict: an
+        # ordered set); a column not in it holds 0 in the recording slot
+        self.recorded_columns: dict[int, None] = {}
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self.group: Optional[AmaxGroup] = None  # set by the AmaxGroup that holds this direction
         # (storage.scale, its columns, scale_inv's columns, amax slots): `column_views`
@@ -106,29 +108,70 @@ class Direction:
 
     def column_views(self) -> tuple[tuple, tuple, tuple]:
         """Each column's scale and scale_inv as 0-dim views of the storage (they follow its updates,
-        which are in place), and its amax slot: a float32 0-dim tensor where an eager cast writes its
-        tensor's amax before `record` takes it (each column its own; recorded at once, so reused).
-        Three unbinds while the storage stands, where each cast would select its scales and allocate
-        its amax (the lean path, docs/design.md, section 6). Made again when the storage grows."""
-        views = self._column_views
-        if views is None or views[0] is not self.storage.scale:
-            storage = self.storage
-            slots = torch.empty_like(storage.scale).unbind()
-            views = (storage.scale, storage.scale.unbind(), storage.scale_inv.unbind(), slots)
-            self._column_views = views
+        which are in place), and its scratch amax slot: a float32 0-dim tensor where an eager cast
+        writes its tensor's amax before `record` takes it (each column its own; recorded at once, so
+        reused). Three unbinds while the storage stands, where each cast would select its scales and
+        allocate its amax (the lean path, docs/design.md, section 6). Made again when the storage
+        grows; `amax_slots` and `cast_views` hand out the slot a cast writes."""
+        views = self._views()
         return views[1], views[2], views[3]
+
+    def _views(self) -> tuple:
+        # (the storage's recording tensor, scale views, scale_inv views, scratch slots, recording views):
+        # the storage replaces all its tensors at once when it grows (`ScalingStorage.append`)
+        views = self._column_views
+        storage = self.storage
+        if views is None or views[0] is not storage.recording:
+            slots = torch.empty_like(storage.scale).unbind()
+            recording = storage.recording
+            views = (recording, storage.scale.unbind(), storage.scale_inv.unbind(), slots, recording.unbind())
+            self._column_views = views
+        return views
 
     # ---- recording ------------------------------------------------------------------------------
     def record(self, column: int, amax: torch.Tensor) -> None:
+        """MAX `amax` (a 0-dim tensor) into `column`'s recording slot. Where a cast wrote it into the
+        slot `amax_slots` or `cast_views` gave (the column's own, while it had recorded nothing), it
+        is there already: only the column is noted (no aten call)."""
+        views = self._column_views
+        if views is None or views[0] is not self.storage.recording:
+            views = self._views()
+        slot = views[4][column]
         task = current_graph_task()
-        if self.recorded_columns and task != self._recording_task:
-            # Left by a backward pass that raised before its end-of-pass launch: those amaxes belong
-            # to no completed step, and folding them into this one would change its scales.
-            self.discard_recording()
-        self._recording_task = task
-        slot = self.storage.recording[column]
-        torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
-        self.recorded_columns.append(column)
+        if task != self._recording_task:
+            if self.recorded_columns:
+                # Left by a backward pass that raised before its end-of-pass launch: those amaxes
+                # belong to no completed step, and folding them into this one would change its scales.
+                if amax is slot:  # (written by its cast into the slot about to be cleared)
+                    amax = amax.clone()
+                self.discard_recording()
+            self._recording_task = task
+        if amax is not slot:
+            torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
+        self.recorded_columns[column] = None
+
+    def cast_views(self, column: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What an eager cast of `column`'s tensor takes, in one call: its scale and scale_inv (views,
+        `column_views`) and its amax slot (`amax_slots`)."""
+        views = self._column_views
+        if views is None or views[0] is not self.storage.recording:
+            views = self._views()
+        slot = views[3][column] if column in self.recorded_columns else views[4][column]
+        return views[1][column], views[2][column], slot
+
+    def amax_slots(self, x_column: int, w_column: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the eager casts of a forward GEMM's input and weight write the amaxes that
+        `record(column, slot)` then records: a column's own recording slot while it has recorded
+        nothing since the last launch (it holds 0, so the cast's write is the record's MAX: one aten
+        call per recorded amax, the cast's), else its scratch slot (`column_views`), which `record`
+        MAXes in. Each is good until its column's next record."""
+        views, recorded = self._column_views, self.recorded_columns
+        if views is None or views[0] is not self.storage.recording:
+            views = self._views()
+        return (
+            views[3][x_column] if x_column in recorded else views[4][x_column],
+            views[3][w_column] if w_column in recorded else views[4][w_column],
+        )
 
     def discard_recording(self) -> None:
         """Forget amaxes of a region that failed; what is launched for it is then empty."""
@@ -159,7 +202,7 @@ class Direction:
         storage = self.storage
         storage.recording.copy_(storage.accumulated)
         storage.accumulated.zero_()
-        self.recorded_columns = list(range(storage.num_roles))
+        self.recorded_columns = dict.fromkeys(range(storage.num_roles))
         self.launch(async_op, step_index)
 
     # ---- the collective -------------------------------------------------------------------------
@@ -168,13 +211,12 @@ class Direction:
         storage = self.storage
         stream = streams.current_stream(storage.device)  # owns the buffers allocated here
         n = storage.num_roles
-        columns = tuple(sorted(set(self.recorded_columns)))
+        columns = tuple(sorted(self.recorded_columns))
         self.recorded_columns.clear()
         channel = self.channel
         if channel is None:
-            snapshot = storage.recording.clone()
+            snapshot = _nan_as_inf(storage.recording)  # a copy, as if it had been reduced
             storage.recording.zero_()
-            snapshot.masked_fill_(torch.isnan(snapshot), float("inf"))  # as if it had been reduced
             self.pending.append(PendingReduction(snapshot, [], n, Mark.now(snapshot.device), stream=stream))
             return
         for owner in channel.unfinished_before_launch():  # what this launch's verdict folds: checked first
@@ -185,9 +227,8 @@ class Direction:
         wire = max(n, agreed)
         buffer = torch.zeros(HEADER_LEN + wire, device=storage.device)
         amaxes = buffer[HEADER_LEN : HEADER_LEN + n]
-        amaxes.copy_(storage.recording)
+        _nan_as_inf(storage.recording, out=amaxes)  # NCCL's MAX may drop NaN
         storage.recording.zero_()
-        amaxes.masked_fill_(torch.isnan(amaxes), float("inf"))  # NCCL's MAX may drop NaN
         header = self.header.write(storage, len(self.members), columns, region_index, wire)
         buffer[:HEADER_LEN].copy_(header)
         pending = PendingReduction(buffer, [], n, None, header, index=index, stream=stream)
@@ -241,6 +282,9 @@ class Direction:
             pending = self.pending.popleft()
             if self.channel is not None and self.channel.error is not None:
                 continue  # after a mismatch the collectives may be mispaired: apply nothing more
+            if pending.stream is None:  # (off CUDA: no stream to queue on)
+                self._apply(pending)
+                continue
             with streams.queued_on(pending.buffer.device, pending.stream):
                 self._apply(pending)
 
@@ -248,7 +292,7 @@ class Direction:
         self._wait(pending)
         n = pending.num_roles
         ok = None
-        last = pending.buffer[:n]
+        last = pending.buffer
         if pending.header is not None:
             amaxes = pending.buffer[HEADER_LEN:]
             if pending.extra is not None:
@@ -257,17 +301,14 @@ class Direction:
             ok = self.channel.agrees(pending.buffer[:HEADER_LEN], pending.header, self, pending.index)
         storage = self.storage
         self.stats.updates += 1
+        if last.shape[0] != n:  # (the unreduced snapshot is the amaxes: no slice)
+            last = last[:n]
         self.stats.count_nonfinite(last, ok)
-        update_scaling(
-            storage.history[:, :n],
-            storage.scale[:n],
-            storage.scale_inv[:n],
-            last,
-            self.recipe,
-            self.fp8_max,
-            ok,
-            storage.digest[:n],
-        )
+        state = storage.history, storage.scale, storage.scale_inv, storage.digest
+        if n != storage.num_roles:  # a module joined since the launch: its columns wait (else no slices)
+            state = storage.history[:, :n], storage.scale[:n], storage.scale_inv[:n], storage.digest[:n]
+        history, scale, scale_inv, digest = state
+        update_scaling(history, scale, scale_inv, last, self.recipe, self.fp8_max, ok, digest)
 
     def settle(self, host_point: bool = False) -> None:
         """Complete the reductions before the state is read; issues no collective.
@@ -296,6 +337,14 @@ class Direction:
             for work in works:
                 self._wait_work(work)
             self.stats.add_interval("exposed_wait_s", start, Mark.now(pending.buffer.device))
+
+
+def _nan_as_inf(amaxes: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`amaxes` with NaN as inf (NCCL's MAX may drop a NaN, so it travels as inf; unreduced amaxes
+    are made the same), every other value as it is: one op where a copy, an isnan and a masked fill
+    would be three."""
+    inf = float("inf")
+    return torch.nan_to_num(amaxes, nan=inf, posinf=inf, neginf=-inf, out=out)
 
 
 class AmaxGroup:

@@ -24,33 +24,27 @@ __all__ = ["AMAX", "AmaxGroups", "FrozenScales", "DelayedPlan", "frozen_scales"]
 
 class FrozenScales:
     """A direction's scales frozen for a region (a copy): [scale; scale_inv] as one 2 x N tensor, made
-    in one op, and what every GEMM of the region reads from it, made once for all of them (the lean
-    path, docs/design.md, section 6): each GEMM's [[x, w], [x_inv, w_inv]] block (a view), and each
-    column's scale and scale_inv as 0-dim views (two unbinds for the region, where each cast would
-    select its own)."""
+    in one op, and what every GEMM of the region reads from it, made once for all of them at the
+    region's first GEMM (the lean path, docs/design.md, section 6): each GEMM's [[x, w], [x_inv, w_inv]]
+    block and each column's scale and scale_inv, as views (three unbinds for the region, where each
+    GEMM would slice its block and each cast select its scales)."""
 
-    __slots__ = ("stacked", "scale", "scale_inv", "_columns", "_blocks")
+    __slots__ = ("stacked", "scale", "scale_inv", "_views")
 
     def __init__(self, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
         self.stacked = torch.stack([scale, scale_inv])
         self.scale, self.scale_inv = self.stacked.unbind()
-        self._columns: Optional[tuple[tuple, tuple]] = None
-        self._blocks: dict[int, tuple[torch.Tensor, tuple]] = {}
+        self._views: Optional[tuple[tuple, tuple, tuple]] = None
 
     def gemm(self, base: int) -> tuple[torch.Tensor, tuple]:
         """The block [[x, w], [x_inv, w_inv]] of the GEMM whose input's column is `base` (its weight's
         is base + 1), and its casts' ((x, x_inv), (w, w_inv)), as views of the frozen copy."""
-        try:
-            return self._blocks[base]
-        except KeyError:
-            pass
-        if self._columns is None:
-            self._columns = (self.scale.unbind(), self.scale_inv.unbind())
-        scales, inverses = self._columns
-        block = self.stacked[:, base : base + 2]
-        pairs = ((scales[base], inverses[base]), (scales[base + 1], inverses[base + 1]))
-        self._blocks[base] = block, pairs
-        return block, pairs
+        views = self._views
+        if views is None:  # block b is stacked[:, b : b + 2], a window of the unfolded copy
+            blocks = self.stacked.unfold(1, 2, 1).unbind(1)
+            views = self._views = (blocks, self.scale.unbind(), self.scale_inv.unbind())
+        blocks, scales, inverses = views
+        return blocks[base], ((scales[base], inverses[base]), (scales[base + 1], inverses[base + 1]))
 
 
 def frozen_scales(region: Region, direction: Direction) -> FrozenScales:

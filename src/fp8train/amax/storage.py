@@ -45,9 +45,10 @@ def _roll_digest(
 
     Call before `history` rolls (its last row is the one that leaves)."""
     top = pow(_ROW_BASE, history.shape[0] - 1, DIGEST_PRIME)
-    rest = (digest - (bits_mod_p(history[-1]) * top) % DIGEST_PRIME) % DIGEST_PRIME
+    # (% is the floor remainder: one after the subtraction is the two of the formula; |terms| < 2**48)
+    rest = (digest - bits_mod_p(history[-1]) * top) % DIGEST_PRIME
     rolled_digest = (bits_mod_p(last) + _ROW_BASE * rest) % DIGEST_PRIME
-    digest.copy_(torch.where(rolled, rolled_digest, digest))
+    torch.where(rolled, rolled_digest, digest, out=digest)
 
 
 class ScalingStorage:
@@ -125,11 +126,17 @@ def update_scaling(
 
     if recipe.scaling_factor_compute_algo is None:
         # torch computes `scalar / tensor` as reciprocal(tensor) * scalar (two roundings): divide two
-        # tensors instead so the scale is the correctly rounded fp8_max / amax.
-        new_scale = torch.full_like(amax, fp8_max).div_(amax).div_(2.0**recipe.margin)
+        # tensors instead so the scale is the correctly rounded fp8_max / amax (/ 1.0, margin 0, is
+        # the identity: skipped).
+        new_scale = torch.full_like(amax, fp8_max).div_(amax)
+        if recipe.margin:
+            new_scale.div_(2.0**recipe.margin)
+        new_scale = torch.nan_to_num(new_scale, nan=0.0, posinf=FLOAT32_MAX)
+        # an infinite amax gives the scale 0 (and a NaN one is not > 0): isfinite(amax) adds nothing
+        usable = rolled & (amax > 0) & (new_scale > 0)
     else:
         new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
-    new_scale = torch.nan_to_num(new_scale, nan=0.0, posinf=FLOAT32_MAX)
-    usable = rolled & torch.isfinite(amax) & (amax > 0) & (new_scale > 0)
-    scale.copy_(torch.where(usable, new_scale, scale))
+        new_scale = torch.nan_to_num(new_scale, nan=0.0, posinf=FLOAT32_MAX)
+        usable = rolled & torch.isfinite(amax) & (amax > 0) & (new_scale > 0)
+    torch.where(usable, new_scale, scale, out=scale)
     torch.reciprocal(scale, out=scale_inv)

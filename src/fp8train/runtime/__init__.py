@@ -29,6 +29,7 @@ from .state import (
     RecipeState,
     Region,
     RegionSettings,
+    host_int,
     host_scalar,
 )
 
@@ -36,7 +37,7 @@ __all__ = [
     "RegionSettings", "Region", "enter_region", "exit_region", "current_settings",
     "Call", "begin_call", "current_call", "ForwardPlan", "recomputation_context_fn",
     "register_module", "module_of", "forward_scales_op", "add_protocol_ops", "inductor_configured",
-    "RecipeRuntime", "RecipeState", "STATE", "KEPT_REGIONS", "host_scalar",
+    "RecipeRuntime", "RecipeState", "STATE", "KEPT_REGIONS", "host_scalar", "host_int",
 ]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE", "State", "KEPT_REGIONS", "RegionSettings", "Region", "BackwardPass", "ForwardPlan",
-    "host_scalar", "RecipeRuntime", "RecipeState", "RuntimeModule",
+    "host_scalar", "host_int", "RecipeRuntime", "RecipeState", "RuntimeModule",
 ]  # fmt: skip
 
 KEPT_REGIONS = 64  # the most recent regions stay alive for the backward nodes that name them
@@ -240,7 +240,10 @@ class Region:
         """A training call ran (again, when a backward ran inside the region): its backward is owed,
         and a recomputation may replay it."""
         self.backward_done = False
-        self.calls.setdefault(module_id, collections.deque()).append(replay)
+        calls = self.calls.get(module_id)
+        if calls is None:  # (no setdefault: it would make a deque at every call)
+            calls = self.calls[module_id] = collections.deque()
+        calls.append(replay)
         self.compiled_calls |= compiled
 
     def note_output(self, node) -> None:
@@ -266,10 +269,22 @@ class Region:
 
 
 def host_scalar(value: int) -> torch.Tensor:
-    """`value` as a host int64 scalar, marked as host memory by design (never a device wait)."""
+    """`value` as a host int64 scalar, marked as host memory by design (never a device wait); its
+    value is kept beside it for `host_int`."""
     token = torch.tensor(value)
     token._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+    token._fp8train_int = value
     return token
+
+
+def host_int(scalar: torch.Tensor) -> int:
+    """The value of a host int64 scalar: as `host_scalar` (or `ModuleHandles.register`) kept it beside
+    the tensor, which nothing writes (the lean path: `int()` is an aten call, `_local_scalar_dense`,
+    two per backward GEMM), else `int()` (another tensor: a compiled graph's)."""
+    try:
+        return scalar._fp8train_int
+    except AttributeError:
+        return int(scalar)
 
 
 class BackwardPass:
@@ -358,10 +373,11 @@ class ModuleHandles:
         self._modules[self._count] = module
         handle = torch.tensor(self._count, dtype=torch.int64, device="cpu")
         handle._fp8train_host_mirror = True  # host memory by design: reading it never waits for a device
+        handle._fp8train_int = self._count  # (`host_int`)
         return handle
 
     def module(self, handle: torch.Tensor) -> torch.nn.Module:
-        return self._modules[int(handle)]
+        return self._modules[host_int(handle)]
 
 
 class CurrentPlans:
@@ -370,15 +386,19 @@ class CurrentPlans:
     (coverage, tensor statistics)."""
 
     def __init__(self) -> None:
-        self._plans: weakref.WeakKeyDictionary[torch.nn.Module, Optional[ForwardPlan]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # id(module) -> its plan; an entry leaves when its module is collected (before the id can name
+        # another object), so that a plain dict serves where a WeakKeyDictionary would make a weak
+        # reference at every call (the lean path)
+        self._plans: dict[int, Optional[ForwardPlan]] = {}
 
     def of(self, module: torch.nn.Module) -> Optional[ForwardPlan]:
-        return self._plans.get(module)
+        return self._plans.get(id(module))
 
     def begin(self, module: torch.nn.Module, plan: Optional[ForwardPlan]) -> None:
-        self._plans[module] = plan
+        key = id(module)
+        if key not in self._plans:  # its first call: forgotten with it
+            weakref.finalize(module, self._plans.pop, key, None)
+        self._plans[key] = plan
 
 
 class BackwardPasses:
