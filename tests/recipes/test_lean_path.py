@@ -167,48 +167,40 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     assert r["python_calls_per_added_gemm"] <= 44.7, r["python_calls_by_function"]
 
 
-def test_amax_slots_record_what_records_of_fresh_amaxes_would() -> None:
-    """The amax slots a forward GEMM's casts write (`Direction.amax_slots`) are recorded as records of
-    fresh tensors would be, MAX over the region: a column's own recording slot at its first record
-    (the cast's write is the record: `record` makes no aten call), a scratch slot after it (MAXed in,
-    also a smaller amax and a NaN), and a slot handed out before a module joined (the storage grew)
-    still counts; the launch then reduces what the fresh records give."""
+def test_a_record_maxes_its_casts_amax_into_the_recording_slot_in_one_aten_call() -> None:
+    """`Direction.record` of a cast's fresh amax (`cast.cast_with_amax`): one aten call (the MAX into
+    the column's recording slot, a view made once per storage: no `select`), repeat records MAX over
+    the region (a smaller amax leaves it, NaN is kept), a module joining after a record (the storage
+    grows) keeps what was recorded and its new column records; the launch rolls what was recorded."""
     from fp8train import DelayedScaling
     from fp8train.amax.reduction import Direction
     from fp8train.amax.stats import ReductionStats
     from fp8train.tools.bench.common import OpCounter
 
-    def direction() -> Direction:
-        d = Direction("fwd", DelayedScaling(amax_history_len=4), None, ReductionStats())
-        d.register("A()", torch.zeros(4, 3), torch.ones(3), torch.ones(3))
-        return d
-
-    lean, fresh = direction(), direction()
-    steps = [(0, 3.0), (1, 0.5), (0, 2.0), (0, 5.0), (1, float("nan")), (1, 1.0)]
-    for column, value in steps:
-        slot = lean.amax_slots(column, 1 - column)[0]
-        first = column not in lean.recorded_columns
-        assert (slot is lean._views()[4][column]) == first  # its own recording slot, first time only
-        slot.fill_(value)  # the cast's write
+    d = Direction("fwd", DelayedScaling(amax_history_len=4), None, ReductionStats())
+    d.register("A()", torch.zeros(4, 3), torch.ones(3), torch.ones(3))
+    d.record(2, torch.tensor(0.25))  # the views made here, once for this storage
+    for column, value in [(0, 3.0), (1, 0.5), (0, 2.0), (0, 5.0), (1, float("nan")), (1, 1.0)]:
+        amax = torch.tensor(value)
         with OpCounter() as counter:
-            lean.record(column, slot)
-        assert counter.count == (0 if first else 1)  # the scratch slot is MAXed in
-        fresh.record(column, torch.tensor(value))
-    slot = lean.amax_slots(2, 0)[0]
-    for d in (lean, fresh):
-        d.register("B()", torch.zeros(4, 3), torch.ones(3), torch.ones(3))  # the storage grows
-    slot.fill_(7.0)
-    lean.record(2, slot)
-    fresh.record(2, torch.tensor(7.0))
-    assert list(lean.recorded_columns) == list(fresh.recorded_columns) == [0, 1, 2]
-    recorded = lean.storage.recording
-    torch.testing.assert_close(recorded, fresh.storage.recording, rtol=0, atol=0, equal_nan=True)
-    assert lean.storage.recording[0].item() == 5.0 and lean.storage.recording[1].isnan()
-    for d in (lean, fresh):
-        d.launch(async_op=False, region_index=0)
-        d.finish()
-    assert torch.equal(lean.storage.history, fresh.storage.history)
-    assert torch.equal(lean.storage.scale, fresh.storage.scale) and not bool(lean.storage.recording.any())
+            d.record(column, amax)
+        assert counter.count == 1 and dict(counter.ops) == {"aten.maximum": 1}, counter.ops
+    assert list(d.recorded_columns) == [2, 0, 1]
+    d.register("B()", torch.zeros(4, 3), torch.ones(3), torch.ones(3))  # the storage grows
+    d.record(3, torch.tensor(7.0))
+    amax = torch.tensor(4.0)
+    with OpCounter() as counter:
+        d.record(0, amax)
+    assert counter.count == 1  # the grown storage's views made once, at the record before
+    assert list(d.recorded_columns) == [2, 0, 1, 3]
+    recording = d.storage.recording
+    assert recording[[0, 2, 3, 4, 5]].tolist() == [5.0, 0.25, 7.0, 0.0, 0.0] and recording[1].isnan()
+    d.launch(async_op=False, region_index=0)
+    d.finish()
+    assert not bool(d.storage.recording.any()) and not d.recorded_columns
+    rolled = d.storage.history.amax(0)  # the launched amaxes, rolled into the history (NaN as inf)
+    assert rolled[[0, 2, 3, 4, 5]].tolist() == [5.0, 0.25, 7.0, 0.0, 0.0] and rolled[1].isinf()
+    assert d.storage.scale[0] == torch.tensor(d.fp8_max / 5.0) and d.storage.scale[4].item() == 1.0
 
 
 _BROKEN_COMPILER = r"""

@@ -151,21 +151,18 @@ def _forward_scales(
         refuse_cuda_graph_capture(like)
     base = forward_column(plan.offset, gemm_index, INPUT)
     columns = (base, base + WEIGHT)  # (the weight's column follows the input's: `forward_column`)
-    slots = None
     if plan.records_into is not None:
         if x_amax is not None:
             plan.records_into.record(base, x_amax)
         if w_amax is not None:
             plan.records_into.record(columns[WEIGHT], w_amax)
-        if not fresh:  # where the eager casts write their amaxes (their columns' own slots at first)
-            slots = plan.records_into.amax_slots(base, columns[WEIGHT])
     # the region's token, made once (a replay holds no region: its own)
     token = plan.region.token if plan.region is not None and not fresh else host_scalar(plan.serial)
     if plan.frozen is None or fresh:
         block, pairs = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]]), None
     else:
         block, pairs = plan.frozen.gemm(base)
-    plan.given = block, pairs, slots, columns  # for the call's `for_gemm` and `record_amax`
+    plan.given = block, pairs, columns  # for the call's `for_gemm` and `record_amax`
     return block, token
 
 
@@ -193,7 +190,7 @@ def _backward_scales(
     if direction.group not in backward.groups or region not in backward.regions:  # noted once a pass
         backward.note(direction.group, region)
     if pair:
-        return (*direction.cast_views(column), (direction, column))
+        return (*direction.scale_views(column), (direction, column))
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 
@@ -247,11 +244,11 @@ class DelayedRuntime(RecipeRuntime):
             return _backward_scales_op(call.module_handle, call.gemm_index, g_amax, call.token)
         return _backward_scales(STATE.handles.module(call.module_handle), call.gemm_index, g_amax, call.token)
 
-    def backward_scale_pair(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    def backward_scale_pair(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """Eager, for a gradient cast that takes its own amax: (scale, scale_inv) of this GEMM's
         grad_output, `backward_scales(None)`'s values, as views of the group's storage
-        (`Direction.column_views`) where that makes a copy; the amax slot its cast writes; and where
-        the amax is recorded, for `record_grad_amax` after the cast."""
+        (`Direction.scale_views`) where that makes a copy; and where the amax the cast returns is
+        recorded, for `record_grad_amax` after the cast."""
         module = STATE.handles.module(call.module_handle)
         return _backward_scales(module, call.gemm_index, None, call.token, pair=True)
 
@@ -262,7 +259,7 @@ class DelayedRuntime(RecipeRuntime):
         if plan.records_into is not None:
             given = plan.given  # the GEMM's columns, where `forward_scales` found them
             if given is not None and given[0] is call.scales:
-                plan.records_into.record(given[3][role], amax)
+                plan.records_into.record(given[2][role], amax)
             else:
                 plan.records_into.record(forward_column(plan.offset, call.gemm_index, role), amax)
 

@@ -74,7 +74,7 @@ class Direction:
         self.recorded_columns: dict[int, None] = {}
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self.group: Optional[AmaxGroup] = None  # set by the AmaxGroup that holds this direction
-        # (storage.scale, its columns, scale_inv's columns, amax slots): `column_views`
+        # (storage.recording, the scale, scale_inv and recording views of its columns): `_views`
         self._column_views: Optional[tuple] = None
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -106,72 +106,44 @@ class Direction:
         roles = self.storage.num_roles if self.storage is not None else 0
         return f"{len(self.members)} modules / {roles} {self.name} roles [{head}]"
 
-    def column_views(self) -> tuple[tuple, tuple, tuple]:
-        """Each column's scale and scale_inv as 0-dim views of the storage (they follow its updates,
-        which are in place), and its scratch amax slot: a float32 0-dim tensor where an eager cast
-        writes its tensor's amax before `record` takes it (each column its own; recorded at once, so
-        reused). Three unbinds while the storage stands, where each cast would select its scales and
-        allocate its amax (the lean path, docs/design.md, section 6). Made again when the storage
-        grows; `amax_slots` and `cast_views` hand out the slot a cast writes."""
-        views = self._views()
-        return views[1], views[2], views[3]
-
     def _views(self) -> tuple:
-        # (the storage's recording tensor, scale views, scale_inv views, scratch slots, recording views):
-        # the storage replaces all its tensors at once when it grows (`ScalingStorage.append`)
+        # (the storage's recording tensor, each column's scale and scale_inv and recording slot as
+        # 0-dim views): three unbinds while the storage stands, where each record would `select` its
+        # slot and each gradient cast its scales; made again when the storage grows (it replaces all
+        # its tensors at once, `ScalingStorage.append`). The lean path, docs/design.md, section 6.
         views = self._column_views
         storage = self.storage
         if views is None or views[0] is not storage.recording:
-            slots = torch.empty_like(storage.scale).unbind()
             recording = storage.recording
-            views = (recording, storage.scale.unbind(), storage.scale_inv.unbind(), slots, recording.unbind())
+            views = (recording, storage.scale.unbind(), storage.scale_inv.unbind(), recording.unbind())
             self._column_views = views
         return views
 
     # ---- recording ------------------------------------------------------------------------------
     def record(self, column: int, amax: torch.Tensor) -> None:
-        """MAX `amax` (a 0-dim tensor) into `column`'s recording slot. Where a cast wrote it into the
-        slot `amax_slots` or `cast_views` gave (the column's own, while it had recorded nothing), it
-        is there already: only the column is noted (no aten call)."""
+        """MAX `amax` (a 0-dim tensor, its cast's own: `cast.cast_with_amax`) into `column`'s recording
+        slot, a view made once per storage (`_views`): one aten call, the MAX, for a float32 amax."""
         views = self._column_views
         if views is None or views[0] is not self.storage.recording:
             views = self._views()
-        slot = views[4][column]
         task = current_graph_task()
         if task != self._recording_task:
             if self.recorded_columns:
                 # Left by a backward pass that raised before its end-of-pass launch: those amaxes
                 # belong to no completed step, and folding them into this one would change its scales.
-                if amax is slot:  # (written by its cast into the slot about to be cleared)
-                    amax = amax.clone()
                 self.discard_recording()
             self._recording_task = task
-        if amax is not slot:
-            torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
+        slot = views[3][column]
+        torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
         self.recorded_columns[column] = None
 
-    def cast_views(self, column: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What an eager cast of `column`'s tensor takes, in one call: its scale and scale_inv (views,
-        `column_views`) and its amax slot (`amax_slots`)."""
+    def scale_views(self, column: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`column`'s scale and scale_inv as 0-dim views of the storage (they follow its updates, which
+        are in place), for an eager gradient cast: no `select` per cast."""
         views = self._column_views
         if views is None or views[0] is not self.storage.recording:
             views = self._views()
-        slot = views[3][column] if column in self.recorded_columns else views[4][column]
-        return views[1][column], views[2][column], slot
-
-    def amax_slots(self, x_column: int, w_column: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the eager casts of a forward GEMM's input and weight write the amaxes that
-        `record(column, slot)` then records: a column's own recording slot while it has recorded
-        nothing since the last launch (it holds 0, so the cast's write is the record's MAX: one aten
-        call per recorded amax, the cast's), else its scratch slot (`column_views`), which `record`
-        MAXes in. Each is good until its column's next record."""
-        views, recorded = self._column_views, self.recorded_columns
-        if views is None or views[0] is not self.storage.recording:
-            views = self._views()
-        return (
-            views[3][x_column] if x_column in recorded else views[4][x_column],
-            views[3][w_column] if w_column in recorded else views[4][w_column],
-        )
+        return views[1][column], views[2][column]
 
     def discard_recording(self) -> None:
         """Forget amaxes of a region that failed; what is launched for it is then empty."""

@@ -72,7 +72,7 @@ class DelayedQuantization(DelayedRuntime, TensorQuantization):
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
-            scale, scale_inv, _, into = self.backward_scale_pair(call)
+            scale, scale_inv, into = self.backward_scale_pair(call)
             operands, g_amax = self.grad_cast(g2d, scale, scale_inv, call, True, needs[1])
             self.record_grad_amax(call, g_amax, into)
             return operands

@@ -65,9 +65,6 @@ class Call:
     # them), as its plan gives them (`ForwardPlan.given`)
     pairs: Optional[tuple] = None
     amax_in_cast: bool = False  # eager training calls in FP8: the forward casts take their amaxes
-    # eager, a recipe with state: (x, w) amax slots where the forward casts write their amaxes (delayed
-    # scaling: of the recording direction, `Direction.column_views`); None: new tensors
-    amax_slots: Optional[tuple] = None
 
     @staticmethod
     def outside_module(quantization, scales: Optional[torch.Tensor] = None) -> Call:
@@ -85,17 +82,17 @@ class Call:
     ) -> Call:
         """This call with its GEMM's operand dtype and path, the scales and token `forward_scales` gave,
         and whether the weight's cast takes the weight's amax."""
-        if torch.compiler.is_compiling():  # a graph's call: a new one, no views, no slots
+        if torch.compiler.is_compiling():  # a graph's call: a new one, no views
             return Call(
                 self.fp8, self.record, self.quantization, self.module_handle, self.gemm_index,
                 operand_dtype, scales, token, None, gemm_path, weight_amax_in_cast,
             )  # fmt: skip
-        plan, pairs, slots = self.plan, None, None
+        plan, pairs = self.plan, None
         given = None if plan is None else plan.given
-        if given is not None and given[0] is scales:  # the scales as given: their views and slots
-            pairs, slots = given[1], given[2]
+        if given is not None and given[0] is scales:  # the scales as given: their casts' views
+            pairs = given[1]
         self.operand_dtype, self.scales, self.token, self.gemm_path = operand_dtype, scales, token, gemm_path
-        self.weight_amax_in_cast, self.pairs, self.amax_slots = weight_amax_in_cast, pairs, slots
+        self.weight_amax_in_cast, self.pairs = weight_amax_in_cast, pairs
         self.amax_in_cast = self.record and self.fp8
         return self
 

@@ -191,8 +191,8 @@ class ForwardPlan:
     serial: int = -1  # that region's serial, also in a replay (which holds no reference to it)
     record: bool = False  # its GEMMs record amaxes (a recipe with state, training or calibrating)
     # a recipe with state: the latest GEMM's scales as it gave them, (scales, their casts' views
-    # ((x, x_inv), (w, w_inv)) or None, the (x, w) amax slots its casts write or None, what else the
-    # recipe keeps), for the GEMM's `Call.for_gemm` (they serve only while its scales are those given)
+    # ((x, x_inv), (w, w_inv)) or None, what else the recipe keeps), for the GEMM's `Call.for_gemm`
+    # (they serve only while its scales are those given)
     given: Optional[tuple] = None
 
     def replay(self) -> ForwardPlan:
