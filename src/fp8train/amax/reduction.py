@@ -75,7 +75,7 @@ class Direction:
         self.pending: collections.deque[PendingReduction] = collections.deque()
         self.group: Optional[AmaxGroup] = None  # set by the AmaxGroup that holds this direction
         # (storage.recording, the scale, scale_inv and recording views of its columns): `_views`
-        self._column_views: Optional[tuple] = None
+        self._storage_views: Optional[tuple] = None
 
     # ---- layout ---------------------------------------------------------------------------------
     def register(
@@ -111,19 +111,19 @@ class Direction:
         # 0-dim views): three unbinds while the storage stands, where each record would `select` its
         # slot and each gradient cast its scales; made again when the storage grows (it replaces all
         # its tensors at once, `ScalingStorage.append`). The lean path, docs/design.md, section 6.
-        views = self._column_views
+        views = self._storage_views
         storage = self.storage
         if views is None or views[0] is not storage.recording:
             recording = storage.recording
             views = (recording, storage.scale.unbind(), storage.scale_inv.unbind(), recording.unbind())
-            self._column_views = views
+            self._storage_views = views
         return views
 
     # ---- recording ------------------------------------------------------------------------------
     def record(self, column: int, amax: torch.Tensor) -> None:
         """MAX `amax` (a 0-dim tensor, its cast's own: `cast.cast_with_amax`) into `column`'s recording
         slot, a view made once per storage (`_views`): one aten call, the MAX, for a float32 amax."""
-        views = self._column_views
+        views = self._storage_views
         if views is None or views[0] is not self.storage.recording:
             views = self._views()
         task = current_graph_task()
@@ -140,7 +140,7 @@ class Direction:
     def scale_views(self, column: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`column`'s scale and scale_inv as 0-dim views of the storage (they follow its updates, which
         are in place), for an eager gradient cast: no `select` per cast."""
-        views = self._column_views
+        views = self._storage_views
         if views is None or views[0] is not self.storage.recording:
             views = self._views()
         return views[1][column], views[2][column]
