@@ -169,3 +169,21 @@ def test_the_mode_is_checked_and_a_forced_kernel_never_falls_back_silently() -> 
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_mode_set_after_a_prepared_models_first_step_takes_effect_at_its_next_region(monkeypatch) -> None:
+    """A prepared model's regions share one quantization object (prepare.py): whether
+    FP8TRAIN_FUSED_KERNELS is set is read once per region (docs/design.md, section 6), not once for the
+    object's life; a misspelt mode set between two steps is an error at the next one (cf08600 kept the
+    first step's answer for good: the setting ignored)."""
+    import torch
+
+    import fp8train
+
+    monkeypatch.delenv("FP8TRAIN_FUSED_KERNELS", raising=False)
+    model = fp8train.prepare(torch.nn.Sequential(torch.nn.Linear(32, 32)))
+    x = torch.randn(16, 32)
+    model(x).sum().backward()
+    monkeypatch.setenv("FP8TRAIN_FUSED_KERNELS", "on")
+    with pytest.raises(ValueError, match="auto.*off.*interpret"):
+        model(x)

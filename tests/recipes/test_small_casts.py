@@ -109,14 +109,10 @@ def test_compiled_gemm_output_equals_the_eager_epilogue(out_dtype, bias_dtype) -
             got = gemm.gemm(a, sa, b, sb, out_dtype, bias, bf16_output=True)
         want = _eager(gemm.gemm, a, sa, b, sb, out_dtype, bias, bf16_output=True)
         assert got.dtype == out_dtype and torch.equal(got, want)
-        op = "scaled_output_" if out_dtype == torch.float32 else "scaled_output"  # (in place: fp32)
-        assert census.ops[op] == 1 and census.calls == 2, census.ops  # mm and the output
-    if out_dtype == torch.float32:  # written into the product (gemm_output.py)
-        key = (torch.float32,) + (() if bias is None else (bias.dtype,))
-        kernel = gemm_output._output_kernel_ if bias is None else gemm_output._biased_output_kernel_
-    else:
-        key = (torch.float32, out_dtype) + (() if bias is None else (bias.dtype,))
-        kernel = gemm_output._output_kernel if bias is None else gemm_output._biased_output_kernel
+        # (out of place under a dispatch mode, the census: a mode may hold the product)
+        assert census.ops["scaled_output"] == 1 and census.calls == 2, census.ops  # mm and the output
+    key = (torch.float32, out_dtype) + (() if bias is None else (bias.dtype,))
+    kernel = gemm_output._output_kernel if bias is None else gemm_output._biased_output_kernel
     assert cast.COMPILED_KERNELS.compiled[kernel, key].direct_calls >= 1  # the second call, directly
 
 
@@ -166,17 +162,56 @@ def test_a_product_autograd_records_is_not_written_over(monkeypatch) -> None:
         assert torch.equal(got, _eager(gemm.gemm, a, sa, b, sb, torch.float32, None, bf16_output=True))
 
 
-def test_gemm_output_written_into_the_product_under_a_dispatch_mode() -> None:
-    """Under a dispatch mode (a counter) the in-place epilogue is the mutating op
-    `fp8train::scaled_output_`: one call beside the mm, the mm's memory returned, the same bits."""
+def test_gemm_output_not_written_into_the_product_under_a_dispatch_mode() -> None:
+    """Under a dispatch mode (a counter) the epilogue is the out-of-place op `fp8train::scaled_output`
+    (a mode may hold the mm's output: selective activation checkpointing caches it): one call beside
+    the mm, a new tensor, the same bits."""
     g = torch.Generator().manual_seed(12)
     a = (torch.randn(64, 32, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     b = (torch.randn(32, 80, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     sa, sb, bias = torch.tensor(0.5), torch.tensor(0.125), torch.randn(80, generator=g)
     with StepCensus() as census:
         got = gemm.gemm(a, sa, b, sb, torch.float32, bias, bf16_output=True)
-    assert census.ops["scaled_output_"] == 1 and census.calls == 2, census.ops
+    assert census.ops["scaled_output"] == 1 and census.calls == 2, census.ops
     assert torch.equal(got, _eager(gemm.gemm, a, sa, b, sb, torch.float32, bias, bf16_output=True))
+
+
+def test_selective_checkpoint_cache_of_the_product_is_not_written_over() -> None:
+    """Selective activation checkpointing with a policy that saves matmuls (torch's own example) caches
+    the mm's output and returns it at the recomputation: the in-place epilogue must not write over it
+    (cf08600 did: "Tensor cached during selective activation checkpoint has been mutated")."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    g = torch.Generator().manual_seed(13)
+    sa, sb = torch.tensor(0.5), torch.tensor(0.125)
+    b = (torch.randn(32, 80, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+
+    class FP8Product(torch.autograd.Function):  # (as fp8train's layers: operands without grad)
+        @staticmethod
+        def forward(ctx, x):
+            a = x.detach().to(torch.float8_e4m3fn).float()
+            return gemm.gemm(a, sa, b, sb, torch.float32, None, bf16_output=True)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad @ b.t()
+
+    def block(x):
+        y = FP8Product.apply(x)
+        return y * y  # (saves y: recomputed in the backward)
+
+    def policy(ctx, op, *args, **kwargs):
+        save = op == torch.ops.aten.mm.default
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = (torch.randn(64, 32, generator=g) * 40).clamp(-448, 448).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    block(x_ref).sum().backward()
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    checkpoint(block, x, use_reentrant=False, context_fn=context_fn).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
 
 
 def test_directly_called_falls_back_to_dynamo_where_the_graph_does_not_fit() -> None:

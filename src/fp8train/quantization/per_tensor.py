@@ -38,8 +38,9 @@ class TensorQuantization(Quantization):
     """A recipe with one scale per tensor: each tensor's one operand serves both of its GEMMs."""
 
     kernel = "tensorwise"
-    # whether FP8TRAIN_FUSED_KERNELS is set, read at this object's first eager cast (one object per
-    # fp8_autocast entry: the setting holds for its region and that region's backward); None: not yet.
+    # whether FP8TRAIN_FUSED_KERNELS is set, read at this object's first eager cast in a region (one
+    # object per fp8_autocast entry, or one for all of a prepared model's regions: `enter_region`
+    # sets it back to None); None: not yet.
     # Where it is unset, CPU tensors take the torch path without a call (`kernels.use_fused_kernels`)
     fused_kernels_named: Optional[bool] = None
 
