@@ -12,6 +12,7 @@ the ranks as in the parent.
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from fp8train.tools.ranks import AllReduceSpy, assert_ok, free_port, run_ranks, 
 __all__ = [
     "CollectiveCounter", "train_fsdp_gathers", "assert_fp8_gathers_bit_for_bit",
     "AllReduceSpy", "assert_ok", "free_port", "run_ranks", "run_ranks_outcomes", "run_scenarios",
-    "scenario_outcome",
+    "run_scenarios_together", "scenario_outcome",
 ]  # fmt: skip
 
 
@@ -38,6 +39,27 @@ def run_scenarios(names: list[str], run_one: Callable[[str], Any]) -> dict[str, 
         except Exception:
             out[name] = ("error", traceback.format_exc())
     return out
+
+
+def run_scenarios_together(
+    scenarios: dict[str, Callable[[int, int, str], Any]],
+    rank: int,
+    world: int,
+    names: list[str],
+    directory: str,
+) -> dict[str, tuple[str, Any]]:
+    """Inside a rank: `run_scenarios` of the named `scenarios` (fn(rank, world, its own directory)),
+    each from a fresh fp8train registry, every rank starting each one together (a barrier after each,
+    whatever it did)."""
+
+    def run_one(name: str):
+        fp8train.inspection.reset()
+        try:
+            return scenarios[name](rank, world, os.path.join(directory, name))
+        finally:
+            dist.barrier()
+
+    return run_scenarios(names, run_one)
 
 
 def scenario_outcome(runs: list[dict], name: str) -> list:

@@ -13,15 +13,13 @@ loaded 2-core machine). A barrier after each scenario keeps the ranks in step sh
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import fp8train
 from helpers import digest, fp8_state
-from multirank import CollectiveCounter, run_ranks, run_scenarios, scenario_outcome
+from multirank import CollectiveCounter, run_ranks, run_scenarios_together, scenario_outcome
 
 RECIPE = fp8train.DelayedScaling(amax_history_len=4)
 
@@ -161,16 +159,8 @@ def _check_bytes(results: list[dict], world: int, itemsize: int, limit: float) -
 
 
 def _scenarios(rank: int, world: int, names: list[str], directory: str) -> dict:
-    """Inside a rank: the named scenarios of SCENARIOS in turn, each from a fresh registry."""
-
-    def run_one(name: str):
-        fp8train.inspection.reset()
-        try:
-            return SCENARIOS[name](rank, world, os.path.join(directory, name))
-        finally:
-            dist.barrier()  # the next scenario starts together on every rank, whatever this one did
-
-    return run_scenarios(names, run_one)
+    """Inside a rank: the named scenarios of SCENARIOS in turn (`run_scenarios_together`)."""
+    return run_scenarios_together(SCENARIOS, rank, world, names, directory)
 
 
 def _shared_ranks(tmp_path_factory, names: list[str], env: dict | None = None) -> list[dict]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import fp8train
 from helpers import REPO, digest, fp8_state
-from multirank import run_ranks, run_scenarios, scenario_outcome
+from multirank import run_ranks, run_scenarios_together, scenario_outcome
 
 pytestmark = pytest.mark.multirank
 
@@ -136,16 +136,8 @@ def _step_against_reference(rank: int, world: int, sp: bool, steps: int = 3) -> 
 
 
 def _scenarios(rank: int, world: int, names: list[str], directory: str) -> dict:
-    """Inside a rank: the named scenarios of SCENARIOS in turn, each from a fresh registry."""
-
-    def run_one(name: str):
-        fp8train.inspection.reset()
-        try:
-            return SCENARIOS[name](rank, world, os.path.join(directory, name))
-        finally:
-            dist.barrier()  # the next scenario starts together on every rank, whatever this one did
-
-    return run_scenarios(names, run_one)
+    """Inside a rank: the named scenarios of SCENARIOS in turn (`run_scenarios_together`)."""
+    return run_scenarios_together(SCENARIOS, rank, world, names, directory)
 
 
 def _shared_ranks(tmp_path_factory, world: int, env: dict | None) -> list[dict]:
