@@ -39,10 +39,13 @@ class TensorQuantization(Quantization):
 
     kernel = "tensorwise"
     # whether FP8TRAIN_FUSED_KERNELS is set, read at this object's first eager cast in a region (one
-    # object per fp8_autocast entry, or one for all of a prepared model's regions: `enter_region`
+    # object per fp8_autocast entry, or one for all of a prepared model's regions: `region_entered`
     # sets it back to None); None: not yet.
     # Where it is unset, CPU tensors take the torch path without a call (`kernels.use_fused_kernels`)
     fused_kernels_named: Optional[bool] = None
+
+    def region_entered(self) -> None:
+        self.fused_kernels_named = None
 
     def cast(
         self,

@@ -36,12 +36,8 @@ def enter_region(settings: RegionSettings, fp8_group=None) -> Optional[Region]:
     region = None
     if not regions.stack and not replaying:
         region = Region(regions.entered + 1)
-    # the settings a quantization object reads once per region (per_tensor.py), read again: one
-    # object serves every region of a prepared model (prepare.py), and travels with its pickle
-    # (its class's None again; `in`, no call: the lean path's census counts calls)
-    quantization = settings.quantization
-    if not replaying and quantization is not None and "fused_kernels_named" in quantization.__dict__:
-        del quantization.fused_kernels_named
+    if not replaying and settings.quantization is not None:
+        settings.quantization.region_entered()
     if settings.active:
         # a state this rank may not take raises now (a replay's was checked by its original entry)
         outer = region if region is not None else regions.region

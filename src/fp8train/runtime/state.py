@@ -96,6 +96,11 @@ class RecipeRuntime:
     recipe: Recipe
     kind: ClassVar[str]  # a module trains under one kind
 
+    def region_entered(self) -> None:
+        """A region with this recipe in force was entered (not a recomputation's replay): what the
+        recipe reads once per region is read again (one object may serve many regions: a prepared
+        model's, across pickling)."""
+
     def region_state(
         self, settings: RegionSettings, region: Optional[Region], fp8_group
     ) -> Optional[RecipeState]:
