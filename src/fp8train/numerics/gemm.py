@@ -36,14 +36,7 @@ from typing import Optional
 
 import torch
 
-from ..torch_internals import (
-    cuda_capability,
-    device_index,
-    dispatch_mode_active,
-    has_scaled_mm,
-    scaled_mm,
-    scaled_mm_problem,
-)
+from ..torch_internals import cuda_capability, device_index, has_scaled_mm, scaled_mm, scaled_mm_problem
 from . import block_scaled_mm, cast
 from .cast import FUSED_MIN_ELEMENTS
 from .gemm_output import fused_output_applies, scaled_output
@@ -261,12 +254,10 @@ def gemm(
             and y.shape[0] * y.shape[1] >= FUSED_MIN_ELEMENTS
             and fused_output_applies(y, a_scale_inv, bias)
         ):
-            # (y is this call's own, outside autograd: written over where the output dtype is y's,
-            # gemm_output.py; cast operands never require grad, the check is the proof. Not under a
-            # dispatch mode: one may hold the mm's output, e.g. selective activation checkpointing's
-            # cache, which its recomputation returns in place of a new product)
-            overwrite = not y.requires_grad and not dispatch_mode_active()
-            out = scaled_output(y, a_scale_inv, b_scale_inv, bias, out_dtype, overwrite=overwrite)
+            # (y is this call's own, outside autograd: written over where the output dtype is y's and
+            # no dispatch mode may hold it, gemm_output.py; cast operands never require grad, the
+            # check is the proof)
+            out = scaled_output(y, a_scale_inv, b_scale_inv, bias, out_dtype, overwrite=not y.requires_grad)
             if out is not None:
                 return out
             y = torch.mm(a, b)  # (the kernel failed, once per process: y may be written over)

@@ -9,7 +9,8 @@ registered alike as the custom op `fp8train::scaled_output` where a dispatch mod
 
 Where the caller owns the product (`gemm`: the fresh result of its torch.mm, held by nothing else) and
 the output dtype is the product's (float32), the kernel writes the output into the product itself
-(`overwrite`; the op `fp8train::scaled_output_`): each element is read, then written, by the same
+(`overwrite`; never under a dispatch mode, which may hold the product: selective activation
+checkpointing caches it and returns it at the recomputation): each element is read, then written, by the same
 iteration of one pointwise loop (inductor's in-place buffer), so the bits are the out-of-place
 kernel's, and the step allocates no second output-sized buffer. A new buffer of 4-16 MB costs more
 than the pass that fills it (its pages are faulted in and zeroed by the OS: measured in
@@ -79,16 +80,6 @@ def _biased_output_kernel_(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_i
     return ()
 
 
-def _run_(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-          bias: Optional[torch.Tensor]) -> None:  # fmt: skip
-    """The in-place op's body: y overwritten with its output."""
-    if bias is None:
-        cast.COMPILED_KERNELS.variant(_output_kernel_, (y.dtype,))(y, a_scale_inv, b_scale_inv)
-    else:
-        key = (y.dtype, bias.dtype)
-        cast.COMPILED_KERNELS.variant(_biased_output_kernel_, key)(y, a_scale_inv, b_scale_inv, bias)
-
-
 def _run(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor, bias: Optional[torch.Tensor],
          out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     compiled = cast.COMPILED_KERNELS.compiled
@@ -104,17 +95,11 @@ def _run(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor, 
 
 
 _scaled_output_op = torch.library.custom_op("fp8train::scaled_output", _run, mutates_args=())
-_scaled_output_inplace_op = torch.library.custom_op("fp8train::scaled_output_", _run_, mutates_args=("y",))
 
 
 @_scaled_output_op.register_fake
 def _(y, a_scale_inv, b_scale_inv, bias, out_dtype):
     return torch.empty_like(y, dtype=out_dtype)
-
-
-@_scaled_output_inplace_op.register_fake
-def _(y, a_scale_inv, b_scale_inv, bias):
-    return None
 
 
 def scaled_output(
@@ -131,11 +116,10 @@ def scaled_output(
     holds y's only reference: no view, no autograd record) and `out_dtype` y's dtype, the output is
     written into y and y returned (no new buffer); y is then unusable after a failure (None)."""
     try:  # (cast.COMPILED_KERNELS.run, inline: the hot path)
-        compiled = cast.COMPILED_KERNELS.compiled  # (`_run` and `_run_`, inline: the hot path)
+        if dispatch_mode_active():  # (out of place: the mode may hold y)
+            return _scaled_output_op(y, a_scale_inv, b_scale_inv, bias, out_dtype)
+        compiled = cast.COMPILED_KERNELS.compiled  # (`_run`, inline: the hot path)
         if overwrite and out_dtype == y.dtype:
-            if dispatch_mode_active():
-                _scaled_output_inplace_op(y, a_scale_inv, b_scale_inv, bias)
-                return y
             if bias is None:
                 try:
                     kernel = compiled[_output_kernel_, (y.dtype,)]
@@ -149,8 +133,6 @@ def scaled_output(
                 kernel = cast.COMPILED_KERNELS.variant(_biased_output_kernel_, (y.dtype, bias.dtype))
             kernel(y, a_scale_inv, b_scale_inv, bias)
             return y
-        if dispatch_mode_active():
-            return _scaled_output_op(y, a_scale_inv, b_scale_inv, bias, out_dtype)
         if bias is None:
             try:
                 kernel = compiled[_output_kernel, (y.dtype, out_dtype)]
