@@ -86,15 +86,16 @@ class DirectlyCalled:
     dynamic size to a graph input, and says which in the placeholders' `grapharg.source` (private:
     `LocalSource` for an argument, `TensorPropertySource(SIZE)` for a size). Later calls whose tensors
     match the traced ones (plain tensors, `PLAIN_TENSOR_TYPES`; dtype, dimensions, the sizes dynamo
-    did not make dynamic, at least 2 where
-    it did: it specializes sizes 0 and 1; a graph with a size so specialized in a tensor whose other
-    sizes are dynamic is not kept, the next one compiled is) call the graph with those inputs
-    (`_direct_call`: checks written for the one graph, and inductor's `current_callable`). What
-    dynamo's guards would check beyond that (layout) the callers fix by their variant key and checks
-    (cast.py), and inductor's generated code asserts each input's sizes and strides; a direct call
-    that raises falls back to the dynamo call for good. Anything unexpected in the graph (another
-    kind of input, outputs that are not `fn`'s flat tuple of tensors) leaves the dynamo call in
-    charge: the same values, slower.
+    did not make dynamic, at least 2 where it did: it specializes sizes 0 and 1; a graph with a size
+    so specialized in a tensor whose other sizes are dynamic is not kept, the next one compiled is;
+    contiguous, as the traced ones must have been for the graph to be kept) call the graph with
+    those inputs (`_direct_call`: checks written for the one graph, and inductor's
+    `current_callable`). The direct check is the layout check: inductor's own per-input size and
+    stride asserts are compiled out (`size_asserts`; about 1 us each, 3-4 per kernel, where the
+    check's `is_contiguous` is a tenth of that), and what dynamo's guards would check beyond the
+    layout the callers fix by their variant key (cast.py). A direct call that raises falls back to
+    the dynamo call for good. Anything unexpected in the graph (another kind of input, outputs that
+    are not `fn`'s flat tuple of tensors) leaves the dynamo call in charge: the same values, slower.
 
     `fn` computes no gradients (its graph is an inference graph). It takes tensors (then arguments
     with defaults, constants of the graph) and returns a flat tuple of tensors (no None: the graph
@@ -103,21 +104,22 @@ class DirectlyCalled:
     update of the input's own buffer, read and written by the same loop), so the direct call does
     them too. It does not bump the mutated tensor's version counter (AOTAutograd's wrapper would):
     write only into tensors autograd has not recorded (gemm_output.py: the fresh product of a GEMM).
-    A direct call that raises is made again through dynamo: sound for such a function because
-    inductor's generated `call` asserts every input before its first kernel runs, and a pointwise
-    kernel does not raise midway (no integer division: its only check after the loop).
+    A direct call that raises is made again through dynamo: sound for such a function because a
+    pointwise kernel does not raise midway (no integer division: its only check after the loop).
     Floats `fn` reads from Python are specialized (dynamo would lift them to inputs);
     sizes are not duck-shaped (dynamo would assume sizes that were equal in the first call equal).
     Checked on torch 2.13 (tests/recipes/test_small_casts.py counts that the direct call runs)."""
 
     def __init__(self, fn: Callable, options: dict) -> None:
         self.fn = fn
-        self.options = options
+        # (size_asserts off: the direct call checks the layout itself; dynamo's calls are guarded)
+        self.options = {**options, "size_asserts": False}
         # the direct call, once traced and usable: a function of `fn`'s tensors that calls inductor's
         # compiled graph where they fit it, else returns `_MISSED` (`_direct_call`)
         self.graph: Optional[Callable] = None
         self.direct_calls = 0  # calls that took the graph directly (tests count them)
         self._inputs: tuple = ()  # per graph input: (argument index, dimension or -1), once kept
+        self._traced_contiguous = False  # whether the tensors of the call being traced are contiguous
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
 
     def __call__(self, *args: torch.Tensor):
@@ -131,6 +133,7 @@ class DirectlyCalled:
                 if out is not _MISSED:
                     self.direct_calls += 1
                     return out
+        self._traced_contiguous = all(a.is_contiguous() for a in args)  # (read where a graph is kept)
         with _tracing_settings():
             # (tensors without grad: one graph whatever the caller's, which the graph ignores)
             return self._compiled(*[a.detach() if a.requires_grad else a for a in args])
@@ -151,7 +154,7 @@ class DirectlyCalled:
             if hasattr(functorch_config, "enable_autograd_cache"):
                 settings.enter_context(functorch_config.patch(enable_autograd_cache=False))
             graph = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.options)
-        if self.graph is None and not self._inputs:
+        if self.graph is None and not self._inputs and self._traced_contiguous:
             try:
                 self._keep(gm, graph, inner)
             except Exception:  # (private API another torch changed): dynamo's calls stay in charge
@@ -184,7 +187,7 @@ def _direct_call(name: str, graph: Callable, boxed: bool, checks: tuple, equal: 
                  inputs: tuple) -> Callable:  # fmt: skip
     """For `DirectlyCalled`: a function of the traced function's tensors that checks them against the
     graph (`checks`: per argument, its index, dtype, dimensions, static sizes or None, dynamic
-    dimensions; `equal`: sizes the trace proved equal) and calls `graph` with its inputs (`inputs`),
+    dimensions; each tensor of a dimension or more contiguous; `equal`: sizes the trace proved equal) and calls `graph` with its inputs (`inputs`),
     or returns `_MISSED`. Its source is written for the one graph, straight-line (each tensor's shape
     read once, no loops): about 1 us for three tensors where the loops over `checks` took 5.
 
@@ -198,6 +201,8 @@ def _direct_call(name: str, graph: Callable, boxed: bool, checks: tuple, equal: 
     for i, dtype, ndim, static, dynamic in checks:
         bound[f"d{i}"] = dtype
         conds += [f"a{i}.__class__ in P", f"a{i}.dtype is d{i}", f"a{i}.ndim == {ndim}"]
+        if ndim:  # (the traced tensors were: `DirectlyCalled._traced_contiguous`)
+            conds.append(f"a{i}.is_contiguous()")
         if static is not None and ndim:
             bound[f"z{i}"] = static
             conds.append(f"a{i}.shape == z{i}")
@@ -621,7 +626,10 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> 
 def unsafe_view(tensor: torch.Tensor, shape) -> torch.Tensor:
     """A reshape whose result autograd does not treat as a view (`aten._unsafe_view`): what an FP8 GEMM
     returns, so that in-place ops on it (torch.relu_, a TP all-reduce) work as on torch.nn.Linear's."""
-    return torch.ops.aten._unsafe_view(tensor, shape)
+    return _UNSAFE_VIEW(tensor, shape)
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default  # (the overload: no lookup per call)
 
 
 def tree_leaves(tree) -> list:

@@ -410,7 +410,7 @@ def test_fp8_calls_refuse_cuda_graph_capture(monkeypatch) -> None:
     from fp8train.amax import hooks as ops
 
     # torch's own capture query answered yes (no CUDA graph can be captured on the CPU): a fact, no setting
-    monkeypatch.setattr(ops, "capturing_cuda_graph", lambda device: True)
+    monkeypatch.setattr(ops, "capturing_cuda_graph", lambda like: True)
     fp8train.inspection.reset()
     model = fp8train.Linear(32, 32)
     with pytest.raises(RuntimeError, match="captured into a CUDA graph.*mode='default'"):

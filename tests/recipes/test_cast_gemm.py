@@ -84,6 +84,18 @@ def _hard_values(encoding: str) -> torch.Tensor:
     return torch.cat([x, -x])  # callers do not modify it (cached)
 
 
+def _cast_and_amax(x, scale, encoding, dtype, transposed, seam=None):
+    """`cast.cast_with_amax` (or `seam`, of its signature) with a fresh amax slot (0: neutral for the
+    MAX): (values, values_t, max|x|)."""
+    from fp8train.numerics import cast
+
+    amax_out = torch.zeros((), dtype=torch.float32)
+    values, values_t = (seam or cast.cast_with_amax)(
+        x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out
+    )
+    return values, values_t, amax_out
+
+
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
     return (got.view(bits) == want.view(bits)) | (got.float().isnan() & want.float().isnan())

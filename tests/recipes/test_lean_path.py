@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from test_cast_gemm import DTYPES, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
+from test_cast_gemm import DTYPES, _cast_and_amax, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
 
 from fp8train.numerics import cast, gemm
 from fp8train.tools.bench import lean_path
@@ -35,20 +35,17 @@ def test_compiled_cast_gives_the_eager_casts_bits(encoding, x_dtype, dtype) -> N
     assert x.numel() >= cast.FUSED_MIN_ELEMENTS and cast._fused_applies(x, torch.tensor(1.0))
     for scale in (3.0, 2.0**-7):
         s = torch.tensor(scale)
+        amax_out = torch.zeros(())
         with StepCensus() as census:
-            values, values_t, amax_out = cast.cast_with_amax(
-                x, s, encoding, dtype, transposed=True, with_amax=True
-            )
-        # the compiled kernel ran (as its op, under the counter), the amax its own output: no copy
+            values, values_t = cast.cast_with_amax(x, s, encoding, dtype, transposed=True, amax_out=amax_out)
+        # the compiled kernel ran (as its op, under the counter), the amax MAXed in by it: one call
         assert census.ops["fused_cast"] == 1 and census.calls == 1, census.ops
         want = cast.cast_operand(x, s, encoding, dtype)
         assert values.dtype == dtype and bool(_same_bits(values, want).all())
         assert values_t.is_contiguous() and bool(_same_bits(values_t, want.t()).all())
         assert amax_out.isnan()  # the hard values hold a NaN
     finite = torch.nan_to_num(x.float(), nan=0.0).to(x_dtype)
-    values, _, amax_out = cast.cast_with_amax(
-        finite, torch.tensor(3.0), encoding, dtype, transposed=False, with_amax=True
-    )
+    values, _, amax_out = _cast_and_amax(finite, torch.tensor(3.0), encoding, dtype, False)
     assert amax_out.dtype == torch.float32 and torch.equal(amax_out, cast.amax(finite))
     assert bool(_same_bits(values, cast.cast_operand(finite, torch.tensor(3.0), encoding, dtype)).all())
 
@@ -58,15 +55,13 @@ def test_cast_seam_on_the_torch_path() -> None:
     written, the transposed copy."""
     x = torch.randn(48, 40) * 30
     x[3, 5] = float("nan")
-    values, values_t, amax_out = cast.cast_with_amax(
-        x, torch.tensor(2.0), "e4m3", torch.bfloat16, transposed=True, with_amax=True
-    )
+    values, values_t, amax_out = _cast_and_amax(x, torch.tensor(2.0), "e4m3", torch.bfloat16, True)
     want = cast.cast_operand(x, torch.tensor(2.0), "e4m3", torch.bfloat16)
     assert bool(_same_bits(values, want).all()) and bool(_same_bits(values_t, want.t()).all())
     assert amax_out.isnan()
-    values, values_t, amax_out = cast.cast_with_amax(x, torch.tensor(2.0), "e4m3", torch.float32,
-                                                     transposed=False, with_amax=False)  # fmt: skip
-    assert values_t is None and amax_out is None and values.dtype == torch.float32
+    values, values_t = cast.cast_with_amax(x, torch.tensor(2.0), "e4m3", torch.float32, transposed=False,
+                                           amax_out=None)  # fmt: skip
+    assert values_t is None and values.dtype == torch.float32
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -96,11 +91,11 @@ def test_compiled_kernels_registry(monkeypatch) -> None:
     monkeypatch.setattr(cast, "COMPILED_KERNELS", registry)
     x, s = torch.randn(256, 256) * 20, torch.tensor(2.0)
     with StepCensus() as census:
-        values, _, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, with_amax=False)
+        values, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
     assert census.ops["fused_cast"] == 1
-    kernel = registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False))
-    assert registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False, False)) is kernel
-    assert registry.variants() == [f"_kernel{(torch.float32, torch.float32, 'e4m3', False, False)}"]
+    kernel = registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False))
+    assert registry.variant(cast._kernel, (torch.float32, torch.float32, "e4m3", False)) is kernel
+    assert registry.variants() == [f"_kernel{(torch.float32, torch.float32, 'e4m3', False)}"]
     assert registry.running and registry.failure is None
 
     def broken(*args):
@@ -115,7 +110,7 @@ def test_compiled_kernels_registry(monkeypatch) -> None:
     assert caught == []  # warned once
     assert not cast._fused_applies(x, s) and not gemm_output.fused_output_applies(x, s, None)
     with StepCensus() as census:
-        again, _, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, with_amax=False)
+        again, _ = cast.cast_with_amax(x, s, "e4m3", torch.float32, transposed=False, amax_out=None)
     assert census.ops["fused_cast"] == 0 and torch.equal(again, values)
     registry.set_enabled(True)  # a failure stays: turning them on again does not bring them back
     assert not registry.running

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cast_gemm import _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
+from test_cast_gemm import _cast_and_amax, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
 
 from fp8train.numerics import cast, gemm, gemm_output
 from fp8train.tools.bench import lean_path
@@ -30,13 +30,13 @@ def test_a_small_cast_is_one_aten_call() -> None:
     """A cast of 4096 elements with its amax: one call (the compiled kernel's op) where torch's eager
     kernels make 15 (aminmax, neg, maximum, copy_, detach, empty_like, mul, clamp_, view, bitwise_and,
     view, clamp_, add_, sub_, copysign_: measured at 13da088)."""
-    x, scale = torch.randn(64, 64) * 30, torch.tensor(2.0)
-    cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, with_amax=True)  # compiles
+    x, scale, slot = torch.randn(64, 64) * 30, torch.tensor(2.0), torch.zeros(())
+    cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=slot)  # compiles
     with StepCensus() as census:
-        cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, with_amax=True)
+        cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, amax_out=slot)
     assert census.calls == 1 and census.ops["fused_cast"] == 1, census.ops
     with StepCensus() as eager:
-        _eager(cast.cast_with_amax, x, scale, "e4m3", torch.float32, transposed=False, with_amax=True)
+        _eager(cast.cast_with_amax, x, scale, "e4m3", torch.float32, transposed=False, amax_out=slot)
     assert eager.calls >= 14, eager.ops  # what the compiled kernel replaces
 
 
@@ -70,20 +70,18 @@ def test_direct_calls_give_the_eager_bits_at_any_shape(encoding, x_dtype, dtype)
     for rows, cols in ((64, 96), (72, 64), (2048, 3), (1, 4500)):
         x = hard[: rows * cols].reshape(rows, cols) * 1.0
         for scale in (torch.tensor(3.0), torch.tensor(2.0**-7)):
-            values, values_t, amax_out = cast.cast_with_amax(x, scale, encoding, dtype, transposed=True,
-                                                             with_amax=True)  # fmt: skip
-            want, want_t, want_amax = _eager(cast.cast_with_amax, x, scale, encoding, dtype, transposed=True,
-                                             with_amax=True)  # fmt: skip
+            values, values_t, amax_out = _cast_and_amax(x, scale, encoding, dtype, True)
+            want, want_t, want_amax = _eager(_cast_and_amax, x, scale, encoding, dtype, True)
             assert bool(_same_bits(values, want).all()) and bool(_same_bits(values_t, want_t).all())
             assert values_t.is_contiguous() and _same_bits(amax_out, want_amax).all()
-        kernel = cast.COMPILED_KERNELS.compiled[cast._kernel, (x_dtype, dtype, encoding, True, True)]
+        kernel = cast.COMPILED_KERNELS.compiled[cast._recording_kernel, (x_dtype, dtype, encoding, True)]
         if calls_before is None:
             calls_before = kernel.direct_calls
     assert kernel.direct_calls >= calls_before + 4  # (64, 96)'s second call on: the graph, directly
     x3 = hard[: 8 * 16 * 40].reshape(8, 16, 40)
-    got, _, _ = cast.cast_with_amax(x3, torch.tensor(3.0), encoding, dtype, transposed=False, with_amax=False)
-    want, _, _ = _eager(cast.cast_with_amax, x3, torch.tensor(3.0), encoding, dtype, transposed=False,
-                        with_amax=False)  # fmt: skip
+    got, _ = cast.cast_with_amax(x3, torch.tensor(3.0), encoding, dtype, transposed=False, amax_out=None)
+    want, _ = _eager(cast.cast_with_amax, x3, torch.tensor(3.0), encoding, dtype, transposed=False,
+                     amax_out=None)  # fmt: skip
     assert bool(_same_bits(got, want).all())
 
 
@@ -390,17 +388,13 @@ def test_a_tensor_subclass_is_cast_by_its_own_ops_not_read_as_memory() -> None:
     or foreign pointer (FSDP2's high-precision gathered weights crashed the process so). Its cast takes
     torch's ops, with the plain tensor's bits, and the kernel kept for plain tensors serves them after."""
     x, scale = torch.randn(64, 96) * 30, torch.tensor(2.0)
-    plain, _, amax_plain = cast.cast_with_amax(
-        x, scale, "e4m3", torch.float32, transposed=False, with_amax=True
-    )
-    key = (torch.float32, torch.float32, "e4m3", False, True)
-    kernel = cast.COMPILED_KERNELS.compiled[cast._kernel, key]
+    plain, _, amax_plain = _cast_and_amax(x, scale, "e4m3", torch.float32, False)
+    key = (torch.float32, torch.float32, "e4m3", False)
+    kernel = cast.COMPILED_KERNELS.compiled[cast._recording_kernel, key]
     assert kernel.graph is not None  # kept for direct calls
     calls = kernel.direct_calls
-    wrapped, _, amax_wrapped = cast.cast_with_amax(
-        _Wrapper(x.clone()), scale, "e4m3", torch.float32, transposed=False, with_amax=True
-    )
+    wrapped, _, amax_wrapped = _cast_and_amax(_Wrapper(x.clone()), scale, "e4m3", torch.float32, False)
     assert kernel.direct_calls == calls  # torch's ops cast it
     assert bool(_same_bits(wrapped, plain).all()) and bool(_same_bits(amax_wrapped, amax_plain).all())
-    cast.cast_with_amax(x, scale, "e4m3", torch.float32, transposed=False, with_amax=True)
+    _cast_and_amax(x, scale, "e4m3", torch.float32, False)
     assert kernel.graph is not None and kernel.direct_calls == calls + 1  # plain tensors: still direct

@@ -7,8 +7,9 @@ docs/design.md, sections 3 and 3.1), and the steps its GEMMs take: `DelayedRunti
   records, the region's frozen scales, where its amaxes go; compiled calls record when training or
   calibrating (`records`);
 - a GEMM: record its amaxes and give the frozen scales (`forward_scales`, eagerly or as the runtime's
-  op; `gemm_scales`), record the amaxes its casts took (`record_amax`); in backward, the gradient's
-  scale (`backward_scales`, `backward_scale_pair`, `record_grad_amax`; compiled: this file's op);
+  op; `gemm_scales`), give the recording slots its casts MAX their amaxes into (`amax_slot`); in
+  backward, the gradient's scale and slot (`backward_scales`, `backward_scale_pair`; compiled: this
+  file's op);
 - a region's exit and a backward pass's end: the amax group itself (`AmaxGroup.exited`,
   `AmaxGroup.backward_ended`, reduction.py); the step boundary is steps.py's.
 """
@@ -109,14 +110,15 @@ def _refuse_ddp_join() -> None:
 
 
 # ---- the GEMM's steps, eagerly ----------------------------------------------------------------------------
-def capturing_cuda_graph(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def capturing_cuda_graph(like: torch.Tensor) -> bool:
+    """Whether the current stream of `like`'s device (a CUDA one) is capturing a CUDA graph."""
+    return like.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def refuse_cuda_graph_capture(like: torch.Tensor) -> None:
     """A CUDA graph replays kernels, not Python: captured, the protocol's work would be skipped at
     every replay (plans, amax recording, frozen scales read once, no end-of-backward launch)."""
-    if capturing_cuda_graph(like.device):
+    if capturing_cuda_graph(like):
         raise RuntimeError(
             "an FP8 call of fp8train is being captured into a CUDA graph (torch.cuda.graph, or "
             "torch.compile(mode='reduce-overhead') on a torch whose inductor has no "
@@ -147,7 +149,7 @@ def _forward_scales(
     otherwise). Eagerly the scales are a view of the region's frozen copy and the token the region's
     own; `fresh` (the custom op: its outputs must be new tensors, contiguous as its fake says) makes
     both anew."""
-    if capturing_cuda_graph(like.device):
+    if capturing_cuda_graph(like):
         refuse_cuda_graph_capture(like)
     base = forward_column(plan.offset, gemm_index, INPUT)
     columns = (base, base + WEIGHT)  # (the weight's column follows the input's: `forward_column`)
@@ -162,22 +164,23 @@ def _forward_scales(
         block, pairs = torch.stack([plan.scale[base : base + 2], plan.scale_inv[base : base + 2]]), None
     else:
         block, pairs = plan.frozen.gemm(base)
-    plan.given = block, pairs, columns  # for the call's `for_gemm` and `record_amax`
+    plan.given = block, pairs, columns  # for the call's `for_gemm` and `amax_slot`
     return block, token
 
 
 def _backward_scales(
     module, gemm_index: int, g_amax: Optional[torch.Tensor], token: torch.Tensor, pair: bool = False
 ):
-    """Record this backward GEMM's grad_output amax (unless None: recorded after the cast); return
-    [scale, scale_inv] for it (a copy), or with `pair` (eager, cast at once) the two as views.
+    """Record this backward GEMM's grad_output amax (unless None: its cast records it); return
+    [scale, scale_inv] for it (a copy), or with `pair` (eager, cast at once) the two as views and the
+    amax's recording slot, which the cast MAXes its amax into.
 
     Waits for earlier steps' backward reductions first (wait before read), and makes sure the pass
     launches the group's backward reduction when it ends."""
     meta = module.fp8_meta["scaling_bwd"]
     direction = meta.direction
     like = direction.storage.scale if g_amax is None else g_amax
-    if capturing_cuda_graph(like.device):
+    if capturing_cuda_graph(like):
         refuse_cuda_graph_capture(like)
     if direction.pending:  # (finish and check, called only where they have work)
         direction.finish()
@@ -190,7 +193,7 @@ def _backward_scales(
     if direction.group not in backward.groups or region not in backward.regions:  # noted once a pass
         backward.note(direction.group, region)
     if pair:
-        return (*direction.scale_views(column), (direction, column))
+        return (*direction.scale_views(column), direction.recording_slot(column))
     return torch.stack([direction.storage.scale[column], direction.storage.scale_inv[column]])
 
 
@@ -239,37 +242,31 @@ class DelayedRuntime(RecipeRuntime):
 
     def backward_scales(self, call: Call, g_amax: Optional[torch.Tensor]) -> torch.Tensor:
         """Record this backward GEMM's grad_output amax; [scale, scale_inv] for it. Eagerly `g_amax` may
-        be None: the gradient's cast takes it and `record_grad_amax` records it after the cast."""
+        be None: the gradient's cast takes it (`backward_scale_pair`)."""
         if torch.compiler.is_compiling():
             return _backward_scales_op(call.module_handle, call.gemm_index, g_amax, call.token)
         return _backward_scales(STATE.handles.module(call.module_handle), call.gemm_index, g_amax, call.token)
 
-    def backward_scale_pair(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    def backward_scale_pair(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Eager, for a gradient cast that takes its own amax: (scale, scale_inv) of this GEMM's
         grad_output, `backward_scales(None)`'s values, as views of the group's storage
-        (`Direction.scale_views`) where that makes a copy; and where the amax the cast returns is
-        recorded, for `record_grad_amax` after the cast."""
+        (`Direction.scale_views`) where that makes a copy; and the recording slot of the gradient's
+        amax, which the cast MAXes it into (`Direction.recording_slot`)."""
         module = STATE.handles.module(call.module_handle)
         return _backward_scales(module, call.gemm_index, None, call.token, pair=True)
 
-    def record_amax(self, call: Call, role: int, amax: torch.Tensor) -> None:
-        """Eager: record the amax of forward `role` (roles.py: INPUT, WEIGHT) that its cast took (delayed
-        scaling's scales are frozen before the call, so the cast needs no amax first: one read)."""
+    def amax_slot(self, call: Call, role: int) -> Optional[torch.Tensor]:
+        """Eager: the recording slot of forward `role`'s amax (roles.py: INPUT, WEIGHT), which its cast
+        MAXes the amax into (delayed scaling's scales are frozen before the call, so the cast needs no
+        amax first: one read, and no call to record it); None where the call records nothing."""
         plan = call.plan
-        if plan.records_into is not None:
-            given = plan.given  # the GEMM's columns, where `forward_scales` found them
-            if given is not None and given[0] is call.scales:
-                plan.records_into.record(given[2][role], amax)
-            else:
-                plan.records_into.record(forward_column(plan.offset, call.gemm_index, role), amax)
-
-    def record_grad_amax(self, call: Call, g_amax: torch.Tensor, into: Optional[tuple] = None) -> None:
-        """Eager: record the grad_output amax its cast took (after `backward_scales(call, None)`; `into`:
-        where, as `backward_scale_pair` said)."""
-        if into is None:
-            meta = STATE.handles.module(call.module_handle).fp8_meta["scaling_bwd"]
-            into = meta.direction, backward_column(meta.offset, call.gemm_index, GRAD_OUTPUT)
-        into[0].record(into[1], g_amax)
+        direction = plan.records_into
+        if direction is None:
+            return None
+        given = plan.given  # the GEMM's columns, where `forward_scales` found them
+        if given is not None and given[0] is call.scales:
+            return direction.recording_slot(given[2][role])
+        return direction.recording_slot(forward_column(plan.offset, call.gemm_index, role))
 
 
 # ---- the compiled backward op ------------------------------------------------------------------------------

@@ -120,9 +120,10 @@ class Direction:
         return views
 
     # ---- recording ------------------------------------------------------------------------------
-    def record(self, column: int, amax: torch.Tensor) -> None:
-        """MAX `amax` (a 0-dim tensor, its cast's own: `cast.cast_with_amax`) into `column`'s recording
-        slot, a view made once per storage (`_views`): one aten call, the MAX, for a float32 amax."""
+    def recording_slot(self, column: int) -> torch.Tensor:
+        """`column`'s recording slot, a 0-dim float32 view made once per storage (`_views`), for an amax
+        recorded now: the cast that takes the amax MAXes it in (`cast.cast_with_amax`'s `amax_out`: no
+        call of its own), or `record` does. The column counts as recorded from here on."""
         views = self._storage_views
         if views is None or views[0] is not self.storage.recording:
             views = self._views()
@@ -133,9 +134,13 @@ class Direction:
                 # belong to no completed step, and folding them into this one would change its scales.
                 self.discard_recording()
             self._recording_task = task
-        slot = views[3][column]
-        torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
         self.recorded_columns[column] = None
+        return views[3][column]
+
+    def record(self, column: int, amax: torch.Tensor) -> None:
+        """MAX `amax` (a 0-dim tensor) into `column`'s recording slot: one aten call for a float32 amax."""
+        slot = self.recording_slot(column)
+        torch.maximum(slot, amax if amax.dtype == torch.float32 else amax.float(), out=slot)
 
     def scale_views(self, column: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`column`'s scale and scale_inv as 0-dim views of the storage (they follow its updates, which

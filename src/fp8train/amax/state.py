@@ -70,7 +70,7 @@ class DelayedPlan(ForwardPlan):
     records_into: Optional[Direction] = None  # forward amaxes go here (None: record nothing)
     frozen: Optional[FrozenScales] = None  # the region's frozen scales, when scale and scale_inv are its
     # `given` (ForwardPlan's): (block, its casts' pairs or None, its (input, weight) columns), for the
-    # call's `for_gemm` and `record_amax`
+    # call's `for_gemm` and `amax_slot`
 
     def replay(self) -> DelayedPlan:
         """The plan as a recomputation replays it: same scales, no amax recorded, no region held."""

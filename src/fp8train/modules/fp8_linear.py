@@ -58,8 +58,9 @@ class _LinearFn(torch.autograd.Function):
         ctx.noted = noted  # a forward of FSDP2's FP8 gather: its backward settles what it owes
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        # not a view of y: FSDP2 warns on (and in-place ops would bypass hooks of) a view output
-        return unsafe_view(y, (*shape[:-1], y.shape[-1]))
+        # y as it is for 2-D x (the GEMM's own product); else not a view of y: FSDP2 warns on (and
+        # in-place ops would bypass hooks of) a view output
+        return y if len(shape) == 2 else unsafe_view(y, (*shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_y):

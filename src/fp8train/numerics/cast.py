@@ -65,22 +65,25 @@ def cast_with_amax(
     dtype: torch.dtype,
     *,
     transposed: bool,
-    with_amax: bool,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The per-tensor cast every recipe with one scale per tensor goes through: (values, values_t,
-    amax). `cast_operand`'s values (saturate(x * scale) rounded to FP8, as `dtype`, x's layout), cast
-    with the scale in force; with `transposed` (2-D x) also the values' transposed copy, contiguous
-    (where a later GEMM wants the other layout), else None; with `with_amax` max|x| as a new float32
-    0-dim tensor (NaN propagates), read in the same pass where the kernel allows (delayed scaling
-    records it for a later step: one read of x, and the record takes this tensor as it is: no copy
-    into a slot first), else None. Eager CPU casts of large tensors run as one compiled kernel
-    (below); others as torch kernels (`cast_operand`, and `amax` one pass more)."""
-    if x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale):
-        out = _fused_cast(x, scale, encoding, dtype, transposed, with_amax)
+    amax_out: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The per-tensor cast every recipe with one scale per tensor goes through: (values, values_t).
+    `cast_operand`'s values (saturate(x * scale) rounded to FP8, as `dtype`, x's layout), cast with the
+    scale in force; with `transposed` (2-D x) also the values' transposed copy, contiguous (where a
+    later GEMM wants the other layout), else None. Given `amax_out` (a float32 0-dim tensor on x's
+    device, not x's storage), max|x| is MAXed into it (NaN propagates), read in the same pass where
+    the kernel allows: delayed scaling passes the amax's recording slot, so a cast records its amax
+    for a later step with one read of x and no call of its own. The fused device kernels
+    (`kernels.cast_with_amax`) take the same arguments. Eager CPU casts of large tensors run as one
+    compiled kernel (below); others as torch kernels (`cast_operand`, and `amax` one pass more)."""
+    if x.numel() >= FUSED_MIN_ELEMENTS and _fused_applies(x, scale) and (amax_out is None or amax_out.is_cpu):
+        out = _fused_cast(x, scale, encoding, dtype, transposed, amax_out)
         if out is not None:
             return out
     values = cast_operand(x, scale, encoding, dtype)
-    return values, (values.t().contiguous() if transposed else None), (amax(x) if with_amax else None)
+    if amax_out is not None:
+        torch.maximum(amax_out, amax(x), out=amax_out)
+    return values, (values.t().contiguous() if transposed else None)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, encoding: str) -> torch.Tensor:
@@ -306,46 +309,63 @@ def _fused_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
     )
 
 
-def _kernel(x: torch.Tensor, scale: torch.Tensor, x_dtype: torch.dtype, dtype: torch.dtype, encoding: str,
-            transposed: bool, with_amax: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """What the compiled kernel computes: `cast_operand`'s values, with `transposed` their transposed
-    copy, with `with_amax` max|x|: a flat tuple of the tensors asked for. The arguments after the
-    tensors are the variant's (`CompiledKernels.variant`): x_dtype, x's dtype, gives each its graph."""
+def _values(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, encoding: str,
+            transposed: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """What the compiled kernels compute: `cast_operand`'s values, with `transposed` their transposed
+    copy (a flat tuple)."""
     product = _saturated_product(x, scale.reshape(()), encoding, None)
     if dtype in _FP8_DTYPES:
         values = product.to(dtype)
     else:
         values = _round_to_fp8_grid(product, encoding).copysign_(x).to(dtype)
-    out = (values, values.t().contiguous()) if transposed else (values,)
-    return out + (x.abs().amax().to(torch.float32),) if with_amax else out
+    return (values, values.t().contiguous()) if transposed else (values,)
+
+
+def _kernel(x: torch.Tensor, scale: torch.Tensor, x_dtype: torch.dtype, dtype: torch.dtype, encoding: str,
+            transposed: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The compiled cast without an amax: `_values`. The arguments after the tensors are the variant's
+    (`CompiledKernels.variant`): x_dtype, x's dtype, gives each its graph."""
+    return _values(x, scale, dtype, encoding, transposed)
+
+
+def _recording_kernel(x: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, x_dtype: torch.dtype,
+                      dtype: torch.dtype, encoding: str, transposed: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The compiled cast that also MAXes max|x| into `amax_out` (written in the graph: inductor's
+    reduction in the same loop as the cast, and one store into amax_out's own element, so the direct
+    call writes it too, `torch_internals.DirectlyCalled`; amax_out is a recording slot, which autograd
+    never records)."""
+    amax_out.copy_(torch.maximum(amax_out, x.abs().amax().to(torch.float32)))
+    return _values(x, scale, dtype, encoding, transposed)
 
 
 def _run_fused(
     x: torch.Tensor,
     scale: torch.Tensor,
+    amax_out: Optional[torch.Tensor],
     encoding: str,
     dtype: torch.dtype,
     transposed: bool,
-    with_amax: bool,
 ) -> list[torch.Tensor]:
     """The op's body (and `_fused_cast`'s, inline): the compiled kernel's values, with `transposed`
-    their transposed copy, with `with_amax` max|x| (new tensors, in that order)."""
-    key = (x.dtype, dtype, encoding, transposed, with_amax)
-    try:
-        kernel = COMPILED_KERNELS.compiled[_kernel, key]
-    except KeyError:
-        kernel = COMPILED_KERNELS.variant(_kernel, key)
-    return list(kernel(x, scale))
+    their transposed copy (new tensors, in that order); max|x| MAXed into `amax_out` if given."""
+    if amax_out is None:
+        key = (x.dtype, dtype, encoding, transposed)
+        kernel = COMPILED_KERNELS.compiled.get((_kernel, key)) or COMPILED_KERNELS.variant(_kernel, key)
+        return list(kernel(x, scale))
+    key = (x.dtype, dtype, encoding, transposed)
+    kernel = COMPILED_KERNELS.compiled.get((_recording_kernel, key)) or COMPILED_KERNELS.variant(
+        _recording_kernel, key
+    )
+    return list(kernel(x, scale, amax_out))
 
 
-_fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=())
+_fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=("amax_out",))
 
 
 @_fused_cast_op.register_fake
-def _(x, scale, encoding, dtype, transposed, with_amax):
+def _(x, scale, amax_out, encoding, dtype, transposed):
     values = torch.empty_like(x, dtype=dtype)
-    out = [values, values.t().contiguous()] if transposed else [values]
-    return out + [x.new_empty((), dtype=torch.float32)] if with_amax else out
+    return [values, values.t().contiguous()] if transposed else [values]
 
 
 def _fused_cast(
@@ -354,24 +374,31 @@ def _fused_cast(
     encoding: str,
     dtype: torch.dtype,
     transposed: bool,
-    with_amax: bool,
-) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+    amax_out: Optional[torch.Tensor],
+) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """`cast_with_amax` by the compiled kernel; None if it cannot compile here (then never again in
-    this process: the caller casts eagerly). The amax is the kernel's own output (a new tensor)."""
+    this process: the caller casts eagerly, and `amax_out` is as it was)."""
     # the op where a dispatch mode would see it (and dynamo would not compile), else its body: the
     # op's own dispatch costs about as much as the kernel of a 64K-element cast
     try:  # (COMPILED_KERNELS.run, inline: the hot path)
         if dispatch_mode_active():  # (without grad: the op has no autograd formula; no `detach` that
             with torch.no_grad():  # the eager call does not make either)
-                out = _fused_cast_op(x, scale, encoding, dtype, transposed, with_amax)
+                out = _fused_cast_op(x, scale, amax_out, encoding, dtype, transposed)
         else:
-            key = (x.dtype, dtype, encoding, transposed, with_amax)  # (`_run_fused`, inline)
-            try:
-                kernel = COMPILED_KERNELS.compiled[_kernel, key]
-            except KeyError:
-                kernel = COMPILED_KERNELS.variant(_kernel, key)
-            out = kernel(x, scale)
+            key = (x.dtype, dtype, encoding, transposed)  # (`_run_fused`, inline)
+            if amax_out is None:
+                try:
+                    kernel = COMPILED_KERNELS.compiled[_kernel, key]
+                except KeyError:
+                    kernel = COMPILED_KERNELS.variant(_kernel, key)
+                out = kernel(x, scale)
+            else:
+                try:
+                    kernel = COMPILED_KERNELS.compiled[_recording_kernel, key]
+                except KeyError:
+                    kernel = COMPILED_KERNELS.variant(_recording_kernel, key)
+                out = kernel(x, scale, amax_out)
     except Exception as err:
         COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None
-    return out[0], (out[1] if transposed else None), (out[-1] if with_amax else None)
+    return out[0], (out[1] if transposed else None)

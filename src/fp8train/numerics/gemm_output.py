@@ -32,16 +32,13 @@ __all__ = ["fused_output_applies", "scaled_output"]
 def fused_output_applies(y: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether `scaled_output` runs as the compiled kernel for this (large: the caller checks) output;
     `scale` is one of its scales (they live on one device)."""
-    return (
+    return (  # (devices by attribute: `.device` makes a device object)
         cast.COMPILED_KERNELS.running
-        and y.device.type == "cpu"
-        and scale.device == y.device
-        and (
-            bias is None
-            or (bias.__class__ in PLAIN_TENSOR_TYPES and bias.device == y.device and bias.is_contiguous())
-        )  # (a subclass, e.g. a DTensor bias: torch's ops)
+        and y.is_cpu
+        and scale.is_cpu
+        and (bias is None or (bias.__class__ in PLAIN_TENSOR_TYPES and bias.is_cpu and bias.is_contiguous()))
         and not torch.compiler.is_compiling()
-    )
+    )  # (a bias of a subclass, e.g. a DTensor bias: torch's ops)
 
 
 def _output_kernel(y: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,

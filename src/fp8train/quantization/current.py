@@ -55,8 +55,7 @@ class CurrentQuantization(TensorQuantization):
             transposed = dtype.itemsize == 1 and (wgrad or trains(call))
             cast = kernels.amax_then_cast(x, encoding, dtype, transposed=transposed)
             return operand_pair(cast.values, cast.values_t, cast.scale_inv)
-        forward, other, _ = self.cast_operands(x, *current_scales(x, encoding), encoding, dtype)
-        return forward, other
+        return self.cast_operands(x, *current_scales(x, encoding), encoding, dtype)
 
     def quantize_weight(self, weight: torch.Tensor, call: Call) -> WeightOperands:
         forward, dgrad = self.current_operands(weight, "e4m3", call.operand_dtype, call)

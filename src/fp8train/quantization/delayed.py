@@ -5,7 +5,8 @@ Its state is amax/'s, which answers the runtime's hooks (`DelayedRuntime`, amax/
 the call's plan freezes its region's scales, its amaxes are recorded and its backward asks for the
 gradient's scale, through the `Call` each GEMM hands down. The scale of every tensor is
 known before the tensor is cast, so sequence-parallel inputs and FSDP2 weights travel as FP8, and an
-eager cast takes its tensor's amax in the same read (`cast.cast_with_amax`), recorded after the cast.
+eager cast takes its tensor's amax in the same read, MAXed into its recording slot
+(`cast.cast_with_amax`'s `amax_out`).
 """
 
 from __future__ import annotations
@@ -50,31 +51,20 @@ class DelayedQuantization(DelayedRuntime, TensorQuantization):
         scale, scale_inv = (
             call.pairs[WEIGHT] if call.pairs is not None else (call.scales[0, 1], call.scales[1, 1])
         )
-        with_amax = call.weight_amax_in_cast and call.amax_in_cast  # its cast takes the weight's amax
-        forward, dgrad, w_amax = self.cast_operands(
-            weight, scale, scale_inv, "e4m3", call.operand_dtype, with_amax, call
-        )
-        if with_amax:  # the cast's own amax tensor, recorded as it is
-            self.record_amax(call, WEIGHT, w_amax)
-        return WeightOperands(forward, dgrad)
+        # its cast takes the weight's amax, into its recording slot
+        slot = self.amax_slot(call, WEIGHT) if call.weight_amax_in_cast and call.amax_in_cast else None
+        return WeightOperands(*self.cast_operands(weight, scale, scale_inv, "e4m3", call.operand_dtype, slot, call))
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         scale, scale_inv = (
             call.pairs[INPUT] if call.pairs is not None else (call.scales[0, 0], call.scales[1, 0])
         )
-        with_amax = call.amax_in_cast  # its cast takes x's amax
-        forward, wgrad, x_amax = self.cast_operands(
-            x2d, scale, scale_inv, "e4m3", call.operand_dtype, with_amax, call
-        )
-        if with_amax:
-            self.record_amax(call, INPUT, x_amax)
-        return InputOperands(forward, wgrad)
+        slot = self.amax_slot(call, INPUT) if call.amax_in_cast else None  # its cast takes x's amax
+        return InputOperands(*self.cast_operands(x2d, scale, scale_inv, "e4m3", call.operand_dtype, slot, call))
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
-        if call.record and not torch.compiler.is_compiling():  # the amax from the cast, recorded after it
-            scale, scale_inv, into = self.backward_scale_pair(call)
-            operands, g_amax = self.grad_cast(g2d, scale, scale_inv, call, True, needs[1])
-            self.record_grad_amax(call, g_amax, into)
-            return operands
+        if call.record and not torch.compiler.is_compiling():  # the amax taken by the cast, into its slot
+            scale, scale_inv, slot = self.backward_scale_pair(call)
+            return self.grad_cast(g2d, scale, scale_inv, call, slot, needs[1])
         scales = self.backward_scales(call, amax(g2d))
         return self.grad_operands(g2d, scales[0], scales[1], call, needs[1])

@@ -58,9 +58,11 @@ class TensorQuantization(Quantization):
     ) -> Operand:
         """x's operand (`cast.cast_with_amax`, or its fused kernel where `kernels.use_fused_kernels`:
         the same bits; its amax copied into `amax_out` when given, taken in the same read)."""
-        operand, _, x_amax = self.cast_operands(x, scale, scale_inv, encoding, dtype, amax_out is not None)
-        if amax_out is not None:
-            amax_out.copy_(x_amax)
+        if amax_out is None:
+            return self.cast_operands(x, scale, scale_inv, encoding, dtype)[0]
+        x_amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        operand = self.cast_operands(x, scale, scale_inv, encoding, dtype, x_amax)[0]
+        amax_out.copy_(x_amax)
         return operand
 
     def cast_operands(
@@ -70,17 +72,17 @@ class TensorQuantization(Quantization):
         scale_inv: torch.Tensor,
         encoding: str,
         dtype: torch.dtype,
-        with_amax: bool = False,
+        amax_out: Optional[torch.Tensor] = None,
         call: Optional[Call] = None,
         wgrad: bool = False,
-    ) -> tuple[Operand, Operand, Optional[torch.Tensor]]:
-        """(x's operand, the operand of the GEMM that takes x in the other layout, max|x| as a new
-        float32 0-dim tensor where `with_amax`, else None). Where the fused kernel casts x to FP8
-        (torch._scaled_mm's path) for a GEMM that takes x so, the second is its transposed copy,
-        written in the same pass and stored as x.t() (`Operand.transposed`): for the forward casts of
-        a training `call` (`trains`), w for dgrad (column-major) and x for wgrad (column-major); for a
-        gradient whose wgrad runs (`wgrad`), g.t() (row-major). gemm.py then copies nothing. Else
-        `cast_with_amax`'s operand twice (the torch path: gemm.py copies)."""
+    ) -> tuple[Operand, Operand]:
+        """(x's operand, the operand of the GEMM that takes x in the other layout); max|x| MAXed into
+        `amax_out` (a float32 0-dim tensor on x's device) where given, in the same read. Where the fused
+        kernel casts x to FP8 (torch._scaled_mm's path) for a GEMM that takes x so, the second is its
+        transposed copy, written in the same pass and stored as x.t() (`Operand.transposed`): for the
+        forward casts of a training `call` (`trains`), w for dgrad (column-major) and x for wgrad
+        (column-major); for a gradient whose wgrad runs (`wgrad`), g.t() (row-major). gemm.py then
+        copies nothing. Else `cast_with_amax`'s operand twice (the torch path: gemm.py copies)."""
         named = self.fused_kernels_named
         if named is None:  # (the region's first eager cast; a traced one leaves it: dynamo would guard
             # on the value it wrote, and compile again at the next block)
@@ -89,15 +91,14 @@ class TensorQuantization(Quantization):
                 self.fused_kernels_named = named
         # (on the CPU with the default setting, the answer is known without asking: no call)
         if (x.is_cuda or named) and kernels.use_fused_kernels(x):
-            amax_out = torch.zeros((), dtype=torch.float32, device=x.device) if with_amax else None
             transposed = dtype.itemsize == 1 and (wgrad or trains(call))
             values, values_t = kernels.cast_with_amax(
                 x, scale, encoding, dtype, transposed=transposed, amax_out=amax_out
-            )  # (the kernel maxes into amax_out)
-            return (*operand_pair(values, values_t, scale_inv), amax_out)
-        values, _, x_amax = cast_with_amax(x, scale, encoding, dtype, transposed=False, with_amax=with_amax)
+            )
+            return operand_pair(values, values_t, scale_inv)
+        values, _ = cast_with_amax(x, scale, encoding, dtype, transposed=False, amax_out=amax_out)
         operand = Operand(values, scale_inv)
-        return operand, operand, x_amax
+        return operand, operand
 
     def reuse_weight(self, cached: WeightOperands, call: Call) -> WeightOperands:
         # FP8 values convert exactly between the operand dtypes of the GEMM paths; in the same dtype
@@ -118,7 +119,7 @@ class TensorQuantization(Quantization):
         """The gradient cast once for both backward GEMMs: FP8 in the gradient encoding's dtype for
         the hardware GEMM, else in the emulation's operand dtype. Where the wgrad GEMM runs (`wgrad`),
         the fused kernel writes its transposed copy for it in the same pass (`cast_operands`)."""
-        return self.grad_cast(g2d, scale, scale_inv, call, False, wgrad)[0]
+        return self.grad_cast(g2d, scale, scale_inv, call, None, wgrad)
 
     def grad_cast(
         self,
@@ -126,14 +127,11 @@ class TensorQuantization(Quantization):
         scale: torch.Tensor,
         scale_inv: torch.Tensor,
         call: Call,
-        with_amax: bool,
+        amax_out: Optional[torch.Tensor],
         wgrad: bool,
-    ) -> tuple[GradOperands, Optional[torch.Tensor]]:
-        """`grad_operands`'s operands, and the gradient's amax taken by the cast where `with_amax`
-        (a new float32 0-dim tensor; else None)."""
+    ) -> GradOperands:
+        """`grad_operands`'s operands; the gradient's amax MAXed into `amax_out` by the cast where given
+        (a float32 0-dim tensor: delayed scaling's recording slot)."""
         encoding = self.grad_encoding
         dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
-        dgrad, wgrad_operand, g_amax = self.cast_operands(
-            g2d, scale, scale_inv, encoding, dtype, with_amax, None, wgrad
-        )
-        return GradOperands(dgrad, wgrad_operand), g_amax
+        return GradOperands(*self.cast_operands(g2d, scale, scale_inv, encoding, dtype, amax_out, None, wgrad))

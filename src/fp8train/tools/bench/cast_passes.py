@@ -50,10 +50,11 @@ def _per_tensor_cast(impl):
         yield
         return
 
-    def seam(x, scale, encoding, dtype, *, transposed, with_amax):
-        x_amax = cast.amax(x) if with_amax else None
+    def seam(x, scale, encoding, dtype, *, transposed, amax_out):
+        if amax_out is not None:
+            torch.maximum(amax_out, cast.amax(x), out=amax_out)
         values = impl(x, scale, encoding, dtype)
-        return values, (values.t().contiguous() if transposed else None), x_amax
+        return values, (values.t().contiguous() if transposed else None)
 
     saved = per_tensor.cast_with_amax
     per_tensor.cast_with_amax = seam
