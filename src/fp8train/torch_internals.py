@@ -187,9 +187,10 @@ def _direct_call(name: str, graph: Callable, boxed: bool, checks: tuple, equal: 
                  inputs: tuple) -> Callable:  # fmt: skip
     """For `DirectlyCalled`: a function of the traced function's tensors that checks them against the
     graph (`checks`: per argument, its index, dtype, dimensions, static sizes or None, dynamic
-    dimensions; each tensor of a dimension or more contiguous; `equal`: sizes the trace proved equal) and calls `graph` with its inputs (`inputs`),
-    or returns `_MISSED`. Its source is written for the one graph, straight-line (each tensor's shape
-    read once, no loops): about 1 us for three tensors where the loops over `checks` took 5.
+    dimensions; each tensor of a dimension or more contiguous; `equal`: sizes the trace proved
+    equal) and calls `graph` with its inputs (`inputs`), or returns `_MISSED`. Its source is
+    written for the one graph, straight-line (each tensor's shape read once, no loops): about 1 us
+    for three tensors where the loops over `checks` took 5.
 
     Where `graph` is inductor's compiled graph (`boxed`), it calls the graph's `current_callable`
     (private: the generated module's `call`, which `CompiledFxGraph.__call__` calls between a

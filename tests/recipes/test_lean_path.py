@@ -10,7 +10,12 @@ import warnings
 
 import pytest
 import torch
-from test_cast_gemm import DTYPES, _cast_and_amax, _hard_values, _same_bits  # tests/recipes: pytest's rootdir import
+from test_cast_gemm import (  # tests/recipes: pytest's rootdir import
+    DTYPES,
+    _cast_and_amax,
+    _hard_values,
+    _same_bits,
+)
 
 from fp8train.numerics import cast, gemm
 from fp8train.tools.bench import lean_path

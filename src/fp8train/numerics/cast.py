@@ -329,7 +329,8 @@ def _kernel(x: torch.Tensor, scale: torch.Tensor, x_dtype: torch.dtype, dtype: t
 
 
 def _recording_kernel(x: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor, x_dtype: torch.dtype,
-                      dtype: torch.dtype, encoding: str, transposed: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
+                      dtype: torch.dtype, encoding: str,
+                      transposed: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The compiled cast that also MAXes max|x| into `amax_out` (written in the graph: inductor's
     reduction in the same loop as the cast, and one store into amax_out's own element, so the direct
     call writes it too, `torch_internals.DirectlyCalled`; amax_out is a recording slot, which autograd

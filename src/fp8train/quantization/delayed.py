@@ -53,14 +53,16 @@ class DelayedQuantization(DelayedRuntime, TensorQuantization):
         )
         # its cast takes the weight's amax, into its recording slot
         slot = self.amax_slot(call, WEIGHT) if call.weight_amax_in_cast and call.amax_in_cast else None
-        return WeightOperands(*self.cast_operands(weight, scale, scale_inv, "e4m3", call.operand_dtype, slot, call))
+        operands = self.cast_operands(weight, scale, scale_inv, "e4m3", call.operand_dtype, slot, call)
+        return WeightOperands(*operands)
 
     def quantize_input(self, x2d: torch.Tensor, call: Call) -> InputOperands:
         scale, scale_inv = (
             call.pairs[INPUT] if call.pairs is not None else (call.scales[0, 0], call.scales[1, 0])
         )
         slot = self.amax_slot(call, INPUT) if call.amax_in_cast else None  # its cast takes x's amax
-        return InputOperands(*self.cast_operands(x2d, scale, scale_inv, "e4m3", call.operand_dtype, slot, call))
+        operands = self.cast_operands(x2d, scale, scale_inv, "e4m3", call.operand_dtype, slot, call)
+        return InputOperands(*operands)
 
     def quantize_grad(self, g2d: torch.Tensor, call: Call, needs: tuple[bool, bool]) -> GradOperands:
         if call.record and not torch.compiler.is_compiling():  # the amax taken by the cast, into its slot

@@ -134,4 +134,5 @@ class TensorQuantization(Quantization):
         (a float32 0-dim tensor: delayed scaling's recording slot)."""
         encoding = self.grad_encoding
         dtype = fp8_dtype(encoding) if call.operand_dtype.itemsize == 1 else call.operand_dtype
-        return GradOperands(*self.cast_operands(g2d, scale, scale_inv, encoding, dtype, amax_out, None, wgrad))
+        operands = self.cast_operands(g2d, scale, scale_inv, encoding, dtype, amax_out, None, wgrad)
+        return GradOperands(*operands)
