@@ -129,6 +129,8 @@ class Switches:
 
     def high_precision_now(self, module: torch.nn.Module) -> bool:
         """Whether a switch holds `module` in high precision at this step."""
+        if self._hook is None:  # no rule matched a module yet (every FP8 call asks: no weak reference)
+            return False
         rules = self._rules.get(module)
         return bool(rules) and any(rule.covers(self.step) for rule in rules)
 
