@@ -115,24 +115,26 @@ class DirectlyCalled:
         # (size_asserts off: the direct call checks the layout itself; dynamo's calls are guarded)
         self.options = {**options, "size_asserts": False}
         # the direct call, once traced and usable: a function of `fn`'s tensors that calls inductor's
-        # compiled graph where they fit it, else returns `_MISSED` (`_direct_call`)
+        # compiled graph where they fit it, else `traced` (`_direct_call`)
         self.graph: Optional[Callable] = None
+        # what callers call (hot paths: `kernel.call(...)`, one frame fewer than `kernel(...)`): `traced`,
+        # then the direct call once a graph is kept
+        self.call: Callable = self.traced
         self.direct_calls = 0  # calls that took the graph directly (tests count them)
         self._inputs: tuple = ()  # per graph input: (argument index, dimension or -1), once kept
         self._traced_contiguous = False  # whether the tensors of the call being traced are contiguous
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
 
     def __call__(self, *args: torch.Tensor):
-        graph = self.graph
-        if graph is not None:
-            try:
-                out = graph(*args)
-            except Exception:  # (an input the graph asserts against): dynamo's call from now on
-                self.graph = None
-            else:
-                if out is not _MISSED:
-                    self.direct_calls += 1
-                    return out
+        return self.call(*args)
+
+    def after_error(self, *args: torch.Tensor):
+        """A direct call raised: dynamo's call from now on."""
+        self.graph, self.call = None, self.traced
+        return self.traced(*args)
+
+    def traced(self, *args: torch.Tensor):
+        """The call through dynamo (its first traces and compiles `fn`)."""
         self._traced_contiguous = all(a.is_contiguous() for a in args)  # (read where a graph is kept)
         with _tracing_settings():
             # (tensors without grad: one graph whatever the caller's, which the graph ignores)
@@ -177,18 +179,17 @@ class DirectlyCalled:
             direct, boxed = _innermost(graph, gm, inner)
             self._inputs = inputs
             # (last: a call from another thread may take it now)
-            self.graph = _direct_call(self.fn.__name__, direct, boxed, checks, equal, inputs)
+            self.call = _direct_call(self, direct, boxed, checks, equal, inputs)
+            self.graph = self.call
 
 
-_MISSED = object()  # a direct call's answer where the arguments do not fit the graph
-
-
-def _direct_call(name: str, graph: Callable, boxed: bool, checks: tuple, equal: tuple,
+def _direct_call(owner: DirectlyCalled, graph: Callable, boxed: bool, checks: tuple, equal: tuple,
                  inputs: tuple) -> Callable:  # fmt: skip
     """For `DirectlyCalled`: a function of the traced function's tensors that checks them against the
     graph (`checks`: per argument, its index, dtype, dimensions, static sizes or None, dynamic
     dimensions; each tensor of a dimension or more contiguous; `equal`: sizes the trace proved
-    equal) and calls `graph` with its inputs (`inputs`), or returns `_MISSED`. Its source is
+    equal) and calls `graph` with its inputs (`inputs`), else `owner.traced` (and where the graph
+    raises, `owner.after_error`); it counts `owner.direct_calls`. Its source is
     written for the one graph, straight-line (each tensor's shape read once, no loops): about 1 us
     for three tensors where the loops over `checks` took 5.
 
@@ -198,7 +199,7 @@ def _direct_call(name: str, graph: Callable, boxed: bool, checks: tuple, equal: 
     metrics) unless the profiler is on (then the graph, for its label); a torch whose graph is
     another class, or has no `current_callable`, gets the graph called as it is."""
     params = [f"a{i}" for i in range(len(checks))]
-    conds, sizes, bound = [], [], {"P": PLAIN_TENSOR_TYPES, "graph": graph, "MISSED": _MISSED}
+    conds, sizes, bound = [], [], {"P": PLAIN_TENSOR_TYPES, "graph": graph, "owner": owner}
     for i, dtype, ndim, static, dynamic in checks:
         bound[f"d{i}"] = dtype
         conds += [f"a{i}.__class__ in P", f"a{i}.dtype is d{i}", f"a{i}.ndim == {ndim}"]
@@ -226,15 +227,23 @@ def _direct_call(name: str, graph: Callable, boxed: bool, checks: tuple, equal: 
                 call = f"graph.current_callable([{args}]) if not profiler._is_profiler_enabled else {call}"
         except ImportError:
             pass
-    lines = [f"def direct({', '.join(params)}):", f"    if {' and '.join(conds) or 'True'}:"]
+    names = ", ".join(params)
+    lines = [f"def direct({names}):", f"    if {' and '.join(conds) or 'True'}:"]
     lines += [f"        s{i} = a{i}.shape" for i in shaped]
-    lines += (
-        [f"        if {' and '.join(sizes)}:", f"            return {call}"]
-        if sizes
-        else [f"        return {call}"]
-    )
-    lines.append("    return MISSED")
-    code = compile("\n".join(lines) + "\n", f"{__file__}:<direct call of {name}>", "exec")
+    indent = "        "
+    if sizes:
+        lines.append(f"        if {' and '.join(sizes)}:")
+        indent += "    "
+    lines += [
+        f"{indent}try:",
+        f"{indent}    out = {call}",
+        f"{indent}except Exception:",
+        f"{indent}    return owner.after_error({names})",
+        f"{indent}owner.direct_calls += 1",
+        f"{indent}return out",
+    ]
+    lines.append(f"    return owner.traced({names})")
+    code = compile("\n".join(lines) + "\n", f"{__file__}:<direct call of {owner.fn.__name__}>", "exec")
     exec(code, bound)
     return bound["direct"]
 

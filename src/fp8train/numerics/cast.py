@@ -392,13 +392,13 @@ def _fused_cast(
                     kernel = COMPILED_KERNELS.compiled[_kernel, key]
                 except KeyError:
                     kernel = COMPILED_KERNELS.variant(_kernel, key)
-                out = kernel(x, scale)
+                out = kernel.call(x, scale)  # (`DirectlyCalled.call`: the hot path's)
             else:
                 try:
                     kernel = COMPILED_KERNELS.compiled[_recording_kernel, key]
                 except KeyError:
                     kernel = COMPILED_KERNELS.variant(_recording_kernel, key)
-                out = kernel(x, scale, amax_out)
+                out = kernel.call(x, scale, amax_out)
     except Exception as err:
         COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None

@@ -122,25 +122,25 @@ def scaled_output(
                     kernel = compiled[_output_kernel_, (y.dtype,)]
                 except KeyError:
                     kernel = cast.COMPILED_KERNELS.variant(_output_kernel_, (y.dtype,))
-                kernel(y, a_scale_inv, b_scale_inv)
+                kernel.call(y, a_scale_inv, b_scale_inv)
                 return y
             try:
                 kernel = compiled[_biased_output_kernel_, (y.dtype, bias.dtype)]
             except KeyError:
                 kernel = cast.COMPILED_KERNELS.variant(_biased_output_kernel_, (y.dtype, bias.dtype))
-            kernel(y, a_scale_inv, b_scale_inv, bias)
+            kernel.call(y, a_scale_inv, b_scale_inv, bias)
             return y
         if bias is None:
             try:
                 kernel = compiled[_output_kernel, (y.dtype, out_dtype)]
             except KeyError:
                 kernel = cast.COMPILED_KERNELS.variant(_output_kernel, (y.dtype, out_dtype))
-            return kernel(y, a_scale_inv, b_scale_inv)[0]
+            return kernel.call(y, a_scale_inv, b_scale_inv)[0]
         try:
             kernel = compiled[_biased_output_kernel, (y.dtype, out_dtype, bias.dtype)]
         except KeyError:
             kernel = cast.COMPILED_KERNELS.variant(_biased_output_kernel, (y.dtype, out_dtype, bias.dtype))
-        return kernel(y, a_scale_inv, b_scale_inv, bias)[0]
+        return kernel.call(y, a_scale_inv, b_scale_inv, bias)[0]
     except Exception as err:
         cast.COMPILED_KERNELS.failed(f"{type(err).__name__}: {err}", stacklevel=3)
         return None
