@@ -151,24 +151,28 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     27.8, 79.2 and 48.9 at 13da088; 24.2 aten calls, 77.2 and 45.1 Python calls at 9b552ce; measured
     now on a fresh stack, the same in every run: 16.2 aten calls, 74.2 and 43.8 Python calls: a cast's
     amax lands in its recording slot, the region's views are made at once, handles and tokens are read
-    without an aten call; with the cast that returns its amax, c738aa9, 16.8, 75.2 and 44.6)."""
+    without an aten call; with the cast that returns its amax, c738aa9, 16.8, 75.2 and 44.6; with the
+    cast that MAXes its amax into the recording slot itself, c9d0de3 -> now, 15.5 aten calls, 76.3 and
+    45.6 Python calls: the direct calls' layout checks, `is_contiguous`, C calls this census counts,
+    replaced inductor's per-input asserts in its generated module, which it did not count, at a fifth
+    of their time)."""
     torch.set_num_threads(1)
     r = _on_a_fresh_stack(lambda: lean_path.census((1024, 4096, 1024), tokens=256, more_layers=2, warmup=1))
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
-    # deterministic counts, bounded where 9b552ce's and c738aa9's fail (24.2 and 23.8; 77.2; 45.1 and 44.9)
-    assert r["extra_aten_calls_per_gemm"] <= 17.0, r["extra_aten_calls_per_gemm"]
+    # deterministic counts, bounded where 9b552ce's and c9d0de3's fail (24.2 and 16.8 aten calls; 77.2)
+    assert r["extra_aten_calls_per_gemm"] <= 15.6, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
     # that grow with the stack's depth, not with the model; on this fresh stack as from a script
     # (on pytest's main thread ~10 more, in an xdist worker ~12)
-    assert r["python_calls_per_gemm"] <= 75.5, r["python_calls_by_function"]
+    assert r["python_calls_per_gemm"] <= 76.5, r["python_calls_by_function"]
     # under half of 97, the count before the lean path
-    assert r["python_calls_per_added_gemm"] <= 44.7, r["python_calls_by_function"]
+    assert r["python_calls_per_added_gemm"] <= 45.7, r["python_calls_by_function"]
 
 
 def test_a_record_maxes_its_casts_amax_into_the_recording_slot_in_one_aten_call() -> None:
-    """`Direction.record` of a cast's fresh amax (`cast.cast_with_amax`): one aten call (the MAX into
+    """`Direction.record` of an amax (a compiled graph's, or a cast's that took no slot): one aten call (the MAX into
     the column's recording slot, a view made once per storage: no `select`), repeat records MAX over
     the region (a smaller amax leaves it, NaN is kept), a module joining after a record (the storage
     grows) keeps what was recorded and its new column records; the launch rolls what was recorded."""
