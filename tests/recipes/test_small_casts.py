@@ -415,7 +415,8 @@ def test_a_cast_maxes_its_amax_into_the_slot_it_is_given(rows) -> None:
     slots = recording.unbind()
     plain, _ = cast.cast_with_amax(x, scale, encoding, torch.float32, transposed=False, amax_out=None)
     for _ in range(2):  # (the compiling call, then the direct one)
-        values, _ = cast.cast_with_amax(x, scale, encoding, torch.float32, transposed=False, amax_out=slots[1])
+        values, _ = cast.cast_with_amax(x, scale, encoding, torch.float32, transposed=False,
+                                        amax_out=slots[1])  # fmt: skip
         assert bool(_same_bits(values, plain).all())
     cast.cast_with_amax(x, scale, encoding, torch.float32, transposed=False, amax_out=slots[2])
     half = x * 0.5
