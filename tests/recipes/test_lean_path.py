@@ -173,9 +173,10 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
 
 def test_a_record_maxes_its_casts_amax_into_the_recording_slot_in_one_aten_call() -> None:
     """`Direction.record` of an amax (a compiled graph's, or a cast's that took no slot): one aten call
-    (the MAX into the column's recording slot, a view made once per storage: no `select`), repeat records MAX over
-    the region (a smaller amax leaves it, NaN is kept), a module joining after a record (the storage
-    grows) keeps what was recorded and its new column records; the launch rolls what was recorded."""
+    (the MAX into the column's recording slot, a view made once per storage: no `select`), repeat
+    records MAX over the region (a smaller amax leaves it, NaN is kept), a module joining after a
+    record (the storage grows) keeps what was recorded and its new column records; the launch rolls
+    what was recorded."""
     from fp8train import DelayedScaling
     from fp8train.amax.reduction import Direction
     from fp8train.amax.stats import ReductionStats
