@@ -161,12 +161,13 @@ def test_mlp_step_passes_and_calls_per_gemm() -> None:
     assert r["passes_per_cast_element"] <= 4.0, r["passes_by_op"]
     assert r["extra_passes_per_cast_element"] <= 3.0, r["passes_by_op"]
     assert r["passes_by_op"]["fused_cast"] == pytest.approx(1.0)  # one pass per operand, amax included
-    # deterministic counts, bounded where 9b552ce's and c9d0de3's fail (24.2 and 16.8 aten calls; 77.2)
+    # deterministic counts, bounded where 9b552ce's and c9d0de3's fail (24.2 and 16.8 aten calls;
+    # 77.2 Python calls)
     assert r["extra_aten_calls_per_gemm"] <= 15.6, r["extra_aten_calls_per_gemm"]
     # per step, fp8_autocast's entry looks up the caller's frames (pipeline shape inference): calls
     # that grow with the stack's depth, not with the model; on this fresh stack as from a script
     # (on pytest's main thread ~10 more, in an xdist worker ~12)
-    assert r["python_calls_per_gemm"] <= 76.5, r["python_calls_by_function"]
+    assert r["python_calls_per_gemm"] <= 77.0, r["python_calls_by_function"]
     # under half of 97, the count before the lean path
     assert r["python_calls_per_added_gemm"] <= 45.7, r["python_calls_by_function"]
 
