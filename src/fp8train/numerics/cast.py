@@ -349,15 +349,10 @@ def _run_fused(
 ) -> list[torch.Tensor]:
     """The op's body (and `_fused_cast`'s, inline): the compiled kernel's values, with `transposed`
     their transposed copy (new tensors, in that order); max|x| MAXed into `amax_out` if given."""
-    if amax_out is None:
-        key = (x.dtype, dtype, encoding, transposed)
-        kernel = COMPILED_KERNELS.compiled.get((_kernel, key)) or COMPILED_KERNELS.variant(_kernel, key)
-        return list(kernel(x, scale))
     key = (x.dtype, dtype, encoding, transposed)
-    kernel = COMPILED_KERNELS.compiled.get((_recording_kernel, key)) or COMPILED_KERNELS.variant(
-        _recording_kernel, key
-    )
-    return list(kernel(x, scale, amax_out))
+    fn = _kernel if amax_out is None else _recording_kernel
+    kernel = COMPILED_KERNELS.compiled.get((fn, key)) or COMPILED_KERNELS.variant(fn, key)
+    return list(kernel(x, scale) if amax_out is None else kernel(x, scale, amax_out))
 
 
 _fused_cast_op = torch.library.custom_op("fp8train::fused_cast", _run_fused, mutates_args=("amax_out",))
