@@ -3,10 +3,13 @@ rank compiles on its first FP8 steps, so that every rank forked from the server 
 
 A fresh process's first FP8 step loads fp8train's compiled kernels (`numerics/cast.py`'s cast,
 `numerics/gemm_output.py`'s GEMM output) through dynamo and inductor, from inductor's on-disk cache:
-about 7 s of a 2-core AMD EPYC per process, paid by every rank of every multi-rank test (the test
-suite's ranks spent 513 s so, a third of their time). Compiled here, the server's kernels are
-inherited by each fork, which calls them directly (`torch_internals.DirectlyCalled`) from its first
-step on.
+about 7 s of a 2-core AMD EPYC per process (3 s of it importing dynamo and inductor), paid by every
+rank of every multi-rank test. Compiled here (about 9 s, once per server), the server's kernels
+are inherited by each fork, which calls them directly (`torch_internals.DirectlyCalled`) from its
+first step on, and so are dynamo and inductor, imported (1.5 s of a rank's first FP8 step even
+where no tensor is large enough for the kernels; pipelining imports dynamo too). The test suite's
+197 ranks took 1,639 s in all before (513 s in the kernels' first calls), 318 s after (2026-12-03,
+`pytest -n 0 -m multirank`, the same shared machine).
 
 `warm()` runs one small FP8 training step per scaling kind (delayed: casts that take the amax;
 current: casts that do not), of a linear layer with a bias and one without, forward and backward, in
