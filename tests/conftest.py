@@ -28,21 +28,20 @@ def fresh_fp8_registry():
     fp8train.inspection.reset()
 
 
-# The files that take longest, longest first: each took 2-7 minutes of one worker in the whole suite
-# on a loaded 2-core machine (pytest --durations, summed per file; test_gpu_check.py estimated after
-# its dry run stopped compiling the CPU cast in every section).
+# The files that take longest, longest first: each took 20-85 s of one process in a serial run of the
+# whole suite (-n 0, pytest --durations summed per file; 2026-12-03, ranks forked from the warmed-up
+# server of fp8train.tools.ranks; the suite: about 12 minutes of one process in all).
 LONGEST_FIRST = (
-    "parallel/test_tensor_parallel.py",
-    "recipes/test_current_block_scaling.py",
-    "parallel/test_fsdp_fp8.py",
-    "parallel/test_pipeline.py",
     "tools/test_gpu_check.py",
-    "parallel/test_expert_parallel.py",
-    "tools/test_bench.py",
-    "tools/test_demo_cli.py",
     "modules/test_compile.py",
-    "parallel/test_user_patterns_multirank.py",
+    "tools/test_demo_cli.py",
+    "recipes/test_current_block_scaling.py",
+    "parallel/test_pipeline.py",
     "recipes/test_lean_path.py",
+    "tools/test_demo_moe.py",
+    "device/test_cuda_contract.py",
+    "tools/test_bench.py",
+    "amax/test_faults.py",
 )
 
 

@@ -2,8 +2,10 @@
 
 `run_ranks` runs a function on several gloo ranks (127.0.0.1, a free port, one thread each) with a
 timeout; ranks are forked from a forkserver that imported torch once, so a run starts in well under
-a second. `AllReduceSpy`, installed inside a rank, wraps `torch.distributed.all_reduce`: fp8train
-calls it through the module attribute, so the spy sees every amax collective of that rank. It can
+a second, and that compiled fp8train's CPU kernels once (`rank_warmup`), so a rank's first FP8 step
+does not load them (about 7 s a rank before). `AllReduceSpy`, installed inside a rank, wraps
+`torch.distributed.all_reduce`: fp8train calls it through the module attribute, so the spy sees every
+amax collective of that rank. It can
 
 - count calls (`spy.calls`; take differences per step);
 - defer them (`defer=True`): all_reduce does nothing but return a Work-like handle whose `wait()`
@@ -84,7 +86,9 @@ def run_ranks_outcomes(
     `fn` must be a module-level function (it is pickled by reference into the rank processes).
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "fp8train", "fp8train.tools.ranks"])
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "fp8train", "fp8train.tools.ranks", "fp8train.tools.rank_warmup"]
+    )
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
