@@ -122,7 +122,6 @@ class DirectlyCalled:
         self.call: Callable = self.traced
         self.direct_calls = 0  # calls that took the graph directly (tests count them)
         self._inputs: tuple = ()  # per graph input: (argument index, dimension or -1), once kept
-        self._traced_contiguous = False  # whether the tensors of the call being traced are contiguous
         self._compiled = torch.compile(fn, backend=self._backend, dynamic=True, fullgraph=True)
 
     def __call__(self, *args: torch.Tensor):
@@ -135,7 +134,6 @@ class DirectlyCalled:
 
     def traced(self, *args: torch.Tensor):
         """The call through dynamo (its first traces and compiles `fn`)."""
-        self._traced_contiguous = all(a.is_contiguous() for a in args)  # (read where a graph is kept)
         with _tracing_settings():
             # (tensors without grad: one graph whatever the caller's, which the graph ignores)
             return self._compiled(*[a.detach() if a.requires_grad else a for a in args])
@@ -156,7 +154,10 @@ class DirectlyCalled:
             if hasattr(functorch_config, "enable_autograd_cache"):
                 settings.enter_context(functorch_config.patch(enable_autograd_cache=False))
             graph = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.options)
-        if self.graph is None and not self._inputs and self._traced_contiguous:
+        # (the layout of the tensors this graph was traced with, not of the last call that began
+        # tracing: another thread's call may have begun meanwhile)
+        contiguous = all(t.is_contiguous() for t in example_inputs if isinstance(t, torch.Tensor))
+        if self.graph is None and not self._inputs and contiguous:
             try:
                 self._keep(gm, graph, inner)
             except Exception:  # (private API another torch changed): dynamo's calls stay in charge
@@ -203,7 +204,7 @@ def _direct_call(owner: DirectlyCalled, graph: Callable, boxed: bool, checks: tu
     for i, dtype, ndim, static, dynamic in checks:
         bound[f"d{i}"] = dtype
         conds += [f"a{i}.__class__ in P", f"a{i}.dtype is d{i}", f"a{i}.ndim == {ndim}"]
-        if ndim:  # (the traced tensors were: `DirectlyCalled._traced_contiguous`)
+        if ndim:  # (the traced tensors were: `DirectlyCalled._backend`)
             conds.append(f"a{i}.is_contiguous()")
         if static is not None and ndim:
             bound[f"z{i}"] = static

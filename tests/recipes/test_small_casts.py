@@ -454,3 +454,23 @@ def test_a_direct_call_checks_the_layout_inductor_no_longer_asserts() -> None:
     t = torch.randn(5, 6).t()
     assert torch.equal(first_strided(t)[0], t + 1.0) and first_strided.graph is None
     assert torch.equal(first_strided(t.contiguous())[0], t + 1.0)
+
+
+def test_a_graph_traced_for_a_strided_call_is_not_kept_when_another_thread_calls_meanwhile() -> None:
+    """Whether a compiled graph may be called directly is decided by the tensors the graph was traced
+    with, not by the last call that began tracing: a call from another thread with contiguous tensors,
+    made while a strided call is being traced (it waits on dynamo's lock), does not let the strided
+    call's graph (which reads its input as transposed) be kept for contiguous tensors."""
+
+    class Raced(DirectlyCalled):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "_traced_contiguous" and value is False:  # another thread's contiguous call, now
+                super().__setattr__(name, True)
+
+    kernel = Raced(lambda x: (x + 1.0,), {})
+    strided = torch.randn(96, 64).t()
+    assert torch.equal(kernel(strided)[0], strided + 1.0)
+    for _ in range(2):
+        x = torch.randn(64, 96)
+        assert torch.equal(kernel(x)[0], x + 1.0)
