@@ -12,7 +12,6 @@ eager path")."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -21,26 +20,8 @@ import torch
 
 import fp8train as ft
 from fp8train.tools.bench.common import train_step
-from fp8train.tools.bench.step_time import _mlp
-from fp8train.tools.models import GPT, MODEL_SIZES
+from fp8train.tools.bench.step_time import _mlp, gpt_steps
 from fp8train.tools.timing import interleaved_times
-
-
-def _gpt_steps() -> dict:
-    cfg = dataclasses.replace(MODEL_SIZES["tiny"], layers=12)
-    model = GPT(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1))
-    recipe = ft.DelayedScaling(amax_history_len=16)
-
-    def step(fp8: bool):
-        def fn() -> None:
-            with ft.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
-                loss = model.loss(tokens)
-            loss.backward()
-
-        return fn
-
-    return {"fp32": step(False), "fp8": step(True)}
 
 
 def _block_steps() -> dict:
@@ -65,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    fns = _gpt_steps() if args.model == "gpt" else _block_steps()
+    fns = gpt_steps(12, 8) if args.model == "gpt" else _block_steps()
     times = interleaved_times(fns, args.rounds, warmup_blocks=3, clock=time.thread_time)
     median = {k: statistics.median(v) for k, v in times.items()}
     fp32_ms, fp8_ms = 1e3 * median["fp32"], 1e3 * median["fp8"]

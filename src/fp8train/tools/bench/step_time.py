@@ -47,17 +47,12 @@ def _without_compiled_cast(fn):
     return step
 
 
-def gpt_rows(layers: int = 12, batch: int = 8, repeats: int = 12, threads: int = 1) -> list[dict]:
-    """The demo's tiny GPT (hidden 64) with `layers` blocks: fp8 (delayed scaling, eager) vs fp32,
-    and fp8 with the casts and GEMM outputs as torch's eager kernels (FP8TRAIN_FUSED_CAST=0), round-
-    robin, in thread CPU time at 1 thread (wall time else); where fp8train's per-call costs, not the
-    casts' passes, are the FP8 step's; the fp8 row also has its aten calls per GEMM beyond the fp32
-    step's (`lean_path.gpt_census`)."""
+def gpt_steps(layers: int = 12, batch: int = 8) -> dict:
+    """{"fp32": step, "fp8": step}: one training step (forward, loss, backward) of the demo's tiny GPT
+    (hidden 64) with `layers` blocks on `batch` sequences, in fp32 and in FP8 (delayed scaling,
+    eager); one model, built here from torch's current random state."""
     from ..models import GPT, MODEL_SIZES
-    from .lean_path import gpt_census
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
     cfg = dataclasses.replace(MODEL_SIZES["tiny"], layers=layers)
     model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
@@ -71,8 +66,21 @@ def gpt_rows(layers: int = 12, batch: int = 8, repeats: int = 12, threads: int =
 
         return fn
 
-    fns = {"fp32": step(False), "fp8": step(True)}
-    fns["fp8, torch-op casts and outputs"] = _without_compiled_cast(step(True))
+    return {"fp32": step(False), "fp8": step(True)}
+
+
+def gpt_rows(layers: int = 12, batch: int = 8, repeats: int = 12, threads: int = 1) -> list[dict]:
+    """The demo's tiny GPT (hidden 64) with `layers` blocks: fp8 (delayed scaling, eager) vs fp32,
+    and fp8 with the casts and GEMM outputs as torch's eager kernels (FP8TRAIN_FUSED_CAST=0), round-
+    robin, in thread CPU time at 1 thread (wall time else); where fp8train's per-call costs, not the
+    casts' passes, are the FP8 step's; the fp8 row also has its aten calls per GEMM beyond the fp32
+    step's (`lean_path.gpt_census`)."""
+    from .lean_path import gpt_census
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    fns = gpt_steps(layers, batch)
+    fns["fp8, torch-op casts and outputs"] = _without_compiled_cast(fns["fp8"])
     clock = time.thread_time if threads == 1 else time.perf_counter
     times = medians(interleaved_times(fns, repeats, warmup_blocks=2, clock=clock))
     census = gpt_census(layers, batch)
